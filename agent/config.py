@@ -1,0 +1,54 @@
+"""Run configuration and LLM endpoint settings (validated; the API key is never stored)."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+Proposer = Literal["builtin", "llm", "mixed"]
+
+
+class LlmSettings(BaseModel):
+    """Where the OpenAI-compatible endpoint is. The key is read from the environment when needed, never saved."""
+
+    model_config = ConfigDict(frozen=True)
+
+    base_url: str | None = None
+    model: str = "gpt-4o-mini"
+    max_calls: int = Field(20, ge=0)
+    max_tokens: int = Field(200_000, ge=0)
+    timeout_s: float = Field(60.0, gt=0)
+    retries: int = Field(3, ge=0)
+
+    @classmethod
+    def from_env(cls, **overrides) -> LlmSettings:
+        values = {"base_url": os.environ.get("OPENAI_BASE_URL"), "model": os.environ.get("OPENAI_MODEL")}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**{k: v for k, v in values.items() if v is not None})
+
+    @staticmethod
+    def api_key() -> str:
+        return os.environ.get("OPENAI_API_KEY", "")
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    budget_minutes: float = Field(5.0, gt=0)
+    max_candidates: int = Field(16, ge=1, description="per shape")
+    proposer: Proposer = "builtin"
+    arch: Literal["sm_90a", "sm_80"] | None = None  # None: from the GPU, or sm_90a when compiling only
+    compile_only: bool = False
+    kernel_timeout_s: float = Field(5.0, gt=0, description="slack beyond a phase's expected time")
+    compile_timeout_s: float = Field(60.0, gt=0)
+    seed: int = 0
+    llm: LlmSettings = LlmSettings()
+
+
+def validation_message(e: ValidationError) -> str:
+    """The first problem pydantic found, as one line: `field: message`."""
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err["loc"]) or "value"
+    return f"{where}: {err['msg']}"

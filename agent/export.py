@@ -1,0 +1,82 @@
+"""Export a run's winners: per shape a self-contained .cu (+ cubin) with its launch configuration, and one Python
+module (`hgemm_ops.py`) that runs them on torch tensors and falls back to cuBLAS where no kernel beat it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.records import Problem
+from agent.store import RunStore
+from templates import get_family
+
+RUNTIME = Path(__file__).with_name("export_runtime.py")
+
+
+@dataclass(frozen=True)
+class ExportLine:
+    problem: Problem
+    kernel_file: str | None  # None: the op calls cuBLAS for this shape
+    note: str
+
+
+def export_run(store: RunStore, out: Path) -> list[ExportLine]:
+    out.mkdir(parents=True, exist_ok=True)
+    manifest: dict = {"run": store.run_id, "kernels": {}, "cublas": []}
+    lines = []
+    for p in store.problems():
+        best = store.best(p)
+        ratio = statistics.median(store.speedups(best[0].id)) if best else None
+        if best is None or ratio is None or ratio <= 1.0:
+            manifest["cublas"].append(p.key.rsplit(":", 1)[0])
+            why = "no candidate passed the checks" if best is None else f"best was {ratio:.3f}x of cuBLAS"
+            lines.append(ExportLine(p, None, f"cuBLAS ({why})"))
+            continue
+        cand, result = best
+        build = store.build(cand.id)
+        spec = get_family(cand.family).launch(cand.params, p)
+        stem = f"hgemm_{p.mnk}_{p.b_layout}"
+        header = _header(store, p, cand, result, spec, ratio)
+        (out / f"{stem}.cu").write_text(header + build.source)
+        (out / f"{stem}.cubin").write_bytes(build.cubin)
+        manifest["kernels"][f"{p.mnk}:{p.b_layout}"] = {
+            "file": f"{stem}.cu", "cubin": f"{stem}.cubin", "arch": build.arch, "candidate": cand.id,
+            "grid": list(spec.grid), "block": list(spec.block), "smem_bytes": spec.smem_bytes,
+            "time_us": result.time_us, "cublas_us": result.cublas_warm.median_us, "speedup": ratio,
+        }
+        lines.append(ExportLine(p, f"{stem}.cu", f"{ratio:.3f}x of cuBLAS ({cand.id})"))
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    shutil.copyfile(RUNTIME, out / "hgemm_ops.py")
+    return lines
+
+
+def _header(store, p, cand, result, spec, ratio) -> str:
+    return (
+        f"// hgemm-agent export: run {store.run_id}, candidate {cand.id}, family {cand.family}\n"
+        f"// C[M,N] = A[M,K] @ B, M={p.m} N={p.n} K={p.k}, B layout {p.b_layout} "
+        f"({'K x N' if p.b_layout == 'kn' else 'N x K'} row-major), fp16 in, fp32 accumulate, fp16 out\n"
+        f"// params: {json.dumps(cand.params, sort_keys=True)}\n"
+        f"// launch: hgemm<<<dim3{spec.grid}, dim3{spec.block}, {spec.smem_bytes}>>>(A, B, C, M, N, K); "
+        f"raise cudaFuncAttributeMaxDynamicSharedMemorySize to {spec.smem_bytes} first\n"
+        f"// measured: {result.time_us:.2f} us vs cuBLAS {result.cublas_warm.median_us:.2f} us "
+        f"(median ratio {ratio:.3f}x), {result.device.get('name', '?')}\n"
+        f"// compile: nvrtc / nvcc -arch={store.get_meta('arch', 'sm_90a')} (no headers needed)\n\n"
+    )
+
+
+def recheck(out: Path, timeout_s: float = 600) -> tuple[str, str]:
+    """Load the exported module in a fresh process (the agent never touches the GPU) and run its self-check.
+
+    Returns ("ok" | "failed" | "no-gpu", what it printed)."""
+    try:
+        proc = subprocess.run([sys.executable, "hgemm_ops.py"], cwd=out, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return "failed", f"self-check timed out after {timeout_s:.0f} s"
+    text = (proc.stdout + proc.stderr).strip()
+    return {0: "ok", 3: "no-gpu"}.get(proc.returncode, "failed"), text

@@ -1,0 +1,184 @@
+"""Typed, immutable records passed between the pipeline's stages.
+
+A failure is data in a record (with its log), never an exception that crosses a stage boundary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+B_LAYOUTS = ("kn", "nk")  # kn: B is K x N row-major (torch.matmul); nk: N x K row-major (nn.Linear weight)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """C[M,N] = A[M,K] @ B with fp16 inputs, fp32 accumulation and fp16 output."""
+
+    m: int
+    n: int
+    k: int
+    b_layout: str = "kn"
+    dtype: str = "f16"
+
+    def __post_init__(self) -> None:
+        if min(self.m, self.n, self.k) < 1:
+            raise ValueError(f"M, N and K must be positive, got {self.mnk}")
+        if self.n % 8 or self.k % 8:
+            raise ValueError(f"N and K must be multiples of 8 (16-byte rows), got {self.mnk}")
+        if self.b_layout not in B_LAYOUTS:
+            raise ValueError(f"unknown B layout {self.b_layout!r}: use one of {', '.join(B_LAYOUTS)}")
+
+    @property
+    def mnk(self) -> str:
+        return f"{self.m}_{self.n}_{self.k}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.mnk}:{self.b_layout}:{self.dtype}"
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k
+
+    @property
+    def min_bytes(self) -> float:
+        return 2.0 * (self.m * self.k + self.k * self.n + self.m * self.n)
+
+    def floor_us(self, peak_tflops: float = 800.0, peak_tbps: float = 4.3) -> float:
+        """Roofline floor: the larger of the arithmetic and memory times, launch latency excluded."""
+        return max(self.flops / (peak_tflops * 1e6), self.min_bytes / (peak_tbps * 1e6))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One kernel proposal: a template family, its parameters, and optionally an edited template source."""
+
+    problem: Problem
+    family: str
+    params: dict[str, Any]
+    origin: str = "builtin"  # which proposer made it; part of the bandit arm
+    rationale: str = ""
+    template_override: str | None = None  # an edited template (from an LLM) replacing the family's own
+
+    @property
+    def id(self) -> str:
+        """Content id: the same proposal for the same problem always gets the same id."""
+        blob = json.dumps(
+            [self.problem.key, self.family, self.params, self.template_override], sort_keys=True
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    @property
+    def arm(self) -> str:
+        return f"{self.origin}:{self.family}"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How the trusted host side launches a rendered kernel (never supplied by a proposer)."""
+
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int
+    kernel_name: str = "hgemm"
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    candidate_id: str
+    ok: bool
+    arch: str
+    source: str
+    cubin: bytes | None = None
+    log: str = ""
+    registers: int | None = None
+    smem_static: int | None = None
+    spill_bytes: int | None = None
+    stack_bytes: int | None = None
+    compile_s: float = 0.0
+    cached: bool = False
+    error: str = ""
+
+
+class Status(StrEnum):
+    OK = "ok"
+    INVALID = "invalid"  # parameters rejected by the family's space before compiling
+    COMPILE_ERROR = "compile_error"
+    WRONG = "wrong"  # ran, but failed a correctness check
+    FAULT = "fault"  # CUDA error (illegal address, trap, ...) or worker crash
+    TIMEOUT = "timeout"
+    SKIPPED = "skipped"  # compile-only runs
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Device time per launch in microseconds: median and spread (min..max of replays)."""
+
+    median_us: float
+    min_us: float
+    max_us: float
+    launches: int
+
+    @property
+    def spread(self) -> float:
+        return (self.max_us - self.min_us) / self.median_us if self.median_us > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    candidate_id: str
+    status: Status
+    reason: str = ""
+    warm: Timing | None = None
+    cold: Timing | None = None
+    cublas_warm: Timing | None = None
+    cublas_cold: Timing | None = None
+    max_rel_err: float | None = None
+    cublas_rel_err: float | None = None
+    device: dict[str, Any] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    @property
+    def time_us(self) -> float:
+        """The score: warm device time, inf for anything that failed."""
+        return self.warm.median_us if self.status is Status.OK and self.warm else math.inf
+
+    @property
+    def speedup(self) -> float | None:
+        """t_cuBLAS / t_candidate, measured in the same process."""
+        if self.status is not Status.OK or not self.warm or not self.cublas_warm:
+            return None
+        return self.cublas_warm.median_us / self.warm.median_us
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["status"] = self.status.value
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> EvalResult:
+        d = json.loads(text)
+        d["status"] = Status(d["status"])
+        for key in ("warm", "cold", "cublas_warm", "cublas_cold"):
+            if d.get(key):
+                d[key] = Timing(**d[key])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    """What the agent sends a GPU worker: a compiled candidate and how to launch it (by family name)."""
+
+    candidate_id: str
+    problem: Problem
+    family: str
+    params: dict[str, Any]
+    cubin: bytes
+    timeout_s: float = 5.0  # slack beyond the expected time of each GPU phase before the worker is killed
+    time_it: bool = True
+    seed: int = 0

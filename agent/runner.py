@@ -1,0 +1,78 @@
+"""Set up and drive one run: pick the arch, start the GPU worker, open the store, show progress, stop cleanly.
+
+Everything that can fail on bad input or a missing GPU fails here, before the run folder is created.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from agent.config import RunConfig
+from agent.loop import SearchLoop
+from agent.proposers import make_proposer
+from agent.records import Problem
+from agent.report import LiveView, show_run
+from agent.store import RunStore
+from sandbox.build import NvrtcUnavailable, nvrtc_version
+
+EXIT_INTERRUPTED = 130
+
+
+class SetupError(ValueError):
+    pass
+
+
+def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore | None,
+            make_store: Callable[[], RunStore], console, live_cls) -> int:
+    if store is not None:  # resume: the run's own shapes, its proposer, its arch
+        problems = store.problems()
+        saved = RunConfig(**store.get_meta("config"))
+        config = config.model_copy(update={"proposer": saved.proposer, "arch": store.get_meta("arch"),
+                                           "compile_only": saved.compile_only, "seed": saved.seed})
+    try:
+        nvrtc_version()
+    except NvrtcUnavailable as e:
+        raise SetupError(str(e)) from None
+    pool, device = None, {}
+    if not config.compile_only:
+        from sandbox.pool import WorkerPool, WorkerUnavailable
+
+        pool = WorkerPool()
+        try:
+            device = pool.start()
+        except WorkerUnavailable as e:
+            pool.close()
+            raise SetupError(f"no usable GPU ({e}); --compile-only renders and compiles without one") from None
+        if config.arch and config.arch != device["arch"]:
+            pool.close()
+            raise SetupError(f"--arch {config.arch} does not match the GPU ({device['name']}, {device['arch']})")
+    arch = config.arch or device.get("arch", "sm_90a")
+    proposer = make_proposer(config)
+    try:
+        if store is None:
+            store = make_store()
+            store.add_problems(problems)
+            store.set_meta("config", config.model_dump(mode="json"))
+        store.set_meta("arch", arch)
+        if device:
+            store.set_meta("device", device)
+        store.set_meta("state", "running")
+        view = LiveView(f"run {store.run_id}: {config.proposer} proposer, {arch}"
+                        + (", compile only" if config.compile_only else f", {device.get('name')}"))
+        loop = SearchLoop(store, config, proposer, arch, pool.evaluate if pool else None, view)
+        with live_cls(view, console=console, refresh_per_second=4, transient=False):
+            loop.run(problems)
+        store.set_meta("state", "done")
+    except KeyboardInterrupt:
+        if store is not None:
+            store.set_meta("state", "interrupted")
+            console.print(f"interrupted: python -m agent run --resume {store.run_id} continues it")
+        return EXIT_INTERRUPTED
+    finally:
+        proposer.close()
+        if pool is not None:
+            pool.close()
+    console.print(show_run(store))
+    console.print(f"run {store.run_id}: python -m agent show {store.run_id} | diff {store.run_id} baseline best "
+                  f"| export {store.run_id}")
+    return 0

@@ -1,0 +1,154 @@
+"""The GPU worker process: owns one device's CUDA context, checks and times candidates, reports records.
+
+It talks to the agent over a pipe: it sends ("hello", device_info) once, then for each EvalJob it receives any
+number of ("deadline", seconds) messages (how long the phase about to start may take before the agent kills it)
+and one ("result", EvalResult). After a CUDA error it sends the result and exits: a faulted context is poisoned,
+so the agent starts a fresh worker.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from agent.records import EvalJob, EvalResult, Problem, Status
+
+
+class GpuContext:
+    def __init__(self, device_index: int = 0):
+        import torch
+
+        from sandbox.launch import SmemScrubber
+        from sandbox.timing import L2Flush
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device is visible (torch.cuda.is_available() is False)")
+        torch.cuda.set_device(device_index)
+        self.device_index = device_index
+        self.props = torch.cuda.get_device_properties(device_index)
+        self.info = device_info(device_index)
+        self.scrub = SmemScrubber(self.props.shared_memory_per_block_optin, self.props.multi_processor_count)
+        self.flush = L2Flush(self.props.L2_cache_size)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """First-use costs (NVRTC of the scrubber, cuBLAS handles, fp64 paths) stay out of every deadline."""
+        import torch
+
+        self.scrub()
+        x = torch.randn(64, 64, device="cuda")
+        torch.linalg.norm(x.half() @ x.half().t() - (x.double() @ x.double().t()))
+        torch.cuda.synchronize()
+
+    def evaluate(self, job: EvalJob, say) -> tuple[EvalResult, bool]:
+        """Returns the result and whether the worker must be replaced (a CUDA error poisoned the context)."""
+        from sandbox.check import CheckFailed
+
+        t0 = time.perf_counter()
+        result = dict(candidate_id=job.candidate_id, device=self.info)
+        try:
+            extra = self._evaluate(job, say)
+            return EvalResult(status=Status.OK, wall_s=time.perf_counter() - t0, **result, **extra), False
+        except CheckFailed as e:
+            return EvalResult(status=Status.WRONG, reason=str(e), wall_s=time.perf_counter() - t0, **result), False
+        except Exception as e:  # a CUDA error, a load failure: the context may be unusable
+            reason = f"{type(e).__name__}: {e}".strip()[:500]
+            return EvalResult(status=Status.FAULT, reason=reason, wall_s=time.perf_counter() - t0, **result), True
+
+    def _evaluate(self, job: EvalJob, say) -> dict[str, Any]:
+        import torch
+
+        from sandbox.check import POISON, Checker, CheckFailed, Guarded, _same_bits
+        from sandbox.launch import Kernel
+        from sandbox.timing import estimate_us, measure
+        from templates import get_family
+
+        family, p = get_family(job.family), job.problem
+        rule = lambda m, n, k: family.launch(job.params, Problem(m, n, k, p.b_layout, p.dtype))  # noqa: E731
+        kernel = Kernel(job.cubin, rule)
+        a, b = Guarded(p.m, p.k), Guarded(p.k, p.n) if p.b_layout == "kn" else Guarded(p.n, p.k)
+        a.tensor.normal_()
+        b.tensor.normal_()
+        b_kn = b.tensor if p.b_layout == "kn" else b.tensor.t()
+        c_ref = torch.empty(p.m, p.n, dtype=torch.float16, device="cuda")
+        cublas = lambda: torch.matmul(a.tensor, b_kn, out=c_ref)  # noqa: E731
+        expected_s = estimate_us(cublas) * 1e-6
+
+        say(job.timeout_s + 2.0 + 400 * expected_s)
+        checker = Checker(kernel, p.b_layout, deterministic=family.deterministic, scrub=self.scrub, seed=job.seed)
+        checker.check_all(p)
+        extra = dict(max_rel_err=checker.rel_err, cublas_rel_err=checker.cublas_rel_err)
+        if not job.time_it:
+            return extra
+
+        c = Guarded(p.m, p.n)
+        cand = lambda: kernel(a.tensor, b.tensor, c.tensor, p.m, p.n, p.k)  # noqa: E731
+        say(job.timeout_s + 20 * expected_s)
+        cand_us = estimate_us(cand)
+        # about 40 graph replays of >= 1 ms each (warm and cold, candidate and cuBLAS), plus captures
+        say(job.timeout_s + 2.0 + 1e-4 * (cand_us + estimate_us(self.flush) + expected_s * 1e6))
+        warm = measure({"candidate": cand, "cublas": cublas}, None)
+        cold = measure({"candidate": cand, "cublas": cublas}, self.flush)
+
+        # the timed launch path must itself produce the checked result: a graph replay from a poisoned output
+        eager = checker.run(a, b, c)
+        from sandbox.timing import capture
+
+        graph = capture(cand, 1)
+        c.tensor.view(torch.int16).fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        if family.deterministic and not _same_bits(c.tensor, eager):
+            raise CheckFailed("the captured launch did not produce the checked result (work outside the stream?)")
+        if not c.guards_intact():
+            raise CheckFailed("out-of-bounds write during timing")
+        return dict(extra, warm=warm["candidate"], cold=cold["candidate"],
+                    cublas_warm=warm["cublas"], cublas_cold=cold["cublas"])
+
+
+def device_info(index: int = 0) -> dict[str, Any]:
+    import cupy
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    info: dict[str, Any] = {
+        "name": props.name, "cc": f"{props.major}.{props.minor}", "sms": props.multi_processor_count,
+        "l2_bytes": props.L2_cache_size, "smem_optin": props.shared_memory_per_block_optin,
+        "arch": "sm_90a" if props.major == 9 else "sm_80",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "cupy": cupy.__version__,
+        "cublas": torch.backends.cuda.preferred_blas_library().name if hasattr(torch.backends.cuda,
+                                                                               "preferred_blas_library") else "",
+    }
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        info["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        info["sm_clock_mhz"] = pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
+        info["sm_clock_max_mhz"] = pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)
+        info["mem_clock_mhz"] = pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)
+    except Exception as e:  # NVML is optional: the record says why it is missing
+        info["nvml"] = f"unavailable: {e}"
+    return info
+
+
+def worker_main(conn, device_index: int = 0) -> None:
+    """Entry point of the worker process."""
+    try:
+        ctx = GpuContext(device_index)
+    except Exception as e:
+        conn.send(("fatal", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("hello", ctx.info))
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        result, replace = ctx.evaluate(job, lambda s: conn.send(("deadline", float(s))))
+        conn.send(("result", result))
+        if replace:
+            return

@@ -1,0 +1,88 @@
+"""What every kernel template family provides: a typed parameter space, a Jinja source and a launch rule.
+
+A family is trusted host code (parameter checks, launch geometry); the Jinja template is device code, the only
+part a proposer may edit. Every kernel takes the same arguments, whatever the family:
+
+    extern "C" __global__ void hgemm(const unsigned short* A, const unsigned short* B,
+                                     unsigned short* C, int M, int N, int K)
+
+A is M x K row-major; B is K x N row-major (layout "kn") or N x K row-major ("nk"); C is M x N row-major;
+elements are fp16 bit patterns. M >= 1 is arbitrary, N and K are multiples of 8.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jinja2
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from agent.config import validation_message
+from agent.records import LaunchSpec, Problem
+
+SMEM_PER_BLOCK_MAX = 227 * 1024  # sm_90 opt-in maximum of dynamic shared memory per block
+SMEM_PER_BLOCK_MAX_SM80 = 163 * 1024
+
+
+class Params(BaseModel):
+    """Base of every family's parameter model: frozen, no unknown keys."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Family(ABC):
+    name: ClassVar[str]
+    arches: ClassVar[tuple[str, ...]]  # NVRTC targets it compiles for, e.g. ("sm_90a", "sm_80")
+    params_model: ClassVar[type[Params]]
+    template_file: ClassVar[str] = "kernel.cu.j2"
+    description: ClassVar[str] = ""
+    searched: ClassVar[bool] = True  # False: the built-in search skips it (reference and base families)
+    deterministic: ClassVar[bool] = True  # False only for families that reduce with atomics in any order
+
+    @property
+    def folder(self) -> Path:
+        return Path(__file__).parent / self.name
+
+    def template_source(self) -> str:
+        return (self.folder / self.template_file).read_text()
+
+    def parse(self, params: dict[str, Any], problem: Problem) -> Params:
+        """Validate parameters for a problem; raises ValueError naming what is impossible."""
+        try:
+            p = self.params_model(**params)
+        except ValidationError as e:
+            raise ValueError(validation_message(e)) from None
+        self.check_for_problem(p, problem)
+        return p
+
+    def check_for_problem(self, params: Params, problem: Problem) -> None:  # noqa: B027 - optional hook
+        """Reject combinations that are fine in general but not for this problem."""
+
+    def render(self, params: dict[str, Any], problem: Problem, template: str | None = None) -> str:
+        p = self.parse(params, problem)
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+        text = env.from_string(template if template is not None else self.template_source())
+        return text.render(**p.model_dump(), **self.derived(p), b_layout=problem.b_layout)
+
+    def derived(self, params: Params) -> dict[str, Any]:
+        """Extra template variables computed from the parameters (threads, warp counts, ...)."""
+        return {}
+
+    @abstractmethod
+    def launch(self, params: dict[str, Any], problem: Problem) -> LaunchSpec:
+        """Grid, block and dynamic shared memory for these parameters and this problem's M, N, K."""
+
+    @abstractmethod
+    def space(self, problem: Problem) -> list[dict[str, Any]]:
+        """The valid parameter settings worth trying for this problem, best guesses first."""
+
+    def region(self, params: dict[str, Any]) -> str:
+        """A coarse name for the part of the space a setting lies in (the bandit's arm within a family)."""
+        return f"{params.get('block_m', '?')}x{params.get('block_n', '?')}"
+
+    def describe_space(self) -> dict[str, Any]:
+        """The parameter schema, as a prompt shows it."""
+        return self.params_model.model_json_schema()
+

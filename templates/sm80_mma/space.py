@@ -1,0 +1,157 @@
+"""Parameter space, launch rule and search seeds of the sm80_mma family (cp.async + ldmatrix + mma.sync HGEMM)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from agent.records import LaunchSpec, Problem
+from templates.family import SMEM_PER_BLOCK_MAX_SM80, Family, Params
+
+SMS = 132  # H200; the ranking only needs a rough wave count
+SMEM_PER_SM_SM80 = 164 * 1024
+REGS_PER_SM = 65536
+# Registers beyond accumulators and fragments (addresses, indices, loop state); calibrated on ptxas -v reports.
+REG_OVERHEAD = 40
+
+TileSize = Literal[16, 32, 64, 128, 256]
+
+
+class Sm80MmaParams(Params):
+    block_m: TileSize = Field(128, description="rows of C per thread block")
+    block_n: TileSize = Field(128, description="columns of C per thread block")
+    block_k: Literal[16, 32, 64] = Field(32, description="K slice per pipeline stage")
+    warps_m: Literal[1, 2, 4, 8] = Field(2, description="warps along M; warp tile is block_m / warps_m")
+    warps_n: Literal[1, 2, 4, 8] = Field(2, description="warps along N; warp tile is block_n / warps_n")
+    stages: int = Field(4, ge=2, le=8, description="depth of the cp.async shared-memory ring")
+    raster_group: int = Field(8, ge=1, le=64, description="tile-rows a block group walks before moving across N")
+    min_blocks: Literal[1, 2, 3, 4] = Field(1, description="__launch_bounds__ minimum blocks per SM (caps registers)")
+    smem_epilogue: bool = Field(True, description="stage C in shared memory for 16-byte coalesced stores")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def smem_bytes(self) -> int:
+        ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
+        c_tile = self.block_m * (self.block_n + 8) * 2 if self.smem_epilogue else 0
+        return max(ring, c_tile)
+
+    @property
+    def register_estimate(self) -> int:
+        mi, ni = self.block_m // self.warps_m // 16, self.block_n // self.warps_n // 8
+        return 4 * mi * ni + 4 * mi + 2 * ni + REG_OVERHEAD
+
+    @property
+    def register_cap(self) -> int:
+        return min(255, REGS_PER_SM // (self.threads * self.min_blocks) // 8 * 8)
+
+    @model_validator(mode="after")
+    def _feasible(self) -> Sm80MmaParams:
+        wm, wn = self.block_m // self.warps_m, self.block_n // self.warps_n
+        if wm < 16 or wm % 16:
+            raise ValueError(f"warp tile M = block_m/warps_m = {self.block_m}/{self.warps_m} must be a multiple of 16")
+        if wn < 16 or wn % 16:
+            raise ValueError(f"warp tile N = block_n/warps_n = {self.block_n}/{self.warps_n} must be a multiple of 16 "
+                             "(one ldmatrix.x4 feeds two n8 mma tiles)")
+        if self.threads > 1024:
+            raise ValueError(f"warps_m*warps_n*32 = {self.threads} threads exceeds 1024 per block")
+        if self.smem_bytes > SMEM_PER_BLOCK_MAX_SM80:
+            raise ValueError(f"shared memory {self.smem_bytes} B (stages*(block_m+block_n)*block_k*2) exceeds the "
+                             f"sm_80 limit of {SMEM_PER_BLOCK_MAX_SM80} B per block")
+        if self.min_blocks * (self.smem_bytes + 1024) > SMEM_PER_SM_SM80:
+            raise ValueError(f"min_blocks={self.min_blocks} blocks of {self.smem_bytes} B shared memory do not fit "
+                             f"one SM ({SMEM_PER_SM_SM80} B)")
+        if self.register_estimate > self.register_cap:
+            raise ValueError(f"about {self.register_estimate} registers per thread (warp tile {wm}x{wn}) exceed "
+                             f"the cap of {self.register_cap} for {self.threads} threads x min_blocks="
+                             f"{self.min_blocks}: it would spill; use a smaller warp tile or more warps")
+        return self
+
+
+# (block_m, block_n, warps_m, warps_n): the tile shapes worth trying, from large to small.
+TILES = [
+    (128, 256, 2, 4), (256, 128, 4, 2), (128, 128, 2, 2), (128, 128, 4, 2), (128, 128, 2, 4),
+    (64, 256, 1, 4), (256, 64, 4, 1), (128, 64, 2, 2), (64, 128, 2, 2), (64, 128, 1, 4), (128, 64, 4, 1),
+    (64, 64, 2, 2), (64, 64, 1, 2), (32, 128, 1, 4), (128, 32, 4, 1), (32, 64, 1, 2), (64, 32, 2, 1),
+    (32, 32, 1, 2), (16, 128, 1, 4), (16, 64, 1, 4), (16, 64, 1, 2), (16, 32, 1, 2), (32, 16, 2, 1),
+]
+# (block_k, stages) in order of preference; deeper rings hide more latency where few warps are resident.
+PIPELINES = [(32, 4), (64, 3), (32, 5), (64, 4), (32, 3), (64, 6)]
+
+
+def _blocks_per_sm(p: Sm80MmaParams) -> int:
+    by_regs = REGS_PER_SM // (p.threads * min(p.register_cap, p.register_estimate + 16))
+    return max(1, min(by_regs, SMEM_PER_SM_SM80 // (p.smem_bytes + 1024), 2048 // p.threads))
+
+
+def _cost(p: Sm80MmaParams, problem: Problem) -> float:
+    """Relative time: waves of resident blocks times the work of a wave, inflated by the tile's memory traffic."""
+    tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
+    resident = _blocks_per_sm(p)
+    waves = -(-tiles // (SMS * resident))
+    per_sm = min(resident, -(-tiles // SMS))
+    traffic = 1 + 48 / p.block_m + 48 / p.block_n
+    # Few warps per SM cannot hide mma and shared-memory latency.
+    latency = 1 + 2 / (per_sm * p.threads // 32)
+    return waves * per_sm * p.block_m * p.block_n * traffic * latency
+
+
+class Sm80Mma(Family):
+    name: ClassVar[str] = "sm80_mma"
+    arches: ClassVar[tuple[str, ...]] = ("sm_90a", "sm_80")
+    params_model: ClassVar[type[Params]] = Sm80MmaParams
+    description: ClassVar[str] = (
+        "Ampere-style HGEMM: STAGES-deep cp.async ring into XOR-swizzled shared memory, ldmatrix fragments, "
+        "mma.sync m16n8k16 with fp32 accumulators, grouped rasterisation, optional shared-memory epilogue. "
+        "Portable to sm_80 and sm_90a; no wgmma/TMA, so it tops out well below cuBLAS on Hopper."
+    )
+
+    def derived(self, params: Params) -> dict[str, Any]:
+        assert isinstance(params, Sm80MmaParams)
+        return {"threads": params.threads, "smem_bytes": params.smem_bytes}
+
+    def launch(self, params: dict[str, Any], problem: Problem) -> LaunchSpec:
+        p = self.parse(params, problem)
+        assert isinstance(p, Sm80MmaParams)
+        tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
+        return LaunchSpec(grid=(tiles, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes)
+
+    def space(self, problem: Problem) -> list[dict[str, Any]]:
+        k_tiles = {bk: -(-problem.k // bk) for bk in (32, 64)}
+        shapes: list[tuple[float, Sm80MmaParams]] = []
+        for bm, bn, wm, wn in TILES:
+            variants = []
+            for bk, stages in PIPELINES:
+                if stages > k_tiles[bk] + 1 and (bk, stages) != PIPELINES[0]:
+                    continue  # a ring deeper than K only costs occupancy
+                try:
+                    variants.append(Sm80MmaParams(block_m=bm, block_n=bn, block_k=bk, warps_m=wm, warps_n=wn,
+                                                  stages=stages))
+                except ValueError:
+                    continue
+            if variants:
+                shapes.append((_cost(variants[0], problem), variants))
+        shapes.sort(key=lambda item: item[0])
+        picked: list[Sm80MmaParams] = []
+        # The best shapes get more pipeline variants; the rest keep the search broad.
+        for rank, (_, variants) in enumerate(shapes[:10]):
+            picked.extend(variants[: 3 if rank < 3 else 2 if rank < 6 else 1])
+        best = picked[0]
+        tiles_m = -(-problem.m // best.block_m)
+        for group in (4, 16, 1):
+            if group < tiles_m or group == 1:
+                picked.append(best.model_copy(update={"raster_group": group}))
+        picked.append(best.model_copy(update={"smem_epilogue": False}))
+        for p in picked[:3]:
+            if p.threads * 2 <= 1024:
+                try:
+                    picked.append(Sm80MmaParams(**{**p.model_dump(), "min_blocks": 2}))
+                except ValueError:
+                    pass
+        seen: dict[str, dict[str, Any]] = {}
+        for p in picked:
+            seen.setdefault(p.model_dump_json(), p.model_dump())
+        return list(seen.values())[:40]

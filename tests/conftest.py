@@ -1,0 +1,29 @@
+"""Shared fixtures: GPU tests are marked `gpu` and skipped where no CUDA device is visible."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+HAS_GPU = _has_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_GPU:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    return tmp_path / "cubins"

@@ -1,0 +1,34 @@
+"""Shared test helpers: a fake evaluator whose timings follow the parameters, and a populated run."""
+
+from __future__ import annotations
+
+from agent.config import RunConfig
+from agent.loop import SearchLoop
+from agent.proposers.builtin import BuiltinProposer
+from agent.records import EvalJob, EvalResult, Problem, Status, Timing
+from agent.store import RunStore
+
+
+def fake_evaluate(job: EvalJob) -> EvalResult:
+    """Bigger tiles are faster here; warps_m == 4 is 'wrong', so failures show up too."""
+    if job.params.get("warps_m") == 4:
+        return EvalResult(job.candidate_id, Status.WRONG, "wrong result: relative error 1e-1 vs cuBLAS 3e-4")
+    t = 100.0 / (job.params["block_m"] * job.params["block_n"] / 4096) + job.params["stages"]
+    return EvalResult(job.candidate_id, Status.OK, warm=Timing(t, t * 0.99, t * 1.01, 100),
+                      cold=Timing(t * 1.1, t, t * 1.2, 100), cublas_warm=Timing(30.0, 29.7, 30.3, 100),
+                      cublas_cold=Timing(33.0, 32, 34, 100), max_rel_err=3e-4, cublas_rel_err=3e-4,
+                      device={"name": "fake GPU"})
+
+
+DEFAULT_PROBLEMS = (Problem(1000, 3000, 2000), Problem(64, 64, 64, "nk"))
+
+
+def populated_run(folder, problems=DEFAULT_PROBLEMS, n=6, evaluate=fake_evaluate) -> RunStore:
+    store = RunStore(folder, create=True)
+    store.add_problems(list(problems))
+    config = RunConfig(max_candidates=n)
+    store.set_meta("config", config.model_dump(mode="json"))
+    store.set_meta("arch", "sm_90a")
+    SearchLoop(store, config, BuiltinProposer(), "sm_90a", evaluate).run(list(problems))
+    store.set_meta("state", "done")
+    return store

@@ -1,0 +1,54 @@
+"""NVRTC builds: resource reports, failures as data, the content+toolchain cache."""
+
+from __future__ import annotations
+
+from sandbox.build import compile_cuda
+
+GOOD = r'''
+extern "C" __global__ void hgemm(const unsigned short* A, const unsigned short* B, unsigned short* C,
+                                 int M, int N, int K) {
+    __shared__ float s[256];
+    s[threadIdx.x] = (float)A[threadIdx.x];
+    __syncthreads();
+    if (threadIdx.x < M) C[threadIdx.x] = (unsigned short)s[255 - threadIdx.x];
+}
+'''
+
+
+def test_compiles_for_both_arches_with_resource_report(cache_dir):
+    for arch in ("sm_90a", "sm_80"):
+        b = compile_cuda(GOOD, arch, candidate_id="g", cache_dir=cache_dir)
+        assert b.ok and b.cubin and b.cubin[:4] == b"\x7fELF", b.log
+        assert b.registers and b.registers > 0
+        assert b.smem_static == 1024 and b.spill_bytes == 0 and b.stack_bytes == 0
+        assert not b.cached
+
+
+def test_cache_hit_returns_same_cubin(cache_dir):
+    first = compile_cuda(GOOD, "sm_90a", cache_dir=cache_dir)
+    second = compile_cuda(GOOD, "sm_90a", cache_dir=cache_dir)
+    assert second.cached and second.cubin == first.cubin and second.registers == first.registers
+    assert not compile_cuda(GOOD, "sm_80", cache_dir=cache_dir).cached  # the arch is part of the key
+    assert not list(cache_dir.glob("*.tmp"))
+
+
+def test_compile_error_is_data(cache_dir):
+    b = compile_cuda(GOOD.replace("__syncthreads();", "__syncthreads() oops;"), "sm_90a", cache_dir=cache_dir)
+    assert not b.ok and b.cubin is None
+    assert "error" in b.error and "kernel.cu" in b.log
+    assert not list(cache_dir.glob("*.cubin"))  # failures are not cached
+
+
+def test_headers_are_not_available(cache_dir):
+    b = compile_cuda('#include <cuda_fp16.h>\n' + GOOD, "sm_90a", cache_dir=cache_dir)
+    assert not b.ok and "cuda_fp16.h" in b.log
+
+
+def test_unknown_arch(cache_dir):
+    b = compile_cuda(GOOD, "sm_75", cache_dir=cache_dir)
+    assert not b.ok and "unknown arch" in b.error
+
+
+def test_compile_timeout_is_recorded(cache_dir):
+    b = compile_cuda(GOOD, "sm_90a", cache_dir=None, timeout_s=1e-6)
+    assert not b.ok and "timed out" in b.error

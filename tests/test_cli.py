@@ -1,0 +1,93 @@
+"""The command line: every verb, and bad input as one line with exit code 2 and nothing written."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.cli import main
+from tests.conftest import HAS_GPU
+from tests.helpers import populated_run
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--mnk", "64_64", "--compile-only"], "malformed shape '64_64'"),
+    (["run", "--mnk", "0_64_64", "--compile-only"], "positive"),
+    (["run", "--mnk", "-1_64_64", "--compile-only"], "malformed"),
+    (["run", "--mnk", "a_b_c", "--compile-only"], "malformed shape 'a_b_c'"),
+    (["run", "--mnk", "64_60_64", "--compile-only"], "multiples of 8"),
+    (["run", "--mnk", "64_64_64", "--b-layout", "tn", "--compile-only"], "invalid choice: 'tn'"),
+    (["run", "--compile-only"], "give the shapes"),
+    (["run", "--mnk", "64_64_64", "--budget-minutes", "0", "--compile-only"], "budget_minutes"),
+    (["run", "--mnk", "64_64_64", "--budget-minutes", "x"], "invalid float value"),
+    (["run", "--resume", "nope"], "no run 'nope'"),
+    (["show", "nope"], "no run 'nope'"),
+    (["export", "../etc"], "bad run id"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, argv, message):
+    code, out, err = run_cli(capsys, *argv, "--runs-dir", tmp_path / "runs")
+    assert code == 2
+    assert message in err and err.count("\n") == 1 and err.startswith("error: ")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_shapes_file_junk_line(tmp_path, capsys):
+    f = tmp_path / "shapes.txt"
+    f.write_text("64_64_64\nbogus line\n")
+    code, _, err = run_cli(capsys, "run", "--shapes", f, "--compile-only", "--runs-dir", tmp_path / "runs")
+    assert code == 2 and "shapes.txt:2:" in err and not (tmp_path / "runs").exists()
+
+
+def test_folder_that_is_not_ours(tmp_path, capsys):
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    code, _, err = run_cli(capsys, "show", "x", "--runs-dir", tmp_path / "runs")
+    assert code == 2 and "not a run folder" in err
+    (tmp_path / "runs" / "x" / "run.sqlite").write_bytes(b"garbage that is not sqlite" * 100)
+    code, _, err = run_cli(capsys, "show", "x", "--runs-dir", tmp_path / "runs")
+    assert code == 2 and ("corrupt" in err or "not a run store" in err)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU message")
+def test_run_without_gpu_says_so_and_writes_nothing(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "run", "--mnk", "64_64_64", "--runs-dir", tmp_path / "runs")
+    assert code == 2 and "no usable GPU" in err and "--compile-only" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_compile_only_run_then_runs_show_diff(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    code, out, _ = run_cli(capsys, "run", "--mnk", "128_256_64,1000_3000_2000", "--b-layout", "nk",
+                           "--compile-only", "--arch", "sm_80", "--max-candidates", "2", "--runs-dir", runs)
+    assert code == 0
+    (run_id,) = [p.name for p in runs.iterdir()]
+    code, out, _ = run_cli(capsys, "runs", "--runs-dir", runs)
+    assert code == 0 and run_id in out
+    code, out, _ = run_cli(capsys, "show", run_id, "--runs-dir", runs)
+    assert code == 0 and "1000_3000_2000" in out and "sm_80" in out
+    code, out, _ = run_cli(capsys, "diff", run_id, "baseline", "baseline", "--shape", "128_256_64",
+                           "--runs-dir", runs)
+    assert code == 0 and "sources identical" in out
+
+
+def test_show_diff_export_on_a_measured_run(tmp_path, capsys):
+    store = populated_run(tmp_path / "runs" / "r1")
+    runs = tmp_path / "runs"
+    code, out, _ = run_cli(capsys, "show", "r1", "--runs-dir", runs)
+    assert code == 0 and "wrong" in out
+    first, second = [c.id for c in store.candidates(store.problems()[0])][:2]
+    code, out, _ = run_cli(capsys, "diff", "r1", first, second[:6], "--runs-dir", runs)
+    assert code == 0 and "@@" in out and "block" in out
+    code, _, err = run_cli(capsys, "diff", "r1", "best", "baseline", "--runs-dir", runs)
+    assert code == 2 and "needs one shape" in err
+    code, out, _ = run_cli(capsys, "export", "r1", "--out", tmp_path / "exp", "--runs-dir", runs)
+    assert code == 0
+    exp = tmp_path / "exp"
+    assert (exp / "hgemm_ops.py").is_file() and (exp / "manifest.json").is_file()
+    assert (exp / "hgemm_1000_3000_2000_kn.cu").read_text().startswith("// hgemm-agent export")
+    assert "64_64_64:nk" in out and "cuBLAS" in out  # the fake timings lose to cuBLAS there

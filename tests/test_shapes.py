@@ -1,0 +1,58 @@
+"""Shape parsing from the command line and from shape files."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.records import Problem
+from agent.shapes import ShapeError, parse_shape, parse_shape_list, read_shapes_file
+
+
+def test_parse_good_shapes():
+    assert parse_shape("4096_4096_4096") == Problem(4096, 4096, 4096)
+    assert parse_shape(" 1000_3000_2000 ", "nk") == Problem(1000, 3000, 2000, "nk")
+    assert parse_shape_list("64_64_64,1_8_8,64_64_64") == [Problem(64, 64, 64), Problem(1, 8, 8)]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("64_64", "malformed"), ("0_64_64", "positive"), ("-1_64_64", "malformed"), ("a_b_c", "malformed"),
+    ("64_60_64", "multiples of 8"), ("64_64_12", "multiples of 8"), ("", "malformed"), ("64_64_64_64", "malformed"),
+])
+def test_bad_shapes(text, match):
+    with pytest.raises(ShapeError, match=match):
+        parse_shape(text)
+
+
+def test_unknown_layout():
+    with pytest.raises(ShapeError, match="unknown B layout"):
+        parse_shape("64_64_64", "tn")
+
+
+def test_shapes_file_with_comments(tmp_path):
+    f = tmp_path / "s.txt"
+    f.write_text("# header\n64_64_64  # tiny\n\n1024_1024_1024\n")
+    assert read_shapes_file(f) == [Problem(64, 64, 64), Problem(1024, 1024, 1024)]
+
+
+def test_shapes_file_junk_line_names_its_number(tmp_path):
+    f = tmp_path / "s.txt"
+    f.write_text("64_64_64\n# ok\nhello\n")
+    with pytest.raises(ShapeError, match=r"s.txt:3: malformed shape 'hello'"):
+        read_shapes_file(f)
+
+
+def test_shapes_file_missing_or_empty(tmp_path):
+    with pytest.raises(ShapeError, match="cannot read"):
+        read_shapes_file(tmp_path / "nope.txt")
+    (tmp_path / "e.txt").write_text("# nothing\n")
+    with pytest.raises(ShapeError, match="holds no shape"):
+        read_shapes_file(tmp_path / "e.txt")
+
+
+def test_dev_suite_parses():
+    from pathlib import Path
+
+    dev = Path(__file__).resolve().parents[2] / "shared" / "shapes" / "dev.txt"
+    if not dev.is_file():
+        pytest.skip("shared/ is not beside the checkout")
+    assert len(read_shapes_file(dev)) == 28
