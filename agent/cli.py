@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 from pathlib import Path
 
@@ -66,6 +67,14 @@ def build_parser() -> Parser:
     e.add_argument("run")
     e.add_argument("--out", type=Path, help="default runs/<run>/export")
     e.add_argument("--no-check", action="store_true", help="skip re-checking the exported module on the GPU")
+    bn = sub.add_parser("bench", help="re-time the best kernels of runs (or cuBLAS) against cuBLAS")
+    bn.add_argument("runs", nargs="*", metavar="RUN")
+    bn.add_argument("--shapes", type=Path, help="shapes to bench (default: the runs' shapes)")
+    bn.add_argument("--b-layout", choices=B_LAYOUTS, default="kn", help="layout for --shapes")
+    bn.add_argument("--mode", choices=("offline", "server"), default="offline")
+    bn.add_argument("--target-qps", type=float, default=200.0, help="server mode: mean calls per second")
+    bn.add_argument("--seconds", type=float, default=20.0, help="server mode: total duration")
+    bn.add_argument("--out", type=Path, help="where bench.json / bench.png go (default: the first run's folder)")
     return p
 
 
@@ -168,4 +177,38 @@ def cmd_export(args) -> int:
     return 1 if status == "failed" else 0
 
 
-VERBS = {"run": cmd_run, "runs": cmd_runs, "show": cmd_show, "diff": cmd_diff, "export": cmd_export}
+def cmd_bench(args) -> int:
+    from agent import bench
+    from agent.export import export_run
+    from agent.runner import start_pool
+
+    stores = [open_run(argparse.Namespace(run=r, runs_dir=args.runs_dir)) for r in args.runs]
+    if args.target_qps <= 0 or args.seconds <= 0:
+        raise UsageError("--target-qps and --seconds must be positive")
+    if args.mode == "server":
+        if len(stores) != 1:
+            raise UsageError("--mode server benches one run's exported op: give exactly one RUN")
+        out = stores[0].folder / "export"
+        export_run(stores[0], out)
+        report = bench.bench_server(out, args.target_qps, args.seconds)
+        (stores[0].folder / "bench_server.json").write_text(json.dumps(report, indent=1))
+        console.print(bench.server_table(report, args.target_qps))
+        return 0
+    problems = (read_shapes_file(args.shapes, args.b_layout) if args.shapes
+                else list(dict.fromkeys(p for s in stores for p in s.problems())))
+    if not problems:
+        raise UsageError("nothing to bench: give RUNs or --shapes FILE")
+    folder = args.out or (stores[0].folder / "bench" if stores else args.runs_dir / f"bench-{new_run_id()}")
+    pool, device = start_pool(None)
+    try:
+        rows = bench.bench_offline(pool.evaluate, stores, problems, progress=lambda s: console.print(s))
+    finally:
+        pool.close()
+    console.print(bench.rows_table(rows, f"bench on {device.get('name')} (device time, same process)"))
+    for path in bench.write_outputs(rows, folder, device):
+        console.print(f"wrote {path}")
+    return 0
+
+
+VERBS = {"run": cmd_run, "runs": cmd_runs, "show": cmd_show, "diff": cmd_diff, "export": cmd_export,
+         "bench": cmd_bench}

@@ -182,3 +182,12 @@ class EvalJob:
     timeout_s: float = 5.0  # slack beyond the expected time of each GPU phase before the worker is killed
     time_it: bool = True
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class BaselineJob:
+    """Time cuBLAS alone for a problem (shapes where no kernel beat it)."""
+
+    problem: Problem
+    timeout_s: float = 5.0
+    candidate_id: str = "cublas"

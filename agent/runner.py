@@ -22,6 +22,22 @@ class SetupError(ValueError):
     pass
 
 
+def start_pool(arch: str | None):
+    """A started GPU worker pool and its device facts, or a SetupError saying why there is none."""
+    from sandbox.pool import WorkerPool, WorkerUnavailable
+
+    pool = WorkerPool()
+    try:
+        device = pool.start()
+    except WorkerUnavailable as e:
+        pool.close()
+        raise SetupError(f"no usable GPU ({e}); --compile-only renders and compiles without one") from None
+    if arch and arch != device["arch"]:
+        pool.close()
+        raise SetupError(f"--arch {arch} does not match the GPU ({device['name']}, {device['arch']})")
+    return pool, device
+
+
 def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore | None,
             make_store: Callable[[], RunStore], console, live_cls) -> int:
     if store is not None:  # resume: the run's own shapes, its proposer, its arch
@@ -33,19 +49,7 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
         nvrtc_version()
     except NvrtcUnavailable as e:
         raise SetupError(str(e)) from None
-    pool, device = None, {}
-    if not config.compile_only:
-        from sandbox.pool import WorkerPool, WorkerUnavailable
-
-        pool = WorkerPool()
-        try:
-            device = pool.start()
-        except WorkerUnavailable as e:
-            pool.close()
-            raise SetupError(f"no usable GPU ({e}); --compile-only renders and compiles without one") from None
-        if config.arch and config.arch != device["arch"]:
-            pool.close()
-            raise SetupError(f"--arch {config.arch} does not match the GPU ({device['name']}, {device['arch']})")
+    pool, device = (None, {}) if config.compile_only else start_pool(config.arch)
     arch = config.arch or device.get("arch", "sm_90a")
     proposer = make_proposer(config)
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from agent.records import EvalJob, EvalResult, Problem, Status
+from agent.records import BaselineJob, EvalJob, EvalResult, Problem, Status
 
 
 class GpuContext:
@@ -40,14 +40,14 @@ class GpuContext:
         torch.linalg.norm(x.half() @ x.half().t() - (x.double() @ x.double().t()))
         torch.cuda.synchronize()
 
-    def evaluate(self, job: EvalJob, say) -> tuple[EvalResult, bool]:
+    def evaluate(self, job: EvalJob | BaselineJob, say) -> tuple[EvalResult, bool]:
         """Returns the result and whether the worker must be replaced (a CUDA error poisoned the context)."""
         from sandbox.check import CheckFailed
 
         t0 = time.perf_counter()
         result = dict(candidate_id=job.candidate_id, device=self.info)
         try:
-            extra = self._evaluate(job, say)
+            extra = self._baseline(job, say) if isinstance(job, BaselineJob) else self._evaluate(job, say)
             return EvalResult(status=Status.OK, wall_s=time.perf_counter() - t0, **result, **extra), False
         except CheckFailed as e:
             return EvalResult(status=Status.WRONG, reason=str(e), wall_s=time.perf_counter() - t0, **result), False
@@ -55,23 +55,40 @@ class GpuContext:
             reason = f"{type(e).__name__}: {e}".strip()[:500]
             return EvalResult(status=Status.FAULT, reason=reason, wall_s=time.perf_counter() - t0, **result), True
 
-    def _evaluate(self, job: EvalJob, say) -> dict[str, Any]:
+    @staticmethod
+    def _operands(p: Problem):
+        """Fresh random operands in guarded buffers, and cuBLAS on them as the user's code would call it."""
         import torch
 
-        from sandbox.check import POISON, Checker, CheckFailed, Guarded, _same_bits
-        from sandbox.launch import Kernel
-        from sandbox.timing import estimate_us, measure
-        from templates import get_family
+        from sandbox.check import Guarded
 
-        family, p = get_family(job.family), job.problem
-        rule = lambda m, n, k: family.launch(job.params, Problem(m, n, k, p.b_layout, p.dtype))  # noqa: E731
-        kernel = Kernel(job.cubin, rule)
         a, b = Guarded(p.m, p.k), Guarded(p.k, p.n) if p.b_layout == "kn" else Guarded(p.n, p.k)
         a.tensor.normal_()
         b.tensor.normal_()
         b_kn = b.tensor if p.b_layout == "kn" else b.tensor.t()
         c_ref = torch.empty(p.m, p.n, dtype=torch.float16, device="cuda")
-        cublas = lambda: torch.matmul(a.tensor, b_kn, out=c_ref)  # noqa: E731
+        return a, b, lambda: torch.matmul(a.tensor, b_kn, out=c_ref)
+
+    def _baseline(self, job: BaselineJob, say) -> dict[str, Any]:
+        from sandbox.timing import estimate_us, measure
+
+        _, _, cublas = self._operands(job.problem)
+        say(job.timeout_s + 2.0 + 1e-4 * (estimate_us(cublas) + estimate_us(self.flush)))
+        warm, cold = measure({"cublas": cublas}, None), measure({"cublas": cublas}, self.flush)
+        return dict(cublas_warm=warm["cublas"], cublas_cold=cold["cublas"])
+
+    def _evaluate(self, job: EvalJob, say) -> dict[str, Any]:
+        import torch
+
+        from sandbox.check import POISON, Checker, CheckFailed, Guarded, _same_bits
+        from sandbox.launch import Kernel
+        from sandbox.timing import capture, estimate_us, measure
+        from templates import get_family
+
+        family, p = get_family(job.family), job.problem
+        rule = lambda m, n, k: family.launch(job.params, Problem(m, n, k, p.b_layout, p.dtype))  # noqa: E731
+        kernel = Kernel(job.cubin, rule)
+        a, b, cublas = self._operands(p)
         expected_s = estimate_us(cublas) * 1e-6
 
         say(job.timeout_s + 2.0 + 400 * expected_s)
@@ -92,8 +109,6 @@ class GpuContext:
 
         # the timed launch path must itself produce the checked result: a graph replay from a poisoned output
         eager = checker.run(a, b, c)
-        from sandbox.timing import capture
-
         graph = capture(cand, 1)
         c.tensor.view(torch.int16).fill_(POISON)
         graph.replay()

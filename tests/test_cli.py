@@ -91,3 +91,21 @@ def test_show_diff_export_on_a_measured_run(tmp_path, capsys):
     assert (exp / "hgemm_ops.py").is_file() and (exp / "manifest.json").is_file()
     assert (exp / "hgemm_1000_3000_2000_kn.cu").read_text().startswith("// hgemm-agent export")
     assert "64_64_64:nk" in out and "cuBLAS" in out  # the fake timings lose to cuBLAS there
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--mode", "server"], "exactly one RUN"),
+    (["bench"], "nothing to bench"),
+    (["bench", "--target-qps", "0", "--mode", "server"], "must be positive"),
+    (["bench", "nope"], "no run 'nope'"),
+])
+def test_bench_bad_input(tmp_path, capsys, argv, message):
+    code, _, err = run_cli(capsys, *argv, "--runs-dir", tmp_path / "runs")
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU message")
+def test_bench_without_gpu_says_so(tmp_path, capsys):
+    populated_run(tmp_path / "runs" / "r1")
+    code, _, err = run_cli(capsys, "bench", "r1", "--runs-dir", tmp_path / "runs")
+    assert code == 2 and "no usable GPU" in err

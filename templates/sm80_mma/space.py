@@ -12,8 +12,9 @@ from templates.family import SMEM_PER_BLOCK_MAX_SM80, Family, Params
 SMS = 132  # H200; the ranking only needs a rough wave count
 SMEM_PER_SM_SM80 = 164 * 1024
 REGS_PER_SM = 65536
-# Registers beyond accumulators and fragments (addresses, indices, loop state); calibrated on ptxas -v reports.
-REG_OVERHEAD = 40
+# Registers beyond accumulators, fragments and copy state (indices, loop state). With the 2-per-copied-chunk term
+# below it separated every spilling setting of a 912-setting ptxas sweep (NVRTC 13, sm_90a) from the rest.
+REG_OVERHEAD = 24
 
 TileSize = Literal[16, 32, 64, 128, 256]
 
@@ -42,7 +43,9 @@ class Sm80MmaParams(Params):
     @property
     def register_estimate(self) -> int:
         mi, ni = self.block_m // self.warps_m // 16, self.block_n // self.warps_n // 8
-        return 4 * mi * ni + 4 * mi + 2 * ni + REG_OVERHEAD
+        per_pass = 8 * self.threads  # elements one pass of 16-byte copies moves
+        chunks = -(-self.block_m * self.block_k // per_pass) - (-self.block_n * self.block_k // per_pass)
+        return 4 * mi * ni + 4 * mi + 2 * ni + 2 * chunks + REG_OVERHEAD
 
     @property
     def register_cap(self) -> int:
@@ -78,8 +81,9 @@ TILES = [
     (64, 64, 2, 2), (64, 64, 1, 2), (32, 128, 1, 4), (128, 32, 4, 1), (32, 64, 1, 2), (64, 32, 2, 1),
     (32, 32, 1, 2), (16, 128, 1, 4), (16, 64, 1, 4), (16, 64, 1, 2), (16, 32, 1, 2), (32, 16, 2, 1),
 ]
-# (block_k, stages) in order of preference; deeper rings hide more latency where few warps are resident.
-PIPELINES = [(32, 4), (64, 3), (32, 5), (64, 4), (32, 3), (64, 6)]
+# (block_k, stages) in order of preference; deeper rings hide more latency where few warps are resident, and the
+# 2-stage ones are for K so short that a deeper ring holds nothing.
+PIPELINES = [(32, 4), (64, 3), (32, 5), (64, 4), (32, 3), (64, 6), (64, 2), (32, 2)]
 
 
 def _blocks_per_sm(p: Sm80MmaParams) -> int:
@@ -120,38 +124,36 @@ class Sm80Mma(Family):
         return LaunchSpec(grid=(tiles, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes)
 
     def space(self, problem: Problem) -> list[dict[str, Any]]:
-        k_tiles = {bk: -(-problem.k // bk) for bk in (32, 64)}
-        shapes: list[tuple[float, Sm80MmaParams]] = []
+        shapes: list[tuple[float, list[Sm80MmaParams]]] = []
         for bm, bn, wm, wn in TILES:
             variants = []
             for bk, stages in PIPELINES:
-                if stages > k_tiles[bk] + 1 and (bk, stages) != PIPELINES[0]:
+                if stages > max(2, -(-problem.k // bk) + 1):
                     continue  # a ring deeper than K only costs occupancy
-                try:
-                    variants.append(Sm80MmaParams(block_m=bm, block_n=bn, block_k=bk, warps_m=wm, warps_n=wn,
-                                                  stages=stages))
-                except ValueError:
-                    continue
+                params = _valid(block_m=bm, block_n=bn, block_k=bk, warps_m=wm, warps_n=wn, stages=stages)
+                if params:
+                    variants.append(params)
             if variants:
                 shapes.append((_cost(variants[0], problem), variants))
         shapes.sort(key=lambda item: item[0])
-        picked: list[Sm80MmaParams] = []
         # The best shapes get more pipeline variants; the rest keep the search broad.
-        for rank, (_, variants) in enumerate(shapes[:10]):
-            picked.extend(variants[: 3 if rank < 3 else 2 if rank < 6 else 1])
+        picked = [p for rank, (_, v) in enumerate(shapes[:10]) for p in v[: 3 if rank < 3 else 2 if rank < 6 else 1]]
         best = picked[0]
-        tiles_m = -(-problem.m // best.block_m)
-        for group in (4, 16, 1):
-            if group < tiles_m or group == 1:
-                picked.append(best.model_copy(update={"raster_group": group}))
-        picked.append(best.model_copy(update={"smem_epilogue": False}))
-        for p in picked[:3]:
-            if p.threads * 2 <= 1024:
-                try:
-                    picked.append(Sm80MmaParams(**{**p.model_dump(), "min_blocks": 2}))
-                except ValueError:
-                    pass
-        seen: dict[str, dict[str, Any]] = {}
-        for p in picked:
-            seen.setdefault(p.model_dump_json(), p.model_dump())
-        return list(seen.values())[:40]
+        tiles_m, tiles_n = -(-problem.m // best.block_m), -(-problem.n // best.block_n)
+        # Group sizes only differ in effect below the number of tile-rows, and not at all in a single row or column.
+        groups = {min(g, tiles_m) for g in (4, 16, 1)} - {min(best.raster_group, tiles_m)} if tiles_n > 1 else set()
+        extra = [_valid(**{**best.model_dump(), "raster_group": g}) for g in sorted(groups, reverse=True)]
+        extra.append(_valid(**{**best.model_dump(), "smem_epilogue": False}))
+        for p in picked[:6]:
+            # Only a min_blocks that lowers the register cap below 255 changes the code ptxas emits.
+            capped = (_valid(**{**p.model_dump(), "min_blocks": mb}) for mb in (2, 3, 4) if p.threads * mb > 256)
+            extra.append(next((c for c in capped if c), None))
+        unique = {p.model_dump_json(): p.model_dump() for p in reversed(picked + [e for e in extra if e])}
+        return list(reversed(unique.values()))[:40]
+
+
+def _valid(**params: Any) -> Sm80MmaParams | None:
+    try:
+        return Sm80MmaParams(**params)
+    except ValueError:
+        return None

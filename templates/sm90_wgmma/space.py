@@ -1,0 +1,183 @@
+"""Parameter space, launch rule and search seeds of the sm90_wgmma family (cp.async producer + wgmma consumers).
+
+One producer warpgroup fills a STAGES-deep ring of 128-byte-swizzled tiles with cp.async (mbarrier completion);
+CONSUMERS warpgroups each own block_m / consumers rows of the C tile and run wgmma.mma_async m64n{block_n}k16.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from agent.records import LaunchSpec, Problem
+from templates.family import SMEM_PER_BLOCK_MAX, Family, Params
+
+SMS = 132  # H200; the ranking only needs a rough wave count
+SMEM_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_BLOCK = 1024  # the driver's own share of each block's shared memory on sm_90
+REGS_PER_SM = 65536
+PRODUCER_REGS = 48  # the cp.async producer needs few registers; setmaxnreg hands the rest to the consumers
+# Consumer registers beyond the accumulators (descriptors, loop state, addresses): ptxas asks for 26 more than the
+# accumulators of one wgmma (C7602 "register target of ..."); a little slack for the epilogue.
+CONSUMER_OVERHEAD = 32
+
+
+class Sm90WgmmaParams(Params):
+    block_m: Literal[64, 128, 192, 256] = Field(128, description="rows of C per thread block")
+    block_n: int = Field(256, ge=16, le=256, multiple_of=16,
+                         description="columns of C per block = the wgmma N (kn layout: a multiple of 64)")
+    block_k: Literal[64] = Field(64, description="K slice per stage: 64 fp16 = one 128-byte swizzle row")
+    stages: int = Field(4, ge=2, le=8, description="depth of the shared-memory ring")
+    consumers: Literal[1, 2, 3, 4] = Field(2, description="consumer warpgroups; each owns block_m/consumers rows")
+    raster_group: int = Field(8, ge=1, le=64, description="tile-rows a block group walks before moving across N")
+    min_blocks: Literal[1, 2] = Field(1, description="blocks resident per SM (__launch_bounds__); caps registers")
+    epilogue: Literal["direct", "smem"] = Field(
+        "direct", description="direct: 4-byte stores from the accumulators; smem: staged for 16-byte stores")
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.stages * (self.block_m + self.block_n) * self.block_k * 2
+
+    @property
+    def smem_bytes(self) -> int:
+        c_tile = self.block_m * (self.block_n + 8) * 2 if self.epilogue == "smem" else 0
+        # + the mbarriers (16 B a stage) + slack to align the ring to a 1024-byte swizzle atom
+        return max(self.ring_bytes, c_tile) + 16 * self.stages + 1024
+
+    @property
+    def entry_regs(self) -> int:
+        """The per-thread register cap __launch_bounds__(threads, min_blocks) gives ptxas."""
+        regs = REGS_PER_SM // (self.threads * self.min_blocks)
+        return 255 if regs >= 256 else regs // 8 * 8
+
+    @property
+    def set_maxnreg(self) -> bool:
+        """Move registers from the producer to the consumers where the entry cap is short. With min_blocks > 1
+        ptxas (NVRTC 13) still holds the consumer code to the entry cap (C7602), so there it would buy nothing."""
+        return self.min_blocks == 1 and self.entry_regs < 240
+
+    @property
+    def consumer_regs(self) -> int:
+        if not self.set_maxnreg:
+            return self.entry_regs
+        pool = self.threads * self.entry_regs - 128 * PRODUCER_REGS
+        return min(240, pool // (128 * self.consumers) // 8 * 8)
+
+    @property
+    def accumulators(self) -> int:
+        """fp32 accumulator registers per consumer thread."""
+        return self.block_m // self.consumers // 64 * self.block_n // 2
+
+    @model_validator(mode="after")
+    def _feasible(self) -> Sm90WgmmaParams:
+        if self.block_m % (64 * self.consumers):
+            raise ValueError(f"block_m={self.block_m} must split into consumers={self.consumers} warpgroups of "
+                             "a multiple of 64 rows each (wgmma is m64)")
+        if self.smem_bytes > SMEM_PER_BLOCK_MAX:
+            raise ValueError(f"shared memory {self.smem_bytes} B (stages*(block_m+block_n)*128 + barriers + "
+                             f"alignment) exceeds the sm_90 limit of {SMEM_PER_BLOCK_MAX} B per block")
+        if self.min_blocks * (self.smem_bytes + SMEM_RESERVED_PER_BLOCK) > SMEM_PER_SM:
+            raise ValueError(f"min_blocks={self.min_blocks} blocks of {self.smem_bytes} B shared memory do not fit "
+                             f"one SM ({SMEM_PER_SM} B)")
+        if self.accumulators + CONSUMER_OVERHEAD > self.consumer_regs:
+            raise ValueError(f"{self.accumulators} accumulator registers per consumer thread (+{CONSUMER_OVERHEAD}) "
+                             f"exceed the {self.consumer_regs} a consumer gets with {self.threads} threads x "
+                             f"min_blocks={self.min_blocks}: use a smaller block_n or more consumers"
+                             + (" or min_blocks=1" if self.min_blocks > 1 else ""))
+        return self
+
+
+# (block_m, block_n, consumers), from the large-problem favourites down to small-problem shapes.
+TILES = [
+    (128, 256, 2), (256, 128, 2), (128, 192, 2), (256, 192, 2), (128, 128, 2), (192, 128, 3), (256, 64, 2),
+    (128, 64, 2), (128, 128, 1), (64, 256, 1), (64, 192, 1), (64, 128, 1), (64, 64, 1),
+    (128, 224, 2), (128, 160, 2), (128, 96, 2), (64, 96, 1), (64, 48, 1), (64, 32, 1), (64, 16, 1),
+]
+
+
+def _cost(p: Sm90WgmmaParams, problem: Problem) -> float:
+    """Relative time: waves of resident blocks times a tile's work, inflated by its traffic and fixed costs."""
+    tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
+    waves = -(-tiles // (SMS * p.min_blocks))
+    per_sm = min(p.min_blocks, -(-tiles // SMS))
+    k_tiles = -(-problem.k // p.block_k)
+    traffic = 1 + 40 / p.block_m + 40 / p.block_n
+    # Fewer than two consumer warpgroups per SM leave gaps between wgmma groups; the ring fills once per tile.
+    issue = 1 + 0.15 / (per_sm * p.consumers)
+    return waves * per_sm * p.block_m * p.block_n * traffic * issue * (k_tiles + 2 + 2 / p.stages)
+
+
+class Sm90Wgmma(Family):
+    name: ClassVar[str] = "sm90_wgmma"
+    arches: ClassVar[tuple[str, ...]] = ("sm_90a",)
+    params_model: ClassVar[type[Params]] = Sm90WgmmaParams
+    description: ClassVar[str] = (
+        "Hopper HGEMM: a producer warpgroup streams A/B tiles with cp.async into a STAGES-deep ring of "
+        "128-byte-swizzled shared memory (mbarrier full/empty handshake); 1-4 consumer warpgroups issue "
+        "wgmma.mma_async m64nNk16 from shared-memory descriptors (B MN-major via the transpose bit for kn), "
+        "setmaxnreg moves registers to the consumers; grouped rasterisation; direct or smem-staged epilogue."
+    )
+
+    def derived(self, params: Params) -> dict[str, Any]:
+        assert isinstance(params, Sm90WgmmaParams)
+        return {"threads": params.threads, "smem_bytes": params.smem_bytes, "set_maxnreg": params.set_maxnreg,
+                "producer_regs": PRODUCER_REGS, "consumer_regs": params.consumer_regs}
+
+    def check_for_problem(self, params: Params, problem: Problem) -> None:
+        assert isinstance(params, Sm90WgmmaParams)
+        if problem.b_layout == "kn" and params.block_n % 64:
+            raise ValueError(f"block_n={params.block_n}: with B in kn layout (MN-major for wgmma) block_n must be "
+                             "a multiple of 64, the width of a 128-byte swizzle panel")
+
+    def launch(self, params: dict[str, Any], problem: Problem) -> LaunchSpec:
+        p = self.parse(params, problem)
+        assert isinstance(p, Sm90WgmmaParams)
+        tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
+        return LaunchSpec(grid=(tiles, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes)
+
+    def space(self, problem: Problem) -> list[dict[str, Any]]:
+        k_tiles = -(-problem.k // 64)
+        shapes: list[tuple[float, list[Sm90WgmmaParams]]] = []
+        for bm, bn, consumers in TILES:
+            if problem.b_layout == "kn" and bn % 64:
+                continue
+            variants = []
+            for stages in (4, 3, 5, 6, 8):  # preference order; the deepest ring that fits closes the list
+                if stages > k_tiles + 1 and stages != 4:
+                    continue  # a ring deeper than K only costs shared memory
+                for min_blocks in (1, 2):
+                    try:
+                        variants.append(Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=consumers,
+                                                        stages=stages, min_blocks=min_blocks))
+                    except ValueError:
+                        continue
+            if variants:
+                ranked = sorted(variants, key=lambda v: _cost(v, problem))
+                shapes.append((_cost(ranked[0], problem), ranked))
+        shapes.sort(key=lambda item: item[0])
+        picked: list[Sm90WgmmaParams] = []
+        # The best shapes get more pipeline variants; the rest keep the search broad.
+        for rank, (_, variants) in enumerate(shapes[:10]):
+            picked.extend(variants[: 3 if rank < 3 else 2 if rank < 6 else 1])
+        best = picked[0]
+        tiles_m = -(-problem.m // best.block_m)
+        for group in (16, 4, 1):
+            if group < tiles_m or group == 1:
+                picked.append(best.model_copy(update={"raster_group": group}))
+        for p in picked[:2]:
+            try:
+                picked.append(Sm90WgmmaParams(**{**p.model_dump(), "epilogue": "smem"}))
+            except ValueError:
+                pass
+        seen: dict[str, dict[str, Any]] = {}
+        for p in picked:
+            seen.setdefault(p.model_dump_json(), p.model_dump())
+        return list(seen.values())[:30]
+
+    def region(self, params: dict[str, Any]) -> str:
+        return f"{params.get('block_m', '?')}x{params.get('block_n', '?')}c{params.get('consumers', '?')}"

@@ -1,0 +1,43 @@
+"""bench: choosing each shape's kernel across runs, cuBLAS where nothing beat it, and the written outputs."""
+
+from __future__ import annotations
+
+import json
+
+from agent.bench import bench_offline, best_across, geomean, write_outputs
+from agent.records import BaselineJob, EvalResult, Problem, Status, Timing
+from tests.helpers import fake_evaluate, populated_run
+
+WIN, LOSE = Problem(1000, 3000, 2000), Problem(64, 64, 64, "nk")  # the fake timings beat cuBLAS only on WIN
+
+
+def evaluate(job):
+    if isinstance(job, BaselineJob):
+        return EvalResult("cublas", Status.OK, cublas_warm=Timing(30, 29, 31, 10), cublas_cold=Timing(33, 32, 34, 10))
+    return fake_evaluate(job)
+
+
+def test_best_across_runs_and_cublas_fallback(tmp_path):
+    stores = [populated_run(tmp_path / "a", n=4), populated_run(tmp_path / "b", n=6)]
+    store, cid, ratio = best_across(stores, WIN)
+    assert ratio > 1 and store.candidate(cid).problem == WIN
+    assert best_across(stores, LOSE) is None
+
+
+def test_bench_offline_rows(tmp_path):
+    stores = [populated_run(tmp_path / "a", n=4)]
+    seen = []
+    rows = bench_offline(lambda j: seen.append(type(j).__name__) or evaluate(j), stores, [WIN, LOSE],
+                         progress=lambda s: None)
+    win, lose = rows
+    assert win.kernel.startswith("a/") and win.ratio_warm > 1 and win.tflops > 0
+    assert lose.kernel == "cuBLAS" and lose.ratio_warm == 1.0
+    assert seen == ["EvalJob", "BaselineJob"]  # the winner is re-checked and re-timed, not trusted
+
+
+def test_outputs_written(tmp_path):
+    rows = bench_offline(evaluate, [populated_run(tmp_path / "a", n=4)], [WIN, LOSE], progress=lambda s: None)
+    paths = write_outputs(rows, tmp_path / "out", {"name": "fake"})
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert len(data["rows"]) == 2 and data["geomean_warm"] == geomean([r.ratio_warm for r in rows])
+    assert paths[0].name == "bench.json"

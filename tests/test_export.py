@@ -1,0 +1,47 @@
+"""export: files per shape, the manifest, and the exported module's cuBLAS fallback (CPU-testable)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import torch
+
+from agent.export import export_run, recheck
+from tests.helpers import populated_run
+
+
+def load_module(folder):
+    spec = importlib.util.spec_from_file_location("hgemm_ops_under_test", folder / "hgemm_ops.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_export_writes_kernels_and_fallbacks(tmp_path):
+    store = populated_run(tmp_path / "r")
+    lines = export_run(store, tmp_path / "out")
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert list(manifest["kernels"]) == ["1000_3000_2000:kn"] and manifest["cublas"] == ["64_64_64:nk"]
+    entry = manifest["kernels"]["1000_3000_2000:kn"]
+    cu = (tmp_path / "out" / entry["file"]).read_text()
+    assert "extern \"C\" __global__" in cu and f"dim3{tuple(entry['grid'])}" in cu
+    assert (tmp_path / "out" / entry["cubin"]).read_bytes()[:4] == b"\x7fELF"
+    assert [ln.kernel_file is None for ln in lines] == [False, True]
+
+
+def test_exported_op_falls_back_to_cublas_off_gpu(tmp_path):
+    export_run(populated_run(tmp_path / "r"), tmp_path / "out")
+    ops = load_module(tmp_path / "out")
+    a, b = torch.randn(64, 64).half(), torch.randn(64, 64).half()
+    assert torch.equal(ops.linear(a, b), torch.matmul(a, b.t()))
+    ops.MANIFEST["kernels"]["16_24_8:kn"] = ops.MANIFEST["kernels"]["1000_3000_2000:kn"]  # small, for the CPU
+    x, w = torch.randn(16, 8).half(), torch.randn(8, 24).half()
+    assert torch.equal(ops.mm(x, w), torch.matmul(x, w))  # CPU tensors: the kernel is not usable, cuBLAS path
+
+
+def test_recheck_without_gpu_says_so(tmp_path):
+    export_run(populated_run(tmp_path / "r"), tmp_path / "out")
+    status, text = recheck(tmp_path / "out")
+    if not torch.cuda.is_available():
+        assert status == "no-gpu" and "not re-checked" in text

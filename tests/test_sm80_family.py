@@ -1,0 +1,127 @@
+"""The sm80_mma family on a CPU-only machine: its space compiles without spills, bad settings are refused, launches
+cover the output."""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from agent.records import Problem
+from templates.family import SMEM_PER_BLOCK_MAX_SM80
+from templates.sm80_mma.space import Sm80Mma, Sm80MmaParams
+
+FAMILY = Sm80Mma()
+PROBLEMS = [
+    Problem(64, 64, 64, "kn"),
+    Problem(1000, 3000, 2000, "nk"),
+    Problem(4096, 4096, 4096, "kn"),
+    Problem(64, 1024, 16384, "nk"),
+]
+
+
+def _compile(source: str, arch: str) -> str:
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source, "hgemm.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [f"-arch={arch}", "--ptxas-options=-v", "-std=c++17"])
+    except Exception as e:
+        raise AssertionError(f"{arch}: {e}\n{nvrtc.getProgramLog(prog)}") from None
+    return nvrtc.getProgramLog(prog)
+
+
+def _nvrtc_available() -> bool:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.key)
+def test_space_is_valid_and_ordered(problem: Problem) -> None:
+    settings = FAMILY.space(problem)
+    assert 10 <= len(settings) <= 40
+    assert len({str(sorted(s.items())) for s in settings}) == len(settings), "duplicate settings"
+    for s in settings:
+        FAMILY.parse(s, problem)
+
+
+def test_space_prefers_big_tiles_for_big_problems_and_small_for_small() -> None:
+    big = FAMILY.space(Problem(4096, 4096, 4096, "kn"))[0]
+    small = FAMILY.space(Problem(64, 1024, 16384, "nk"))[0]
+    assert big["block_m"] * big["block_n"] >= 128 * 128
+    assert small["block_m"] <= 64
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="libnvrtc not available")
+def test_space_compiles_without_spills_for_both_arches() -> None:
+    sources = {FAMILY.render(s, p) for p in PROBLEMS for s in FAMILY.space(p)}  # source depends on params + layout
+    jobs = [(src, arch) for src in sorted(sources) for arch in FAMILY.arches]
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
+        logs = list(pool.map(lambda job: _compile(*job), jobs))
+    for (src, arch), log in zip(jobs, logs, strict=True):
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill", log)]
+        assert spills and not any(spills), f"{arch} spills:\n{log}\n{src[:600]}"
+
+
+def test_source_is_self_contained() -> None:
+    src = FAMILY.render({}, Problem(17, 24, 40, "nk"))
+    assert "#include" not in src
+    assert re.search(r'extern "C" __global__ void __launch_bounds__\(THREADS, MIN_BLOCKS\)\s+hgemm\(', src)
+    assert "constexpr bool B_KN = false;" in src
+    assert "constexpr bool B_KN = true;" in FAMILY.render({}, Problem(17, 24, 40, "kn"))
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"block_m": 64, "warps_m": 8}, "warp tile M"),
+        ({"block_n": 32, "warps_n": 4}, "warp tile N"),
+        ({"block_m": 256, "block_n": 256, "warps_m": 8, "warps_n": 8}, "exceeds 1024"),
+        ({"block_m": 256, "block_n": 256, "block_k": 64, "stages": 4, "warps_m": 4, "warps_n": 4}, "shared memory"),
+        ({"block_m": 128, "block_n": 256, "warps_m": 2, "warps_n": 2}, "registers"),
+        ({"block_m": 128, "block_n": 256, "warps_m": 2, "warps_n": 4, "min_blocks": 2}, "registers"),
+        ({"block_m": 128, "block_n": 128, "block_k": 64, "stages": 4, "min_blocks": 2}, "do not fit one SM"),
+        ({"block_m": 96}, "block_m"),
+        ({"stages": 1}, "stages"),
+        ({"raster_group": 0}, "raster_group"),
+        ({"tile": 128}, "tile"),
+    ],
+)
+def test_bad_settings_are_rejected_with_a_message(params: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FAMILY.parse(params, Problem(4096, 4096, 4096, "kn"))
+
+
+def test_shared_memory_budget_is_the_ampere_one() -> None:
+    p = Sm80MmaParams(block_m=128, block_n=256, block_k=64, warps_m=2, warps_n=4, stages=3)
+    assert p.smem_bytes == 3 * (128 + 256) * 64 * 2 <= SMEM_PER_BLOCK_MAX_SM80
+    assert FAMILY.derived(p) == {"threads": 256, "smem_bytes": p.smem_bytes}
+
+
+def _tile_of(pid: int, tiles_m: int, tiles_n: int, group: int) -> tuple[int, int]:
+    """The kernel's grouped rasterisation, transcribed."""
+    per_group = group * tiles_n
+    first_m = (pid // per_group) * group
+    rows = min(tiles_m - first_m, group)
+    return first_m + (pid % per_group) % rows, (pid % per_group) // rows
+
+
+@pytest.mark.parametrize("mnk", ["1_8_8", "17_24_40", "1000_3000_2000", "257_136_520", "4096_4096_4096"])
+def test_launch_grid_covers_the_output_exactly_once(mnk: str) -> None:
+    m, n, k = map(int, mnk.split("_"))
+    problem = Problem(m, n, k, "kn")
+    for params in FAMILY.space(problem)[:8] + [{"raster_group": 3}, {"raster_group": 1}, {"raster_group": 64}]:
+        p = FAMILY.parse(params, problem)
+        spec = FAMILY.launch(params, problem)
+        assert spec.block == (p.threads, 1, 1) and spec.smem_bytes == p.smem_bytes
+        tiles_m, tiles_n = -(-m // p.block_m), -(-n // p.block_n)
+        tiles = [_tile_of(pid, tiles_m, tiles_n, p.raster_group) for pid in range(spec.grid[0])]
+        assert sorted(tiles) == [(i, j) for i in range(tiles_m) for j in range(tiles_n)]
+        assert spec.grid[1:] == (1, 1)
