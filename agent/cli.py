@@ -49,6 +49,8 @@ def build_parser() -> Parser:
     r.add_argument("--compile-only", action="store_true", help="render and compile, no GPU needed")
     r.add_argument("--kernel-timeout", type=float, default=5.0, help="seconds beyond a phase's expected time")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="do not profile the top candidates with Nsight Compute (ncu)")
     r.add_argument("--resume", metavar="RUN", help="continue an interrupted run")
     r.add_argument("--llm-model", help="model name for --proposer llm/mixed (or OPENAI_MODEL)")
     r.add_argument("--llm-base-url", help="OpenAI-compatible endpoint (or OPENAI_BASE_URL)")
@@ -119,7 +121,8 @@ def cmd_run(args) -> int:
         llm = LlmSettings.from_env(model=args.llm_model, base_url=args.llm_base_url, max_calls=args.llm_max_calls)
         config = RunConfig(budget_minutes=args.budget_minutes, max_candidates=args.max_candidates,
                            proposer=args.proposer, arch=args.arch, compile_only=args.compile_only,
-                           kernel_timeout_s=args.kernel_timeout, seed=args.seed, llm=llm)
+                           kernel_timeout_s=args.kernel_timeout, seed=args.seed, profile=args.profile,
+                           llm=llm)
     except ValidationError as e:
         raise UsageError(validation_message(e)) from None
     store = open_run(argparse.Namespace(run=args.resume, runs_dir=args.runs_dir)) if args.resume else None

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 Proposer = Literal["builtin", "llm", "mixed"]
 
@@ -19,8 +20,19 @@ class LlmSettings(BaseModel):
     model: str = "gpt-4o-mini"
     max_calls: int = Field(20, ge=0)
     max_tokens: int = Field(200_000, ge=0)
-    timeout_s: float = Field(60.0, gt=0)
-    retries: int = Field(3, ge=0)
+    timeout_s: float = Field(30.0, gt=0)
+    retries: int = Field(2, ge=0)
+
+    @field_validator("base_url")
+    @classmethod
+    def _no_credentials(cls, url: str | None) -> str | None:
+        """user:password@ in the URL would be saved with the run: drop it (the key comes from the environment)."""
+        if url is None:
+            return None
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        netloc = host + (f":{parts.port}" if parts.port else "")
+        return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
     @classmethod
     def from_env(cls, **overrides) -> LlmSettings:
@@ -44,6 +56,7 @@ class RunConfig(BaseModel):
     kernel_timeout_s: float = Field(5.0, gt=0, description="slack beyond a phase's expected time")
     compile_timeout_s: float = Field(60.0, gt=0)
     seed: int = 0
+    profile: bool = True  # profile each shape's top candidates with Nsight Compute, where it is installed
     llm: LlmSettings = LlmSettings()
 
 

@@ -7,6 +7,7 @@ a result are loaded back (into the bandit and the proposer's view) instead of be
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,13 +15,16 @@ from dataclasses import dataclass
 from agent.bandit import ThompsonBandit, successive_halving
 from agent.config import RunConfig
 from agent.proposers.base import Proposer, SearchState, arm_of
-from agent.records import BuildResult, Candidate, EvalJob, EvalResult, Problem, Status
+from agent.records import BuildResult, Candidate, EvalJob, EvalResult, Problem, ProfileResult, Status
 from agent.store import RunStore
 from sandbox.build import compile_cuda
+from sandbox.profile import NCU_MISSING, NO_COUNTERS
 from templates import get_family
 
 Observer = Callable[[str, dict], None]
+Profiler = Callable[[bytes, str, dict, Problem], ProfileResult]  # sandbox.profile.profile_candidate
 REMEASURE_TOP = 4
+PROFILE_TOP = 2
 
 
 @dataclass
@@ -33,10 +37,14 @@ class ShapeSummary:
 
 class SearchLoop:
     def __init__(self, store: RunStore, config: RunConfig, proposer: Proposer, arch: str,
-                 evaluate: Callable[[EvalJob], EvalResult] | None, observer: Observer | None = None):
+                 evaluate: Callable[[EvalJob], EvalResult] | None, observer: Observer | None = None,
+                 profiler: Profiler | None = None):
         self.store, self.config, self.proposer, self.arch = store, config, proposer, arch
         self.evaluate = evaluate  # None: compile only
         self.observe = observer or (lambda kind, data: None)
+        # None, compile-only or --no-profile: no profiles; switched off for the run when ncu cannot profile
+        self.profiler = profiler if evaluate is not None and config.profile else None
+        self.profile_failures = 0  # in a row
 
     def run(self, problems: list[Problem]) -> list[ShapeSummary]:
         deadline = time.monotonic() + self.config.budget_minutes * 60
@@ -51,6 +59,8 @@ class SearchLoop:
         for c, r in self.store.results(problem):
             state.tried.append((c, self.store.build(c.id), r))
             state.bandit.update(arm_of(c), _reward(r))
+            if (prof := self.store.profile(c.id)) is not None and prof.ok:
+                state.profiles[c.id] = prof.summary
         return state
 
     def search(self, problem: Problem, deadline: float) -> ShapeSummary:
@@ -67,8 +77,11 @@ class SearchLoop:
                 state.tried.append((cand, build, result))
                 state.bandit.update(arm_of(cand), _reward(result))
                 self.observe("result", {"problem": problem, "candidate": cand, "build": build, "result": result})
+            if self.profiler and len(state.tried) == self.config.max_candidates // 2 and time.monotonic() < deadline:
+                self.profile_leaders(problem, state, 1)  # so that the second half's prompts see the leader's profile
         if self.evaluate is not None and time.monotonic() < deadline + 60:
             self.remeasure(problem)
+            self.profile_leaders(problem, state, PROFILE_TOP)
         return ShapeSummary(problem, len(state.tried), self.store.failure_counts(problem), self.store.best(problem))
 
     def process(self, cand: Candidate) -> tuple[BuildResult | None, EvalResult]:
@@ -88,7 +101,7 @@ class SearchLoop:
         if self.evaluate is None:
             return build, self._record(EvalResult(cand.id, Status.SKIPPED, "compile only"))
         job = EvalJob(cand.id, cand.problem, cand.family, cand.params, build.cubin,
-                      timeout_s=self.config.kernel_timeout_s, seed=self.config.seed)
+                      timeout_s=self.config.kernel_timeout_s)
         return build, self._record(self.evaluate(job))
 
     def _record(self, result: EvalResult) -> EvalResult:
@@ -110,8 +123,7 @@ class SearchLoop:
         def measure(cid: str) -> float | None:
             c = leaders[cid]
             build = self.store.build(cid)
-            job = EvalJob(cid, problem, c.family, c.params, build.cubin, timeout_s=self.config.kernel_timeout_s,
-                          seed=self.config.seed + len(scores[cid]))
+            job = EvalJob(cid, problem, c.family, c.params, build.cubin, timeout_s=self.config.kernel_timeout_s)
             r = self.evaluate(job)
             self.observe("remeasure", {"problem": problem, "candidate": c, "result": r})
             if r.status is not Status.OK:
@@ -123,6 +135,32 @@ class SearchLoop:
 
         winner = successive_halving(list(leaders), measure, scores)
         self.store.event("remeasure", f"{problem.key}: winner after re-measurement {winner}")
+
+    def profile_leaders(self, problem: Problem, state: SearchState, top: int) -> None:
+        """Nsight Compute's view of the shape's leaders (by median speed-up), kept for `show` and the prompts."""
+        ok = [c for c, r in self.store.results(problem) if r.status is Status.OK]
+        ok.sort(key=lambda c: -statistics.median(self.store.speedups(c.id) or [0.0]))
+        for c in ok[:top]:
+            if self.profiler is None:
+                return
+            if self.store.profile(c.id) is not None:
+                continue
+            self.observe("profile", {"problem": problem, "candidate": c})
+            prof = self.profiler(self.store.build(c.id).cubin, c.family, c.params, problem)
+            if not prof.ok and prof.error.startswith((NCU_MISSING, NO_COUNTERS)):
+                why = "ncu not found" if prof.error.startswith(NCU_MISSING) else prof.error
+                self.store.event("profile", f"profiling skipped: {why}")
+                self.profiler = None  # said once per run, not once per shape
+                return
+            self.store.add_profile(c.id, prof)
+            self.profile_failures = 0 if prof.ok else self.profile_failures + 1
+            if prof.ok:
+                state.profiles[c.id] = prof.summary
+                continue
+            self.store.event("profile", f"{c.id}: {prof.error[:300]}")
+            if self.profile_failures >= 2:  # a broken ncu costs its timeout every time: stop paying it
+                self.store.event("profile", "profiling skipped: two profiles in a row failed")
+                self.profiler = None
 
 
 def _reward(r: EvalResult) -> float | None:

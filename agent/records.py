@@ -181,7 +181,7 @@ class EvalJob:
     cubin: bytes
     timeout_s: float = 5.0  # slack beyond the expected time of each GPU phase before the worker is killed
     time_it: bool = True
-    seed: int = 0
+    seed: int | None = None  # None: the worker draws fresh random inputs each time
 
 
 @dataclass(frozen=True)
@@ -191,3 +191,13 @@ class BaselineJob:
     problem: Problem
     timeout_s: float = 5.0
     candidate_id: str = "cublas"
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """Nsight Compute's view of one candidate: named metrics (percentages, µs) and a one-line verdict."""
+
+    ok: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+    summary: str = ""  # e.g. "L2 hit 62%, DRAM 85% busy, SM 40%: memory-bound; top stalls long_scoreboard 41%"
+    error: str = ""

@@ -10,6 +10,7 @@ from collections import Counter
 from rich.console import Group
 from rich.syntax import Syntax
 from rich.table import Table
+from rich.text import Text
 
 from agent.records import EvalResult, Problem, Status
 from agent.store import RunStore
@@ -45,6 +46,8 @@ class LiveView:
             if r.status is Status.OK and (row["best"] is None or r.time_us < row["best"]):
                 row["best"], row["ratio"], row["cublas"] = r.time_us, r.speedup, r.cublas_warm.median_us
             self.last = f"{data['candidate'].id} {data['candidate'].family} {r.status.value} {r.reason[:80]}"
+        elif kind == "profile":
+            self.last = f"{data['candidate'].id}: profiling with Nsight Compute"
 
     def __rich__(self) -> Table:
         t = Table(title=self.title, caption=self.last or None)
@@ -74,6 +77,7 @@ def show_run(store: RunStore) -> Group:
     for col in ("shape", "B", "tried", "failures", "best", "family", "µs", "cuBLAS µs", "ratio (median)",
                 "cold ratio", "% floor"):
         t.add_column(col)
+    profiles = []
     for p in store.problems():
         counts = store.failure_counts(p)
         fails = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k not in ("ok", "skipped")) or "-"
@@ -85,10 +89,16 @@ def show_run(store: RunStore) -> Group:
         ratio = statistics.median(store.speedups(c.id) or [0.0])
         cold = r.cublas_cold.median_us / r.cold.median_us if r.cold and r.cublas_cold else None
         floor = 100 * p.floor_us() / r.time_us
+        if (prof := store.profile(c.id)) is not None:
+            text = prof.summary if prof.ok else f"profiling failed: {(prof.error.splitlines() or ['?'])[-1][:120]}"
+            profiles.append(Text(f"profile {p.mnk} {p.b_layout} {c.id}: {text}"))  # Text: no markup in ncu's words
         t.add_row(p.mnk, p.b_layout, str(sum(counts.values())), fails, c.id, c.family, fmt_us(r.time_us),
                   fmt_us(r.cublas_warm.median_us), fmt_ratio(ratio), fmt_ratio(cold), f"{floor:.0f}%")
     device = store.get_meta("device")
-    parts = [t]
+    parts = [t, *profiles]
+    stats = store.get_meta("proposer_stats") or {}
+    if stats:
+        parts.append("proposer: " + ", ".join(f"{k} {json.dumps(v)}" for k, v in stats.items() if v not in ({}, None)))
     if device:
         parts.append(f"device: {device.get('name')} (driver {device.get('driver', '?')}, torch {device.get('torch')}"
                      f", SM clock {device.get('sm_clock_mhz', '?')} MHz)")

@@ -14,6 +14,7 @@ from agent.records import Problem
 from agent.report import LiveView, show_run
 from agent.store import RunStore
 from sandbox.build import NvrtcUnavailable, nvrtc_version
+from sandbox.profile import profile_candidate
 
 EXIT_INTERRUPTED = 130
 
@@ -51,7 +52,7 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
         raise SetupError(str(e)) from None
     pool, device = (None, {}) if config.compile_only else start_pool(config.arch)
     arch = config.arch or device.get("arch", "sm_90a")
-    proposer = make_proposer(config)
+    proposer = make_proposer(config, device or None)
     try:
         if store is None:
             store = make_store()
@@ -63,7 +64,7 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
         store.set_meta("state", "running")
         view = LiveView(f"run {store.run_id}: {config.proposer} proposer, {arch}"
                         + (", compile only" if config.compile_only else f", {device.get('name')}"))
-        loop = SearchLoop(store, config, proposer, arch, pool.evaluate if pool else None, view)
+        loop = SearchLoop(store, config, proposer, arch, pool.evaluate if pool else None, view, profile_candidate)
         with live_cls(view, console=console, refresh_per_second=4, transient=False):
             loop.run(problems)
         store.set_meta("state", "done")

@@ -15,11 +15,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from agent.records import BuildResult, Candidate, EvalResult, Problem, Status
+from agent.records import BuildResult, Candidate, EvalResult, Problem, ProfileResult, Status
 
 MARKER = "hgemm-agent run store v1"
 DB_NAME = "run.sqlite"
 
+PROFILES_TABLE = """CREATE TABLE IF NOT EXISTS profiles (candidate_id TEXT PRIMARY KEY, ok INT, metrics TEXT,
+    summary TEXT, error TEXT);"""
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS problems (key TEXT PRIMARY KEY, m INT, n INT, k INT, b_layout TEXT, dtype TEXT,
@@ -34,7 +36,7 @@ CREATE TABLE IF NOT EXISTS results (candidate_id TEXT PRIMARY KEY, status TEXT, 
 CREATE TABLE IF NOT EXISTS measurements (candidate_id TEXT, time_us REAL, cublas_us REAL, speedup REAL,
     created REAL);
 CREATE TABLE IF NOT EXISTS events (ts REAL, kind TEXT, message TEXT);
-"""
+""" + PROFILES_TABLE
 
 
 class StoreError(ValueError):
@@ -157,6 +159,20 @@ class RunStore:
         q = ("SELECT r.status, COUNT(*) FROM results r JOIN candidates c ON c.id = r.candidate_id "
              + ("WHERE c.problem_key = ? " if problem else "") + "GROUP BY r.status")
         return dict(self.db.execute(q, (problem.key,) if problem else ()).fetchall())
+
+    # Nsight Compute profiles (the table is created on first use, so runs from before it gain one on resume)
+    def add_profile(self, cid: str, p: ProfileResult) -> None:
+        self.db.execute(PROFILES_TABLE)
+        self.db.execute("INSERT OR REPLACE INTO profiles VALUES (?, ?, ?, ?, ?)",
+                        (cid, int(p.ok), json.dumps(p.metrics), p.summary, p.error))
+
+    def profile(self, cid: str) -> ProfileResult | None:
+        try:
+            row = self.db.execute("SELECT ok, metrics, summary, error FROM profiles WHERE candidate_id = ?",
+                                  (cid,)).fetchone()
+        except sqlite3.OperationalError:  # a run from before profiles were kept
+            return None
+        return ProfileResult(bool(row[0]), json.loads(row[1]), row[2], row[3]) if row else None
 
     def events(self) -> list[tuple[float, str, str]]:
         return self.db.execute("SELECT ts, kind, message FROM events ORDER BY ts").fetchall()

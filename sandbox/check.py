@@ -78,10 +78,15 @@ class Checker:
     def b_as_kn(self, b: torch.Tensor) -> torch.Tensor:
         return b if self.b_layout == "kn" else b.t()
 
-    def run(self, a: Guarded, b: Guarded, c: Guarded) -> torch.Tensor:
-        """Poison, scrub, launch once; return a copy of the output after the memory checks."""
+    def run(self, a: Guarded, b: Guarded, c: Guarded, garbage: bool = False) -> torch.Tensor:
+        """Poison (or fill with finite garbage), scrub, launch once; return the output after the memory checks.
+
+        A kernel that writes only where C holds the poison passes a poisoned launch; the garbage fill catches it."""
         a_before, b_before = a.tensor.clone(), b.tensor.clone()
-        c.tensor.view(torch.int16).fill_(POISON)
+        if garbage:
+            c.tensor.copy_(torch.rand(c.rows, c.cols, generator=self.gen, device="cuda") * 1000 - 500)
+        else:
+            c.tensor.view(torch.int16).fill_(POISON)
         self.scrub()
         self.launch(a.tensor, b.tensor, c.tensor, c.rows, c.cols, a.cols)
         torch.cuda.synchronize()  # a CUDA fault surfaces here, as an exception the worker reports
@@ -98,25 +103,37 @@ class Checker:
             raise CheckFailed(f"NaN or Inf in the output ({self._shape(c, a)})")
         return out
 
+    def randomise(self, *tensors: Guarded) -> None:
+        for t in tensors:
+            t.tensor.copy_(torch.randn(t.rows, t.cols, generator=self.gen, device="cuda"))
+
     def check_random(self, a: Guarded, b: Guarded, c: Guarded) -> torch.Tensor:
-        a.tensor.copy_(torch.randn(a.rows, a.cols, generator=self.gen, device="cuda"))
-        b.tensor.copy_(torch.randn(b.rows, b.cols, generator=self.gen, device="cuda"))
+        self.randomise(a, b)
         out = self.run(a, b, c)
+        self.verify(out, a, b, self._shape(c, a))
+        rerun = self.run(a, b, c, garbage=True)
+        if self.deterministic and not _same_bits(rerun, out):
+            raise CheckFailed(f"nondeterministic, or the output depends on what C held before the launch "
+                              f"({self._shape(c, a)})")
+        if not self.deterministic:
+            self.verify(rerun, a, b, self._shape(c, a))
+        return out
+
+    def verify(self, out: torch.Tensor, a: Guarded, b: Guarded, shape: str, what: str = "wrong result") -> None:
+        """The error bound against the fp64 reference, relative to cuBLAS's own error on the same inputs."""
         ref = a.tensor.double() @ self.b_as_kn(b.tensor).double()
         cublas = (a.tensor @ self.b_as_kn(b.tensor)).double()
         err, cub_err = _rel_fro(out.double(), ref), _rel_fro(cublas, ref)
         diff, cub_diff = (out.double() - ref).abs(), (cublas - ref).abs()
         ulp = _fp16_ulp(ref)
         too_far = diff > ERR_FACTOR * cub_diff.max() + ulp
-        shape = self._shape(c, a)
+        if not torch.isfinite(out).all():
+            raise CheckFailed(f"{what}: NaN or Inf in the output ({shape})")
         if err > ERR_FACTOR * cub_err + 1e-6 or too_far.any():
             where = too_far.nonzero()[0].tolist() if too_far.any() else "overall"
-            raise CheckFailed(f"wrong result: relative error {err:.2e} vs cuBLAS {cub_err:.2e}, "
+            raise CheckFailed(f"{what}: relative error {err:.2e} vs cuBLAS {cub_err:.2e}, "
                               f"first bad element {where} ({shape})")
         self.rel_err, self.cublas_rel_err = max(self.rel_err, err), max(self.cublas_rel_err, cub_err)
-        if self.deterministic and not _same_bits(self.run(a, b, c), out):
-            raise CheckFailed(f"nondeterministic: two launches on the same inputs differ ({shape})")
-        return out
 
     def check_exact(self, a: Guarded, b: Guarded, c: Guarded, low: int) -> None:
         for t in (a, b):

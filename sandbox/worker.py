@@ -8,10 +8,13 @@ so the agent starts a fresh worker.
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Any
 
 from agent.records import BaselineJob, EvalJob, EvalResult, Problem, Status
+
+PEAK_FLOPS_PER_US = 1.0e9  # 1000 TFLOP/s: above any Hopper's dense fp16 rate, so a faster "kernel" is cheating
 
 
 class GpuContext:
@@ -24,6 +27,7 @@ class GpuContext:
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device is visible (torch.cuda.is_available() is False)")
         torch.cuda.set_device(device_index)
+        torch.manual_seed(secrets.randbits(48))  # timing inputs differ from process to process
         self.device_index = device_index
         self.props = torch.cuda.get_device_properties(device_index)
         self.info = device_info(device_index)
@@ -78,9 +82,8 @@ class GpuContext:
         return dict(cublas_warm=warm["cublas"], cublas_cold=cold["cublas"])
 
     def _evaluate(self, job: EvalJob, say) -> dict[str, Any]:
-        import torch
 
-        from sandbox.check import POISON, Checker, CheckFailed, Guarded, _same_bits
+        from sandbox.check import Checker, CheckFailed, Guarded
         from sandbox.launch import Kernel
         from sandbox.timing import capture, estimate_us, measure
         from templates import get_family
@@ -92,7 +95,8 @@ class GpuContext:
         expected_s = estimate_us(cublas) * 1e-6
 
         say(job.timeout_s + 2.0 + 400 * expected_s)
-        checker = Checker(kernel, p.b_layout, deterministic=family.deterministic, scrub=self.scrub, seed=job.seed)
+        seed = job.seed if job.seed is not None else secrets.randbits(48)  # inputs a kernel cannot predict
+        checker = Checker(kernel, p.b_layout, deterministic=family.deterministic, scrub=self.scrub, seed=seed)
         checker.check_all(p)
         extra = dict(max_rel_err=checker.rel_err, cublas_rel_err=checker.cublas_rel_err)
         if not job.time_it:
@@ -104,21 +108,37 @@ class GpuContext:
         cand_us = estimate_us(cand)
         # about 40 graph replays of >= 1 ms each (warm and cold, candidate and cuBLAS), plus captures
         say(job.timeout_s + 2.0 + 1e-4 * (cand_us + estimate_us(self.flush) + expected_s * 1e6))
+        a_before, b_before = a.tensor.clone(), b.tensor.clone()
         warm = measure({"candidate": cand, "cublas": cublas}, None)
         cold = measure({"candidate": cand, "cublas": cublas}, self.flush)
-
-        # the timed launch path must itself produce the checked result: a graph replay from a poisoned output
-        eager = checker.run(a, b, c)
-        graph = capture(cand, 1)
-        c.tensor.view(torch.int16).fill_(POISON)
-        graph.replay()
-        torch.cuda.synchronize()
-        if family.deterministic and not _same_bits(c.tensor, eager):
-            raise CheckFailed("the captured launch did not produce the checked result (work outside the stream?)")
-        if not c.guards_intact():
-            raise CheckFailed("out-of-bounds write during timing")
+        self._after_timing(checker, kernel_graph=capture(cand, 1), a=a, b=b, c=c, inputs=(a_before, b_before))
+        if warm["candidate"].median_us < p.flops / PEAK_FLOPS_PER_US:
+            raise CheckFailed(f"timed faster than the GPU's peak arithmetic rate ({warm['candidate'].median_us:.2f} "
+                              f"us for {p.flops:.3g} flop): the timed launches cannot be doing the work")
         return dict(extra, warm=warm["candidate"], cold=cold["candidate"],
                     cublas_warm=warm["cublas"], cublas_cold=cold["cublas"])
+
+
+    @staticmethod
+    def _after_timing(checker, kernel_graph, a, b, c, inputs) -> None:
+        """What the timed launches did must hold up: their last output is right, the inputs are untouched, and
+        the captured launch computes a correct result on fresh inputs (no memo, no skipped work after warm-up)."""
+        import torch
+
+        from sandbox.check import POISON, CheckFailed, _same_bits
+
+        shape = checker._shape(c, a)
+        if not c.guards_intact() or not (a.guards_intact() and b.guards_intact()):
+            raise CheckFailed(f"out-of-bounds write during timing ({shape})")
+        if not (_same_bits(a.tensor, inputs[0]) and _same_bits(b.tensor, inputs[1])):
+            raise CheckFailed(f"the kernel modified its inputs during timing ({shape})")
+        checker.verify(c.tensor.clone(), a, b, shape, what="the timed launches left a wrong result")
+        checker.randomise(a, b)
+        c.tensor.view(torch.int16).fill_(POISON)
+        checker.scrub()
+        kernel_graph.replay()
+        torch.cuda.synchronize()
+        checker.verify(c.tensor.clone(), a, b, shape, what="after timing, the captured launch gave a wrong result")
 
 
 def device_info(index: int = 0) -> dict[str, Any]:

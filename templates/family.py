@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agent.config import validation_message
@@ -62,7 +63,8 @@ class Family(ABC):
 
     def render(self, params: dict[str, Any], problem: Problem, template: str | None = None) -> str:
         p = self.parse(params, problem)
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+        # a sandboxed environment: an edited template from an LLM is untrusted text, and must not reach Python
+        env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
         text = env.from_string(template if template is not None else self.template_source())
         return text.render(**p.model_dump(), **self.derived(p), b_layout=problem.b_layout)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from sandbox.build import compile_cuda
 
 GOOD = r'''
@@ -39,9 +41,12 @@ def test_compile_error_is_data(cache_dir):
     assert not list(cache_dir.glob("*.cubin"))  # failures are not cached
 
 
-def test_headers_are_not_available(cache_dir):
-    b = compile_cuda('#include <cuda_fp16.h>\n' + GOOD, "sm_90a", cache_dir=cache_dir)
-    assert not b.ok and "cuda_fp16.h" in b.log
+@pytest.mark.parametrize("directive", ['#include <cuda_fp16.h>', '#include "/etc/hostname"', '# /**/ include "x"',
+                                       '%:include "x"', '#inc\\\nlude "x"', '#if __has_include("x")\n#endif'])
+def test_file_reading_directives_are_refused(cache_dir, directive):
+    """NVRTC would read host files, and its log goes into prompts: such sources never reach the compiler."""
+    b = compile_cuda(directive + "\n" + GOOD, "sm_90a", cache_dir=cache_dir)
+    assert not b.ok and "not allowed" in b.error and not b.log
 
 
 def test_unknown_arch(cache_dir):

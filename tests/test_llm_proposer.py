@@ -229,10 +229,10 @@ def test_budgets_stop_the_calls(server):
 def test_tokens_are_estimated_where_the_server_reports_no_usage(server):
     server.push(Reply(proposals(GOOD), usage=False))
     llm = make(server, max_tokens=100)
-    llm.propose(fresh_state())
+    assert len(llm.propose(fresh_state())) == 1
     tokens = llm.stats()["tokens"]
     assert tokens["estimated"] and tokens["total"] > 100  # a big prompt: the budget is spent after one call
-    assert llm.propose(fresh_state()) and llm.propose(fresh_state()) == [] and len(server.requests) == 1
+    assert llm.propose(fresh_state()) == [] and len(server.requests) == 1 and "max_tokens" in llm.stopped
 
 
 def test_prompt_holds_hardware_problem_best_candidates_failures_and_ranking(server):

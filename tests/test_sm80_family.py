@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -63,8 +63,9 @@ def test_space_prefers_big_tiles_for_big_problems_and_small_for_small() -> None:
 def test_space_compiles_without_spills_for_both_arches() -> None:
     sources = {FAMILY.render(s, p) for p in PROBLEMS for s in FAMILY.space(p)}  # source depends on params + layout
     jobs = [(src, arch) for src in sorted(sources) for arch in FAMILY.arches]
-    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
-        logs = list(pool.map(lambda job: _compile(*job), jobs))
+    # Processes, not threads: the NVRTC binding holds the GIL while it compiles.
+    with ProcessPoolExecutor(os.cpu_count()) as pool:
+        logs = list(pool.map(_compile, *zip(*jobs, strict=True)))
     for (src, arch), log in zip(jobs, logs, strict=True):
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill", log)]
         assert spills and not any(spills), f"{arch} spills:\n{log}\n{src[:600]}"
@@ -86,8 +87,11 @@ def test_source_is_self_contained() -> None:
         ({"block_m": 256, "block_n": 256, "warps_m": 8, "warps_n": 8}, "exceeds 1024"),
         ({"block_m": 256, "block_n": 256, "block_k": 64, "stages": 4, "warps_m": 4, "warps_n": 4}, "shared memory"),
         ({"block_m": 128, "block_n": 256, "warps_m": 2, "warps_n": 2}, "registers"),
-        ({"block_m": 128, "block_n": 256, "warps_m": 2, "warps_n": 4, "min_blocks": 2}, "registers"),
+        ({"block_m": 128, "block_n": 256, "block_k": 32, "warps_m": 2, "warps_n": 4, "stages": 2, "min_blocks": 2},
+         "registers"),
         ({"block_m": 128, "block_n": 128, "block_k": 64, "stages": 4, "min_blocks": 2}, "do not fit one SM"),
+        ({"block_k": 32, "warps_k": 4}, "cannot be split"),
+        ({"block_m": 128, "block_n": 128, "block_k": 64, "warps_k": 4, "stages": 2}, "partial tiles"),
         ({"block_m": 96}, "block_m"),
         ({"stages": 1}, "stages"),
         ({"raster_group": 0}, "raster_group"),
@@ -103,6 +107,14 @@ def test_shared_memory_budget_is_the_ampere_one() -> None:
     p = Sm80MmaParams(block_m=128, block_n=256, block_k=64, warps_m=2, warps_n=4, stages=3)
     assert p.smem_bytes == 3 * (128 + 256) * 64 * 2 <= SMEM_PER_BLOCK_MAX_SM80
     assert FAMILY.derived(p) == {"threads": 256, "smem_bytes": p.smem_bytes}
+
+
+def test_k_groups_multiply_threads_and_reserve_shared_memory_for_partials() -> None:
+    p = Sm80MmaParams(block_m=32, block_n=64, block_k=64, warps_m=1, warps_n=2, warps_k=4, stages=3)
+    assert p.threads == 256
+    assert p.smem_bytes == max(3 * (32 + 64) * 64 * 2, 3 * 32 * 64 * 4)
+    spec = FAMILY.launch(p.model_dump(), Problem(64, 1024, 16384, "nk"))
+    assert spec.block == (256, 1, 1) and spec.smem_bytes == p.smem_bytes
 
 
 def _tile_of(pid: int, tiles_m: int, tiles_n: int, group: int) -> tuple[int, int]:

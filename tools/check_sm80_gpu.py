@@ -23,9 +23,21 @@ from templates.sm80_mma.space import Sm80Mma  # noqa: E402
 
 FAMILY = Sm80Mma()
 SMALL = ["1_8_8", "17_24_40", "64_64_64", "257_136_520", "129_264_72", "1000_3000_2000"]
-SPACE_SHAPES = SMALL + ["64_1024_16384", "4096_4096_4096"]
-BIG = "4096_4096_4096"
-TIMED = ["4096_4096_4096", "1000_3000_2000", "64_1024_16384", "257_136_520"]
+BIG = ["64_1024_16384", "4096_4096_4096"]  # checked with their own space() settings only
+SPACE_SHAPES = SMALL + BIG + ["128_4096_4096"]
+TIMED = ["4096_4096_4096", "1000_3000_2000", "64_1024_16384", "128_4096_4096", "257_136_520"]
+# Corners no space() picks today but a proposer may: BK=16, 2-chunk B rows, n16 warp tiles, 32-chunk B rows, 8 warps,
+# K groups with either epilogue.
+EXTRA = [
+    {"block_m": 32, "block_n": 16, "block_k": 16, "warps_m": 2, "warps_n": 1, "stages": 2},
+    {"block_m": 128, "block_n": 32, "block_k": 64, "warps_m": 4, "warps_n": 2, "stages": 3, "smem_epilogue": False},
+    {"block_m": 64, "block_n": 256, "block_k": 16, "warps_m": 2, "warps_n": 4, "stages": 6, "raster_group": 3},
+    {"block_m": 16, "block_n": 256, "block_k": 64, "warps_m": 1, "warps_n": 4, "stages": 3},
+    {"block_m": 256, "block_n": 128, "block_k": 64, "warps_m": 8, "warps_n": 1, "stages": 3, "min_blocks": 1},
+    {"block_m": 64, "block_n": 64, "block_k": 64, "warps_m": 2, "warps_n": 2, "warps_k": 4, "stages": 3,
+     "smem_epilogue": False},
+    {"block_m": 32, "block_n": 256, "block_k": 32, "warps_m": 1, "warps_n": 4, "warps_k": 2, "stages": 4},
+]
 
 
 def problem(mnk: str, layout: str) -> Problem:
@@ -61,6 +73,8 @@ def main() -> None:
         for mnk in SPACE_SHAPES:
             for p in FAMILY.space(problem(mnk, layout)):
                 settings[layout].setdefault(key(p), []).append(mnk)
+        for p in EXTRA:
+            settings[layout].setdefault(key(FAMILY.parse(p, problem(SMALL[0], layout)).model_dump()), ["extra"])
     jobs = [(pj, layout) for layout in settings for pj in settings[layout]]
     print(f"{len(jobs)} distinct (setting, layout) sources to compile", flush=True)
 
@@ -80,11 +94,12 @@ def main() -> None:
     for pj, layout, log in build_fail[:3]:
         print("BUILD FAIL", layout, pj, log, sep="\n")
 
-    def launch(fn, params: dict, prob: Problem, a, b, c) -> None:
+    def launcher(fn, params: dict, prob: Problem, a, b, c):
+        """A no-argument launch with everything host-side (validation, attributes) done once, up front."""
         spec = FAMILY.launch(params, prob)
         fn.max_dynamic_shared_size_bytes = spec.smem_bytes
-        fn(spec.grid, spec.block, (a, b, c, cupy.int32(prob.m), cupy.int32(prob.n), cupy.int32(prob.k)),
-           shared_mem=spec.smem_bytes)
+        args = (a, b, c, cupy.int32(prob.m), cupy.int32(prob.n), cupy.int32(prob.k))
+        return lambda: fn(spec.grid, spec.block, args, shared_mem=spec.smem_bytes)
 
     def operands(prob: Problem):
         a = torch.randn(prob.m, prob.k, device="cuda", dtype=torch.float16)
@@ -99,13 +114,13 @@ def main() -> None:
     rows = []
     failures = 0
     for layout in ("kn", "nk"):
-        for mnk in SMALL + [BIG]:
+        for mnk in SMALL + BIG:
             prob = problem(mnk, layout)
             a, b, _, ref, torch_err = operands(prob)
             guard = 4096
             # Every setting runs on every small shape (one cubin must serve any M, N, K); the big shape runs its own
             # space() settings only.
-            todo = [pj for pj, shapes in settings[layout].items() if mnk != BIG or BIG in shapes]
+            todo = [pj for pj, shapes in settings[layout].items() if mnk not in BIG or mnk in shapes]
             for pj in todo:
                 fn = kernels.get((pj, layout))
                 if fn is None:
@@ -115,7 +130,7 @@ def main() -> None:
                 c = buf[: prob.m * prob.n].view(torch.float16).view(prob.m, prob.n)
                 status = "ok"
                 try:
-                    launch(fn, params, prob, cupy.from_dlpack(a), cupy.from_dlpack(b), cupy.from_dlpack(c))
+                    launcher(fn, params, prob, cupy.from_dlpack(a), cupy.from_dlpack(b), cupy.from_dlpack(c))()
                     torch.cuda.synchronize()
                 except Exception as e:  # a fault poisons the context: report and stop
                     print(f"FAULT {layout} {mnk} {pj}: {e}", flush=True)
@@ -135,21 +150,23 @@ def main() -> None:
                   f"torch {torch_err:.3e}", flush=True)
     print(f"correctness: {len(rows)} runs, {failures} failures", flush=True)
 
-    def time_us(run, *args, reps: int = 20, **kwargs) -> float:
+    def time_us(run, *args, reps: int = 20, batch: int = 10, **kwargs) -> float:
+        """Median over `reps` event pairs, each around `batch` back-to-back launches (hides host launch cost)."""
         for _ in range(3):
             run(*args, **kwargs)
         times = []
         for _ in range(reps):
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
             start.record()
-            run(*args, **kwargs)
+            for _ in range(batch):
+                run(*args, **kwargs)
             end.record()
             end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) * 1000)
+            times.append(cupy.cuda.get_elapsed_time(start, end) * 1000 / batch)
         return statistics.median(times)
 
-    print("\ntiming (median of 20 single launches, warm L2; ratio = t_cublas / t_kernel)")
-    print(f"{'shape':>16} {'B':>2} {'setting (bm,bn,bk,wm,wn,st,grp,minb,smem_epi)':<44} {'us':>8} {'TF/s':>7} "
+    print("\ntiming (median of 20 batches of 10 back-to-back launches, warm L2; ratio = t_cublas / t_kernel)")
+    print(f"{'shape':>16} {'B':>2} {'bm,bn,bk,wm,wn,wk,st,grp,minb,epi':<36} {'#rank':<6} {'us':>8} {'TF/s':>7} "
           f"{'cublas us':>9} {'ratio':>6}")
     for mnk in TIMED:
         for layout in ("kn", "nk"):
@@ -162,7 +179,7 @@ def main() -> None:
             for params in FAMILY.space(prob)[:12]:
                 fn = kernels.get((key(params), layout))
                 if fn is not None:
-                    results.append((time_us(launch, fn, params, prob, ca, cb, cc), params))
+                    results.append((time_us(launcher(fn, params, prob, ca, cb, cc)), params))
             results.sort(key=lambda r: r[0])
             order = {key(p): i for i, p in enumerate(FAMILY.space(prob))}
             for t, params in results[:3]:

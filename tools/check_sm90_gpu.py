@@ -1,6 +1,7 @@
 """Check the sm90_wgmma family on a real GPU: every space() setting correct on odd shapes, speed vs cuBLAS.
 
-Run on the GPU machine from the repository root:  python3 tools/check_sm90_gpu.py [out_dir] [--time-top N]
+Run on the GPU machine from the repository root:  python3 tools/check_sm90_gpu.py [out_dir]
+For ncu: ncu -k regex:"hgemm|nvjet" -s 2 -c 2 python3 tools/check_sm90_gpu.py --profile PARAMS_JSON LAYOUT M_N_K
 The parent process never touches the GPU: it compiles every setting (NVRTC, in parallel), disassembles one cubin
 (HGMMA present, no local memory), then feeds settings one at a time to a worker process that it kills and
 replaces when a kernel hangs (a wrong mbarrier handshake deadlocks) or faults (a poisoned CUDA context).
@@ -28,10 +29,15 @@ from agent.records import Problem  # noqa: E402
 from templates.sm90_wgmma.space import Sm90Wgmma  # noqa: E402
 
 FAMILY = Sm90Wgmma()
-CHECK_SHAPES = ["1_8_8", "17_24_40", "64_64_64", "257_136_520", "1000_3000_2000", "4096_4096_4096"]
+CHECK_SHAPES = ["1_8_8", "17_24_40", "64_64_64", "257_136_520", "1000_3000_2000", "3000_2008_136", "4096_4096_4096"]
 SPACE_SHAPES = ["128_256_64", "1000_3000_2000", "4096_4096_4096", "8192_8192_8192", "64_1024_16384"]
-TIMED = ["4096_4096_4096", "8192_8192_8192"]
+# Timed shapes and how many of their space() settings (best guesses first) to time, both B layouts each.
+TIMED = {"4096_4096_4096": 12, "8192_8192_8192": 12, "1024_1024_1024": 4, "2048_2048_2048": 4, "1000_3000_2000": 4,
+         "512_8192_1024": 4, "16384_4096_4096": 4, "4096_6144_4096": 4, "2048_14336_4096": 4, "16384_1024_1024": 4}
+VARIANT_SHAPES = ["4096_4096_4096", "8192_8192_8192"]
 FIRST_JOB_TIMEOUT_S, JOB_TIMEOUT_S = 60.0, 20.0
+# Source edits tried on the best-guess settings of the timed shapes: (name, old, new).
+VARIANTS = [("no-proxy-fence", r'asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");', "")]
 
 
 def problem(mnk: str, layout: str) -> Problem:
@@ -43,24 +49,29 @@ def key(params: dict) -> str:
     return json.dumps(params, sort_keys=True)
 
 
-def short(params: dict) -> str:
+def short(params: dict, variant: str = "") -> str:
     p = params
     return (f"{p['block_m']}x{p['block_n']} c{p['consumers']} s{p['stages']} g{p['raster_group']} "
-            f"b{p['min_blocks']} {p['epilogue'][0]}")
+            f"b{p['min_blocks']} {p['epilogue'][0]}{' P' if p.get('persistent') else ''}"
+            + (f" [{variant}]" if variant else ""))
 
 
-def compile_one(job: tuple[str, str, str]) -> tuple[str, str, str | None, str]:
+def compile_one(job: tuple[tuple[str, str, str], str]) -> tuple[tuple[str, str, str], str | None, str]:
     from cupy_backends.cuda.libs import nvrtc
 
-    params_json, layout, out_path = job
+    (params_json, layout, variant), out_path = job
     src = FAMILY.render(json.loads(params_json), problem("256_256_256", layout))
+    for name, old, new in VARIANTS:
+        if name == variant:
+            assert old in src, f"variant {name}: text not in the source"
+            src = src.replace(old, new)
     prog = nvrtc.createProgram(src, "k.cu", [], [])
     try:
         nvrtc.compileProgram(prog, ["-arch=sm_90a", "--ptxas-options=-v", "-std=c++17"])
     except Exception:
-        return params_json, layout, None, nvrtc.getProgramLog(prog)
+        return job[0], None, nvrtc.getProgramLog(prog)
     Path(out_path).write_bytes(nvrtc.getCUBIN(prog))
-    return params_json, layout, out_path, nvrtc.getProgramLog(prog)
+    return job[0], out_path, nvrtc.getProgramLog(prog)
 
 
 # ----------------------------------------------------------------------------------------------- worker (GPU)
@@ -177,103 +188,149 @@ class WorkerProcess:
 
 
 def disassemble(cubin: str) -> str:
-    tool = shutil.which("cuobjdump")
-    if not tool:
-        return "cuobjdump not found"
-    sass = subprocess.run([tool, "--dump-sass", cubin], capture_output=True, text=True).stdout
-    ops = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS", "SYNCS")}
-    return " ".join(f"{op}={n}" for op, n in ops.items())
+    """Counts of the instructions that tell the story: HGMMA (wgmma ran), LDL/STL (local memory), LDGSTS (cp.async)."""
+    note = "no disassembler found"
+    for tool, args in (("cuobjdump", ["--dump-sass"]), ("nvdisasm", [])):
+        path = shutil.which(tool)
+        if not path:
+            continue
+        run = subprocess.run([path, *args, cubin], capture_output=True, text=True)
+        if "HGMMA" in run.stdout or "LDGSTS" in run.stdout:
+            ops = ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS", "SYNCS", "STS", "STG")
+            counts = {op: len(re.findall(r"\b" + op + r"\b", run.stdout)) for op in ops}
+            return f"{tool}: " + " ".join(f"{op}={n}" for op, n in counts.items())
+        note = f"{tool} rc={run.returncode}: {(run.stderr or run.stdout)[:300]!r}"
+    return note
+
+
+def profile_one(params_json: str, layout: str, mnk: str) -> None:
+    """Launch one setting and cuBLAS twice each, interleaved, for ncu (-s 2 -c 2 profiles the second of each)."""
+    import torch
+
+    from sandbox.launch import Kernel
+
+    params = FAMILY.parse(json.loads(params_json), problem(mnk, layout)).model_dump()
+    out = tempfile.mkdtemp() + "/k.cubin"
+    _, path, log = compile_one(((key(params), layout, ""), out))
+    assert path, log
+    prob = problem(mnk, layout)
+    kern = Kernel(Path(path).read_bytes(), lambda m, n, k: FAMILY.launch(params, Problem(m, n, k, layout)))
+    a = torch.randn(prob.m, prob.k, device="cuda", dtype=torch.float16)
+    b = torch.randn(*((prob.k, prob.n) if layout == "kn" else (prob.n, prob.k)), device="cuda", dtype=torch.float16)
+    c = torch.empty(prob.m, prob.n, device="cuda", dtype=torch.float16)
+    for _ in range(2):
+        kern(a, b, c, prob.m, prob.n, prob.k)
+        torch.matmul(a, b if layout == "kn" else b.t(), out=c)
+    torch.cuda.synchronize()
+    print(f"profiled {short(params)} {layout} {mnk}: {disassemble(path)}")
 
 
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     out_dir = Path(args[0]) if args else None
-    time_top = 8
-    if "--time-top" in sys.argv:
-        time_top = int(sys.argv[sys.argv.index("--time-top") + 1])
     t0 = time.time()
-    settings: dict[str, dict[str, dict]] = {"kn": {}, "nk": {}}
-    for layout in settings:
+    # (params json, layout, variant) -> params: every space() setting of every SPACE_SHAPE, the timed settings, and
+    # the variants of the first setting of each VARIANT_SHAPE.
+    keys: dict[tuple[str, str, str], dict] = {}
+    for layout in ("kn", "nk"):
         for mnk in SPACE_SHAPES:
             for p in FAMILY.space(problem(mnk, layout)):
-                settings[layout].setdefault(key(p), p)
+                keys.setdefault((key(p), layout, ""), p)
+        for mnk, top in TIMED.items():
+            for p in FAMILY.space(problem(mnk, layout))[:top]:
+                keys.setdefault((key(p), layout, ""), p)
+        for mnk in VARIANT_SHAPES:
+            p = FAMILY.space(problem(mnk, layout))[0]
+            for name, _, _ in VARIANTS:
+                keys.setdefault((key(p), layout, name), p)
     tmp = tempfile.mkdtemp()
-    jobs = [(pj, layout, f"{tmp}/{layout}{i}.cubin") for layout in settings for i, pj in enumerate(settings[layout])]
-    cubins: dict[tuple[str, str], str] = {}
+    jobs = [(k, f"{tmp}/{i}.cubin") for i, k in enumerate(keys)]
+    cubins: dict[tuple[str, str, str], str] = {}
     build_fail = []
     with ProcessPoolExecutor(os.cpu_count()) as ex:
-        for pj, layout, path, log in ex.map(compile_one, jobs):
+        for k, path, log in ex.map(compile_one, jobs):
             spill = max(map(int, re.findall(r"(\d+) bytes spill", log)), default=0)
-            regs = re.search(r"Used (\d+) registers", log)
             if path is None or spill:
-                build_fail.append((pj, layout, log[-1500:]))
+                build_fail.append((k, log[-1500:]))
             else:
-                cubins[(pj, layout)] = path
-            if path and regs and "serialized" in log:
-                print("WGMMA SERIALIZED", layout, pj, log[-800:])
-    print(f"compiled {len(cubins)} of {len(jobs)} (setting, layout) sources in {time.time() - t0:.0f} s; "
+                cubins[k] = path
+            if path and "serialized" in log:
+                print("WGMMA SERIALIZED", k, log[-800:])
+    print(f"compiled {len(cubins)} of {len(jobs)} (setting, layout, variant) sources in {time.time() - t0:.0f} s; "
           f"{len(build_fail)} failed or spilled", flush=True)
-    for pj, layout, log in build_fail[:3]:
-        print("BUILD FAIL", layout, pj, log, sep="\n")
+    for k, log in build_fail[:3]:
+        print("BUILD FAIL", k, log, sep="\n")
     for layout in ("kn", "nk"):
-        first = next((p for (pj, lay), p in cubins.items() if lay == layout), None)
-        if first:
-            print(f"SASS {layout} {short(json.loads(next(pj for (pj, lay) in cubins if lay == layout)))}: "
-                  f"{disassemble(first)}", flush=True)
+        k = next((k for k in cubins if k[1] == layout and not k[2]), None)
+        if k:
+            print(f"SASS {layout} {short(keys[k])}: {disassemble(cubins[k])}", flush=True)
 
     worker = WorkerProcess()
-    status: dict[tuple[str, str], dict] = {}
+    status: dict[tuple[str, str, str], dict] = {}
     bad_in_a_row = 0
-    for (pj, layout), path in cubins.items():
-        res = worker.run({"kind": "check", "params": json.loads(pj), "layout": layout, "cubin": path})
-        status[(pj, layout)] = res
+    for k, path in cubins.items():
+        res = worker.run({"kind": "check", "params": keys[k], "layout": k[1], "cubin": path})
+        status[k] = res
         if res["status"] != "ok":
             worst = [s for s in res.get("shapes", []) if not s["ok"]][:3]
-            print(f"{res['status']:5} {layout} {short(json.loads(pj))}: {res.get('error', '')} {worst}", flush=True)
+            print(f"{res['status']:5} {k[1]} {short(keys[k], k[2])}: {res.get('error', '')} {worst}", flush=True)
         bad_in_a_row = bad_in_a_row + 1 if res["status"] in ("HANG", "FAULT", "CRASH") else 0
         if bad_in_a_row >= 3:
             print("three hangs/faults in a row: stopping the correctness pass", flush=True)
             break
     n_ok = sum(r["status"] == "ok" for r in status.values())
-    print(f"correctness: {n_ok} of {len(status)} (setting, layout) pass all of {', '.join(CHECK_SHAPES)} "
+    print(f"correctness: {n_ok} of {len(status)} (setting, layout, variant) pass all of {', '.join(CHECK_SHAPES)} "
           f"({time.time() - t0:.0f} s)", flush=True)
     for layout in ("kn", "nk"):
-        errs = [s["err"] / s["torch_err"] for (pj, lay), r in status.items() if lay == layout and r["status"] == "ok"
+        errs = [s["err"] / s["torch_err"] for k, r in status.items() if k[1] == layout and r["status"] == "ok"
                 for s in r["shapes"]]
         if errs:
             print(f"  {layout}: worst rel err / torch's own: {max(errs):.2f}")
 
     rows = []
-    for mnk in TIMED:
+    for mnk, top in TIMED.items():
         for layout in ("kn", "nk"):
             prob = problem(mnk, layout)
-            for p in FAMILY.space(prob)[:time_top]:
-                pj = key(p)
-                if status.get((pj, layout), {}).get("status") != "ok":
+            todo = [(key(p), layout, "") for p in FAMILY.space(prob)[:top]]
+            if mnk in VARIANT_SHAPES:
+                todo += [k for k in keys if k[1] == layout and k[2] and (k[0], layout, "") == todo[0]]
+            for k in todo:
+                if status.get(k, {}).get("status") != "ok":
                     continue
-                res = worker.run({"kind": "time", "params": p, "layout": layout, "cubin": cubins[(pj, layout)],
-                                  "mnk": mnk})
+                res = worker.run({"kind": "time", "params": keys[k], "layout": layout, "cubin": cubins[k], "mnk": mnk})
                 if res["status"] == "ok":
-                    rows.append((mnk, layout, short(p), res))
+                    rows.append((mnk, layout, short(keys[k], k[2]), res))
                 else:
-                    print(f"timing {res['status']} {mnk} {layout} {short(p)}", flush=True)
+                    print(f"timing {res['status']} {mnk} {layout} {short(keys[k], k[2])}", flush=True)
     worker.kill()
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "sm90_check.json").write_text(json.dumps(
-            {"status": {f"{lay} {pj}": r for (pj, lay), r in status.items()},
+            {"status": {" ".join(k): r for k, r in status.items()},
              "timing": [dict(mnk=m, layout=lay, setting=s, **r) for m, lay, s, r in rows]}, indent=1))
     print(f"\ntiming: CUDA-graph replays, warm L2, median of 7 interleaved with cuBLAS; ratio = t_cublas / t "
           f"({time.time() - t0:.0f} s)")
-    print(f"{'shape':>15} {'B':>2} {'setting':<28} {'us':>9} {'cuBLAS us':>9} {'ratio':>6} {'TFLOP/s':>8}")
+    print(f"{'shape':>15} {'B':>2} {'setting':<44} {'us':>8} {'cuBLAS us':>9} {'ratio':>6} {'TFLOP/s':>8}")
+    best: dict[tuple[str, str], tuple] = {}
     for mnk, layout, s, r in rows:
         flops = problem(mnk, layout).flops
-        print(f"{mnk:>15} {layout:>2} {s:<28} {r['us']:9.1f} {r['cublas_us']:9.1f} {r['cublas_us'] / r['us']:6.3f} "
+        print(f"{mnk:>15} {layout:>2} {s:<44} {r['us']:8.1f} {r['cublas_us']:9.1f} {r['cublas_us'] / r['us']:6.3f} "
+              f"{flops / r['us'] / 1e6:8.1f}")
+        if "[" not in s and ((mnk, layout) not in best or r["us"] < best[(mnk, layout)][1]["us"]):
+            best[(mnk, layout)] = (s, r)
+    print("\nbest setting per shape (same measurements)")
+    print(f"{'shape':>15} {'B':>2} {'setting':<44} {'us':>8} {'cuBLAS us':>9} {'ratio':>6} {'TFLOP/s':>8}")
+    for (mnk, layout), (s, r) in best.items():
+        flops = problem(mnk, layout).flops
+        print(f"{mnk:>15} {layout:>2} {s:<44} {r['us']:8.1f} {r['cublas_us']:9.1f} {r['cublas_us'] / r['us']:6.3f} "
               f"{flops / r['us'] / 1e6:8.1f}")
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker_main()
+    elif "--profile" in sys.argv:
+        i = sys.argv.index("--profile")
+        profile_one(*sys.argv[i + 1: i + 4])
     else:
         main()

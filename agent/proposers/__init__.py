@@ -6,11 +6,11 @@ from agent.config import RunConfig
 from agent.proposers.base import Proposer
 
 
-def make_proposer(config: RunConfig) -> Proposer:
+def make_proposer(config: RunConfig, device: dict | None = None) -> Proposer:
     from agent.proposers.builtin import BuiltinProposer
 
     if config.proposer == "builtin":
         return BuiltinProposer()
     from agent.proposers.llm import make_llm_proposer  # the LLM proposers (llm, mixed)
 
-    return make_llm_proposer(config)
+    return make_llm_proposer(config, device)

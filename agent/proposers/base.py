@@ -18,6 +18,7 @@ class SearchState:
     arch: str
     bandit: ThompsonBandit
     tried: list[tuple[Candidate, BuildResult | None, EvalResult]] = field(default_factory=list)
+    profiles: dict[str, str] = field(default_factory=dict)  # candidate id -> Nsight Compute summary line
 
     @property
     def tried_ids(self) -> set[str]:

@@ -45,8 +45,8 @@ def build_context(state: SearchState, device: dict[str, Any] | None, n: int, *, 
     return {
         "device": hardware_facts(device or H200, state.arch),
         "problem": problem_view(state),
-        "families": [family_view(f, edits) for f in families_for_prompt(state.arch)],
-        "best": [example_view(c, b, r, ranks) for c, b, r in best_examples(state, ranks)],
+        "families": [family_view(f, edits and f.name == edit_family(state)) for f in families_for_prompt(state.arch)],
+        "best": [example_view(c, b, r, ranks, state.profiles.get(c.id)) for c, b, r in best_examples(state, ranks)],
         "failures": [failure_view(c, b, r) for c, b, r in recent_failures(state, ranks)],
         "ranking": ranking_view(state),
         "rejected": [_clip(text, MAX_ERROR_CHARS) for text in list(rejected)[-MAX_REJECTED:]],
@@ -54,6 +54,16 @@ def build_context(state: SearchState, device: dict[str, Any] | None, n: int, *, 
         "n": n,
         "edits": edits,
     }
+
+
+def edit_family(state: SearchState) -> str:
+    """The one family whose template source the prompt carries (sources are long): the family of the bandit's
+    best arm, or the first family searched for this arch before anything has been measured."""
+    ranking = state.bandit.ranking()
+    if ranking:
+        return str(ranking[0][0]).split(":")[1]
+    searched = [f.name for f in families_for_prompt(state.arch) if f.searched]
+    return searched[0] if searched else ""
 
 
 def hardware_facts(device: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -154,8 +164,10 @@ def ranking_view(state: SearchState) -> list[dict[str, Any]]:
             for arm, mean, sd, count in state.bandit.ranking()[:MAX_RANKING]]
 
 
-def example_view(c: Candidate, b: BuildResult | None, r: EvalResult, ranks: dict[str, int]) -> dict[str, Any]:
+def example_view(c: Candidate, b: BuildResult | None, r: EvalResult, ranks: dict[str, int],
+                 profile: str | None = None) -> dict[str, Any]:
     view = _candidate_view(c, b)
+    view["profile"] = _clip(profile, 300) if profile else None  # Nsight Compute's one-line verdict
     view.update(status=r.status.value, arm=_arm(c), arm_rank=_rank(c, ranks) + 1 if _arm(c) in ranks else None,
                 time_us=round(r.time_us, 2) if math.isfinite(r.time_us) else None,
                 cold_us=round(r.cold.median_us, 2) if r.cold else None,

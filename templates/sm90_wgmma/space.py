@@ -17,7 +17,10 @@ SMS = 132  # H200; the ranking only needs a rough wave count
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_BLOCK = 1024  # the driver's own share of each block's shared memory on sm_90
 REGS_PER_SM = 65536
-PRODUCER_REGS = 48  # the cp.async producer needs few registers; setmaxnreg hands the rest to the consumers
+# The cp.async producer needs few registers (72 leave the persistent kn 256-row loop without spills); setmaxnreg hands
+# the rest to the consumers, and the producer gives up more where the consumers need it.
+PRODUCER_REGS_MAX, PRODUCER_REGS_MIN = 80, 56
+WGMMA_EXTRA = 26  # ptxas (C7602) wants one m64nN wgmma's N/2 accumulators + 26 within the entry register cap
 # Consumer registers beyond the accumulators (descriptors, loop state, addresses): ptxas asks for 26 more than the
 # accumulators of one wgmma (C7602 "register target of ..."); a little slack for the epilogue.
 CONSUMER_OVERHEAD = 32
@@ -33,7 +36,10 @@ class Sm90WgmmaParams(Params):
     raster_group: int = Field(8, ge=1, le=64, description="tile-rows a block group walks before moving across N")
     min_blocks: Literal[1, 2] = Field(1, description="blocks resident per SM (__launch_bounds__); caps registers")
     epilogue: Literal["direct", "smem"] = Field(
-        "direct", description="direct: 4-byte stores from the accumulators; smem: staged for 16-byte stores")
+        "smem", description="smem: C staged in shared memory for 16-byte stores (measured 3-10% faster on the "
+        "H200); direct: 4-byte stores from the accumulators")
+    persistent: bool = Field(False, description="one block per SM slot striding over the tiles; the producer "
+                             "prefetches the next tile while the consumers store the last")
 
     @property
     def threads(self) -> int:
@@ -46,8 +52,10 @@ class Sm90WgmmaParams(Params):
     @property
     def smem_bytes(self) -> int:
         c_tile = self.block_m * (self.block_n + 8) * 2 if self.epilogue == "smem" else 0
+        # Persistent blocks refill the ring while storing C, so C needs room of its own; otherwise it reuses it.
+        body = self.ring_bytes + c_tile if self.persistent else max(self.ring_bytes, c_tile)
         # + the mbarriers (16 B a stage) + slack to align the ring to a 1024-byte swizzle atom
-        return max(self.ring_bytes, c_tile) + 16 * self.stages + 1024
+        return body + 16 * self.stages + 1024
 
     @property
     def entry_regs(self) -> int:
@@ -62,10 +70,18 @@ class Sm90WgmmaParams(Params):
         return self.min_blocks == 1 and self.entry_regs < 240
 
     @property
+    def producer_regs(self) -> int:
+        if not self.set_maxnreg:
+            return self.entry_regs
+        need = -(-(self.accumulators + CONSUMER_OVERHEAD) // 8) * 8
+        spare = (self.threads * self.entry_regs - 128 * self.consumers * need) // 128 // 8 * 8
+        return max(PRODUCER_REGS_MIN, min(PRODUCER_REGS_MAX, spare))
+
+    @property
     def consumer_regs(self) -> int:
         if not self.set_maxnreg:
             return self.entry_regs
-        pool = self.threads * self.entry_regs - 128 * PRODUCER_REGS
+        pool = self.threads * self.entry_regs - 128 * self.producer_regs
         return min(240, pool // (128 * self.consumers) // 8 * 8)
 
     @property
@@ -79,11 +95,16 @@ class Sm90WgmmaParams(Params):
             raise ValueError(f"block_m={self.block_m} must split into consumers={self.consumers} warpgroups of "
                              "a multiple of 64 rows each (wgmma is m64)")
         if self.smem_bytes > SMEM_PER_BLOCK_MAX:
-            raise ValueError(f"shared memory {self.smem_bytes} B (stages*(block_m+block_n)*128 + barriers + "
-                             f"alignment) exceeds the sm_90 limit of {SMEM_PER_BLOCK_MAX} B per block")
+            c_note = " + C staging beside it (persistent)" if self.persistent and self.epilogue == "smem" else ""
+            raise ValueError(f"shared memory {self.smem_bytes} B (ring of stages*(block_m+block_n)*128 B{c_note} + "
+                             f"barriers + alignment) exceeds the sm_90 limit of {SMEM_PER_BLOCK_MAX} B per block")
         if self.min_blocks * (self.smem_bytes + SMEM_RESERVED_PER_BLOCK) > SMEM_PER_SM:
             raise ValueError(f"min_blocks={self.min_blocks} blocks of {self.smem_bytes} B shared memory do not fit "
                              f"one SM ({SMEM_PER_SM} B)")
+        if self.block_n // 2 + WGMMA_EXTRA > self.entry_regs:
+            raise ValueError(f"one m64n{self.block_n} wgmma needs {self.block_n // 2 + WGMMA_EXTRA} registers within "
+                             f"the entry cap of {self.entry_regs} ({self.threads} threads x min_blocks="
+                             f"{self.min_blocks}): use a smaller block_n or fewer threads")
         if self.accumulators + CONSUMER_OVERHEAD > self.consumer_regs:
             raise ValueError(f"{self.accumulators} accumulator registers per consumer thread (+{CONSUMER_OVERHEAD}) "
                              f"exceed the {self.consumer_regs} a consumer gets with {self.threads} threads x "
@@ -107,9 +128,12 @@ def _cost(p: Sm90WgmmaParams, problem: Problem) -> float:
     per_sm = min(p.min_blocks, -(-tiles // SMS))
     k_tiles = -(-problem.k // p.block_k)
     traffic = 1 + 40 / p.block_m + 40 / p.block_n
-    # Fewer than two consumer warpgroups per SM leave gaps between wgmma groups; the ring fills once per tile.
-    issue = 1 + 0.15 / (per_sm * p.consumers)
-    return waves * per_sm * p.block_m * p.block_n * traffic * issue * (k_tiles + 2 + 2 / p.stages)
+    # Two consumer warpgroups per SM measured best on the H200 (three: 3-15% slower; one leaves gaps between wgmma
+    # groups); the ring fills once per tile.
+    issue = {2: 1.0, 3: 1.06}.get(per_sm * p.consumers, 1.1)
+    # kn with block_n = 192: B rows of 24 chunks leave producer threads idle; measured 5-20% slower on the H200.
+    uneven = 1.15 if problem.b_layout == "kn" and 128 % (p.block_n // 8) else 1.0
+    return waves * per_sm * p.block_m * p.block_n * traffic * issue * uneven * (k_tiles + 2 + 2 / p.stages)
 
 
 class Sm90Wgmma(Family):
@@ -126,7 +150,7 @@ class Sm90Wgmma(Family):
     def derived(self, params: Params) -> dict[str, Any]:
         assert isinstance(params, Sm90WgmmaParams)
         return {"threads": params.threads, "smem_bytes": params.smem_bytes, "set_maxnreg": params.set_maxnreg,
-                "producer_regs": PRODUCER_REGS, "consumer_regs": params.consumer_regs}
+                "producer_regs": params.producer_regs, "consumer_regs": params.consumer_regs}
 
     def check_for_problem(self, params: Params, problem: Problem) -> None:
         assert isinstance(params, Sm90WgmmaParams)
@@ -138,7 +162,8 @@ class Sm90Wgmma(Family):
         p = self.parse(params, problem)
         assert isinstance(p, Sm90WgmmaParams)
         tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
-        return LaunchSpec(grid=(tiles, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes)
+        grid = min(tiles, SMS * p.min_blocks) if p.persistent else tiles
+        return LaunchSpec(grid=(grid, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes)
 
     def space(self, problem: Problem) -> list[dict[str, Any]]:
         k_tiles = -(-problem.k // 64)
@@ -169,9 +194,11 @@ class Sm90Wgmma(Family):
         for group in (16, 4, 1):
             if group < tiles_m or group == 1:
                 picked.append(best.model_copy(update={"raster_group": group}))
-        for p in picked[:2]:
+        # Persistent blocks need C room beside the ring, so they store C directly.
+        for p, update in [(p, {"epilogue": "direct"}) for p in picked[:2]] + [
+                (p, {"persistent": True, "epilogue": "direct"}) for p in picked[:2]]:
             try:
-                picked.append(Sm90WgmmaParams(**{**p.model_dump(), "epilogue": "smem"}))
+                picked.append(Sm90WgmmaParams(**{**p.model_dump(), **update}))
             except ValueError:
                 pass
         seen: dict[str, dict[str, Any]] = {}

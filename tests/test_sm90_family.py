@@ -1,0 +1,82 @@
+"""The sm90_wgmma family on the CPU: its parameter space rejects the impossible, and every setting it proposes
+renders and compiles for sm_90a without spills (no GPU needed: NVRTC only)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from agent.records import Problem
+from sandbox.build import compile_cuda
+from templates.sm90_wgmma.space import Sm90Wgmma, Sm90WgmmaParams
+
+FAMILY = Sm90Wgmma()
+PROBLEMS = [Problem(128, 256, 64, "kn"), Problem(1000, 3000, 2000, "nk"), Problem(4096, 4096, 4096, "kn")]
+
+
+def _settings() -> list[tuple[Problem, dict]]:
+    return [(prob, p) for prob in PROBLEMS for p in FAMILY.space(prob)]
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.key)
+def test_space_is_valid_and_sized(problem):
+    space = FAMILY.space(problem)
+    assert 8 <= len(space) <= 30
+    assert len({repr(sorted(p.items())) for p in space}) == len(space), "duplicates"
+    for p in space:
+        FAMILY.parse(p, problem)
+        spec = FAMILY.launch(p, problem)
+        assert spec.block[0] == 128 * (p["consumers"] + 1) and spec.smem_bytes <= 227 * 1024
+        assert spec.grid[0] >= 1
+
+
+@pytest.mark.parametrize("problem,params", _settings(), ids=lambda x: x.key if isinstance(x, Problem) else
+                         f"{x['block_m']}x{x['block_n']}c{x['consumers']}s{x['stages']}g{x['raster_group']}"
+                         f"b{x['min_blocks']}{x['epilogue'][0]}{'P' if x['persistent'] else ''}")
+def test_every_setting_compiles_without_spills(problem, params):
+    src = FAMILY.render(params, problem)
+    assert "#include" not in src
+    b = compile_cuda(src, "sm_90a", cache_dir=None)
+    assert b.ok, b.log[-2000:]
+    assert b.spill_bytes == 0 and b.stack_bytes == 0, b.log[-1500:]
+    assert "serialized" not in b.log, "ptxas serialised the wgmma pipeline"
+    p = Sm90WgmmaParams(**params)
+    assert b.registers <= p.entry_regs
+    if p.set_maxnreg:
+        # setmaxnreg.inc blocks until the pool has the registers: the launch must allocate the whole entry cap.
+        assert b.registers == p.entry_regs, b.log[-800:]
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16", src)
+
+
+def test_kn_transposes_b_by_descriptor_and_nk_does_not():
+    kn = FAMILY.render({"block_n": 128}, Problem(256, 256, 256, "kn"))
+    nk = FAMILY.render({"block_n": 128}, Problem(256, 256, 256, "nk"))
+    assert "p, 1, 1, 0, 1;" in kn and "p, 1, 1, 0, 0;" in nk
+
+
+@pytest.mark.parametrize("params,problem,message", [
+    ({"block_m": 64, "consumers": 2}, Problem(256, 256, 256), "block_m=64 must split"),
+    ({"block_n": 24}, Problem(256, 256, 256), "multiple of 16"),
+    ({"block_n": 96}, Problem(256, 256, 256, "kn"), "multiple of 64"),
+    ({"block_k": 32}, Problem(256, 256, 256), "block_k"),
+    ({"stages": 6}, Problem(256, 256, 256), "exceeds the sm_90 limit"),
+    ({"block_m": 256, "block_n": 256, "stages": 3}, Problem(256, 256, 256), "accumulator registers"),
+    ({"block_m": 192, "block_n": 256, "consumers": 3}, Problem(256, 256, 256), "one m64n256 wgmma needs"),
+    ({"block_n": 128, "stages": 4, "min_blocks": 2}, Problem(256, 256, 256), "do not fit one SM"),
+    ({"block_n": 128, "stages": 2, "min_blocks": 2}, Problem(256, 256, 256), "one m64n128 wgmma needs"),
+    ({"consumers": 5}, Problem(256, 256, 256), "consumers"),
+    ({"bogus": 1}, Problem(256, 256, 256), "bogus"),
+])
+def test_impossible_settings_are_rejected_with_a_reason(params, problem, message):
+    with pytest.raises(ValueError, match=message):
+        FAMILY.parse(params, problem)
+
+
+def test_persistent_launch_fills_the_sms_once():
+    p = {"block_m": 128, "block_n": 256, "persistent": True, "epilogue": "direct"}
+    assert FAMILY.launch(p, Problem(4096, 4096, 4096)).grid == (132, 1, 1)
+    assert FAMILY.launch(p, Problem(256, 512, 64)).grid == (4, 1, 1)
+    assert FAMILY.launch({**p, "persistent": False}, Problem(4096, 4096, 4096)).grid == (512, 1, 1)
+    with pytest.raises(ValueError, match="C staging beside it"):  # persistent blocks cannot stage C in the ring
+        FAMILY.parse({**p, "epilogue": "smem"}, Problem(4096, 4096, 4096))

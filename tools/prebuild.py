@@ -1,0 +1,45 @@
+"""Compile every family's parameter space for a set of shapes into the cubin cache, ahead of a GPU session.
+
+    python tools/prebuild.py ../shared/shapes/dev.txt --arch sm_90a --cache .cache/cubins
+
+The cache key includes the NVRTC version, so prebuilt cubins are used only where the same NVRTC would build them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agent.shapes import read_shapes_file  # noqa: E402
+from sandbox.build import compile_cuda  # noqa: E402
+from templates import families_for_arch  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shapes", type=Path)
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--cache", type=Path, default=Path(".cache/cubins"))
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args()
+    sources = set()
+    for layout in ("kn", "nk"):
+        for p in read_shapes_file(args.shapes, layout):
+            for fam in families_for_arch(args.arch):
+                sources.update(fam.render(params, p) for params in fam.space(p))
+    t0 = time.time()
+    with ThreadPoolExecutor(args.jobs) as pool:
+        builds = list(pool.map(lambda s: compile_cuda(s, args.arch, cache_dir=args.cache), sorted(sources)))
+    bad = [b for b in builds if not b.ok]
+    print(f"{len(builds)} sources, {sum(b.cached for b in builds)} cached, {len(bad)} failed, {time.time() - t0:.0f} s")
+    for b in bad:
+        print(b.error)
+
+
+if __name__ == "__main__":
+    main()
