@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from collections.abc import Callable
 
 import cupy
@@ -15,6 +16,10 @@ import numpy as np
 import torch
 
 from agent.records import LaunchSpec
+
+# CuPy 14 deprecates ExternalStream in favour of Stream.from_external; the old name still wraps torch's stream
+# handle exactly, on every CuPy this runs with.
+warnings.filterwarnings("ignore", "ExternalStream is deprecated", DeprecationWarning)
 
 LaunchRule = Callable[[int, int, int], LaunchSpec]
 
