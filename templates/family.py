@@ -80,10 +80,6 @@ class Family(ABC):
     def space(self, problem: Problem) -> list[dict[str, Any]]:
         """The valid parameter settings worth trying for this problem, best guesses first."""
 
-    def region(self, params: dict[str, Any]) -> str:
-        """A coarse name for the part of the space a setting lies in (the bandit's arm within a family)."""
-        return f"{params.get('block_m', '?')}x{params.get('block_n', '?')}"
-
     def describe_space(self) -> dict[str, Any]:
         """The parameter schema, as a prompt shows it."""
         return self.params_model.model_json_schema()

@@ -10,10 +10,7 @@ from agent.store import RunStore
 
 
 def fake_evaluate(job: EvalJob) -> EvalResult:
-    """Bigger tiles are faster here, and nothing beats cuBLAS (30 us) below M = 128; warps_m == 4 is 'wrong', so
-    failures show up too."""
-    if job.params.get("warps_m") == 4:
-        return EvalResult(job.candidate_id, Status.WRONG, "wrong result: relative error 1e-1 vs cuBLAS 3e-4")
+    """Bigger tiles are faster here, and nothing beats cuBLAS (30 us) below M = 128."""
     t = 100.0 / (job.params["block_m"] * job.params["block_n"] / 4096) + job.params["stages"]
     if job.problem.m < 128:
         t += 60.0
@@ -35,3 +32,16 @@ def populated_run(folder, problems=DEFAULT_PROBLEMS, n=6, evaluate=fake_evaluate
     SearchLoop(store, config, BuiltinProposer(), "sm_90a", evaluate).run(list(problems))
     store.set_meta("state", "done")
     return store
+
+
+def sometimes_wrong(every: int = 3):
+    """fake_evaluate, but every `every`-th call reports a wrong result, so failures show up too."""
+    calls = []
+
+    def evaluate(job: EvalJob) -> EvalResult:
+        calls.append(job.candidate_id)
+        if len(calls) % every == 0:
+            return EvalResult(job.candidate_id, Status.WRONG, "wrong result: relative error 1e-1 vs cuBLAS 3e-4")
+        return fake_evaluate(job)
+
+    return evaluate

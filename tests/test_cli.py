@@ -6,7 +6,7 @@ import pytest
 
 from agent.cli import main
 from tests.conftest import HAS_GPU
-from tests.helpers import populated_run
+from tests.helpers import populated_run, sometimes_wrong
 
 
 def run_cli(capsys, *argv):
@@ -76,7 +76,7 @@ def test_compile_only_run_then_runs_show_diff(tmp_path, capsys):
 
 
 def test_show_diff_export_on_a_measured_run(tmp_path, capsys):
-    store = populated_run(tmp_path / "runs" / "r1")
+    store = populated_run(tmp_path / "runs" / "r1", evaluate=sometimes_wrong())
     runs = tmp_path / "runs"
     code, out, _ = run_cli(capsys, "show", "r1", "--runs-dir", runs)
     assert code == 0 and "wrong" in out

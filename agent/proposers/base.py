@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from agent.bandit import ThompsonBandit
 from agent.records import BuildResult, Candidate, EvalResult, Problem
-from templates import get_family
 
 
 @dataclass
@@ -26,8 +25,9 @@ class SearchState:
 
 
 def arm_of(c: Candidate) -> str:
-    """The bandit arm a candidate belongs to: its proposer, family and parameter region."""
-    return f"{c.arm}:{get_family(c.family).region(c.params)}"
+    """The bandit arm a candidate belongs to: its proposer and family. (Arms per tile-shape region were tried too:
+    replayed on a measured sweep of three shapes they needed as many or more candidates; see BENCHMARKS.md.)"""
+    return c.arm
 
 
 class Proposer(ABC):

@@ -1,7 +1,7 @@
-"""The built-in proposer: walks each family's parameter space, with the bandit choosing the region to try next.
+"""The built-in proposer: walks each family's parameter space, with the bandit choosing the family to try next.
 
-An arm is a family and a parameter region (its tile shape); within an arm, settings are tried in the family's
-own order (best guesses first). `RandomProposer` draws uniformly from the same space: the baseline the bandit
+An arm is a family; within it, settings are tried in the family's own order (its cost model's best guesses
+first). `RandomProposer` draws uniformly from the same space: the baseline the bandit
 must beat.
 """
 

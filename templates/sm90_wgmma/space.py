@@ -205,6 +205,3 @@ class Sm90Wgmma(Family):
         for p in picked:
             seen.setdefault(p.model_dump_json(), p.model_dump())
         return list(seen.values())[:30]
-
-    def region(self, params: dict[str, Any]) -> str:
-        return f"{params.get('block_m', '?')}x{params.get('block_n', '?')}c{params.get('consumers', '?')}"
