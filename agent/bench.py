@@ -31,6 +31,7 @@ class BenchRow:
     ratio_cold: float
     tflops: float
     floor_pct: float
+    ratio_cupti: float | None = None  # the same ratio from CUPTI kernel durations (no launch gaps)
     note: str = ""
 
 
@@ -47,9 +48,10 @@ def best_across(stores: list[RunStore], problem: Problem) -> tuple[RunStore, str
 def row_from(problem: Problem, kernel: str, r: EvalResult, note: str = "") -> BenchRow:
     ours_w, ours_c = (r.warm, r.cold) if r.warm else (r.cublas_warm, r.cublas_cold)
     w, c = ours_w.median_us, ours_c.median_us
+    cupti = (r.cublas_warm.cupti_us / ours_w.cupti_us) if r.cublas_warm.cupti_us and ours_w.cupti_us else None
     return BenchRow(problem.mnk, problem.b_layout, kernel, w, r.cublas_warm.median_us, c, r.cublas_cold.median_us,
                     r.cublas_warm.median_us / w, r.cublas_cold.median_us / c if c > 0 else float("nan"),
-                    problem.flops / w / 1e6, 100 * problem.floor_us() / w, note)
+                    problem.flops / w / 1e6, 100 * problem.floor_us() / w, cupti, note)
 
 
 def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], progress=print) -> list[BenchRow]:
@@ -124,11 +126,13 @@ def rows_table(rows: list[BenchRow], title: str):
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("shape", "B", "kernel", "ours µs", "cuBLAS µs", "ratio warm", "ratio cold", "TFLOP/s", "% floor"):
+    for col in ("shape", "B", "kernel", "ours µs", "cuBLAS µs", "ratio warm", "ratio cold", "ratio CUPTI", "TFLOP/s",
+                "% floor"):
         t.add_column(col)
     for r in rows:
         t.add_row(r.shape, r.b_layout, r.kernel, f"{r.ours_warm_us:,.2f}", f"{r.cublas_warm_us:,.2f}",
-                  f"{r.ratio_warm:.3f}x", f"{r.ratio_cold:.3f}x", f"{r.tflops:.0f}", f"{r.floor_pct:.0f}%")
+                  f"{r.ratio_warm:.3f}x", f"{r.ratio_cold:.3f}x", f"{r.ratio_cupti:.3f}x" if r.ratio_cupti else "-",
+                  f"{r.tflops:.0f}", f"{r.floor_pct:.0f}%")
     t.caption = (f"geomean ratio: warm {geomean([r.ratio_warm for r in rows]):.3f}x, "
                  f"cold {geomean([r.ratio_cold for r in rows]):.3f}x")
     return t

@@ -117,12 +117,14 @@ class Status(StrEnum):
 
 @dataclass(frozen=True)
 class Timing:
-    """Device time per launch in microseconds: median and spread (min..max of replays)."""
+    """Device time per launch in microseconds: median and spread (min..max of graph replays), and the kernels' own
+    duration per launch as CUPTI reports it for one replay (no launch gaps; warm timings only)."""
 
     median_us: float
     min_us: float
     max_us: float
     launches: int
+    cupti_us: float | None = None
 
     @property
     def spread(self) -> float:

@@ -75,8 +75,24 @@ def launches_for(us_each: float) -> int:
     return max(1, min(MAX_LAUNCHES, math.ceil(1.1 * TARGET_MS * 1000.0 / max(us_each, 0.5))))  # 10% margin
 
 
-def summarise(samples: list[float], launches: int) -> Timing:
-    return Timing(statistics.median(samples), min(samples), max(samples), launches)
+def summarise(samples: list[float], launches: int, cupti: float | None = None) -> Timing:
+    return Timing(statistics.median(samples), min(samples), max(samples), launches, cupti)
+
+
+def cupti_us(graph: torch.cuda.CUDAGraph, launches: int) -> float | None:
+    """Summed kernel durations of one replay as CUPTI (torch.profiler) records them, per launch; None if the
+    profiler is unavailable. Graph time per launch is this plus the gap between back-to-back kernels."""
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        total = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
+    except Exception:  # a profiler that cannot start must not fail the measurement
+        return None
+    return total / launches if total > 0 else None
 
 
 class L2Flush:
@@ -105,4 +121,5 @@ def measure(fns: dict[str, Fn], flush: L2Flush | None, replays: int = REPLAYS) -
             if flush:
                 t -= replay_us(flush_graphs[name], launches[name])
             samples[name].append(max(t, 0.0))
-    return {name: summarise(s, launches[name]) for name, s in samples.items()}
+    cupti = {name: None if flush else cupti_us(graphs[name], launches[name]) for name in fns}
+    return {name: summarise(s, launches[name], cupti[name]) for name, s in samples.items()}

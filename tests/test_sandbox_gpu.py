@@ -72,8 +72,10 @@ def test_two_runs_agree_within_their_spread(pool):
 
 
 @pytest.mark.parametrize("mnk", ["4096_4096_4096", "256_1024_256"])
-def test_graph_timing_agrees_with_cupti(mnk):
-    """Our per-launch device time against the kernel durations CUPTI reports (torch.profiler), same process."""
+def test_timing_agrees_with_cupti(mnk):
+    """Graph timing against the kernel durations CUPTI reports (torch.profiler) for eager launches, same process:
+    the recorded CUPTI figure must agree within a few percent; the graph figure too for a large kernel, and for a
+    small one within the gap between back-to-back launches (about half a microsecond)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -88,7 +90,7 @@ def test_graph_timing_agrees_with_cupti(mnk):
     a = torch.randn(m, k, device="cuda").half()
     b = torch.randn(k, n, device="cuda").half()
     c = torch.empty(m, n, device="cuda", dtype=torch.float16)
-    ours = measure({"k": lambda: kernel(a, b, c, m, n, k)}, None)["k"].median_us
+    timing = measure({"k": lambda: kernel(a, b, c, m, n, k)}, None)["k"]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(200):
             kernel(a, b, c, m, n, k)
@@ -96,5 +98,6 @@ def test_graph_timing_agrees_with_cupti(mnk):
     rows = [e for e in prof.key_averages() if e.key == "hgemm"]
     assert rows and rows[0].count >= 150, [(e.key, e.count) for e in prof.key_averages()]
     cupti = rows[0].device_time_total / rows[0].count
-    print(f"{mnk}: graph {ours:.2f} us, CUPTI {cupti:.2f} us")
-    assert abs(ours - cupti) / cupti < 0.05 + 0.5 / cupti  # a few percent, plus the graph's launch gap when tiny
+    print(f"{mnk}: graph {timing.median_us:.2f} us, recorded CUPTI {timing.cupti_us:.2f} us, eager {cupti:.2f} us")
+    assert abs(timing.cupti_us - cupti) / cupti < 0.04
+    assert abs(timing.median_us - cupti) / cupti < (0.02 if cupti > 100 else 0.04 + 0.7 / cupti)
