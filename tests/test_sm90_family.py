@@ -13,6 +13,10 @@ from templates.sm90_wgmma.space import Sm90Wgmma, Sm90WgmmaParams
 
 FAMILY = Sm90Wgmma()
 PROBLEMS = [Problem(128, 256, 64, "kn"), Problem(1000, 3000, 2000, "nk"), Problem(4096, 4096, 4096, "kn")]
+# long K, few C tiles: space() proposes split-K (cluster + distributed shared memory) settings here
+LONG_K = [Problem(64, 1024, 16384, "kn"), Problem(64, 1024, 16384, "nk"), Problem(256, 128, 16384, "kn"),
+          Problem(256, 128, 16384, "nk")]
+PROBLEMS += LONG_K
 
 
 def _settings() -> list[tuple[Problem, dict]]:
@@ -33,7 +37,7 @@ def test_space_is_valid_and_sized(problem):
 
 @pytest.mark.parametrize("problem,params", _settings(), ids=lambda x: x.key if isinstance(x, Problem) else
                          f"{x['block_m']}x{x['block_n']}c{x['consumers']}s{x['stages']}g{x['raster_group']}"
-                         f"b{x['min_blocks']}{x['epilogue'][0]}{'P' if x['persistent'] else ''}")
+                         f"b{x['min_blocks']}{x['epilogue'][0]}{'P' if x['persistent'] else ''}k{x['split_k']}")
 def test_every_setting_compiles_without_spills(problem, params):
     src = FAMILY.render(params, problem)
     assert "#include" not in src
@@ -47,6 +51,7 @@ def test_every_setting_compiles_without_spills(problem, params):
         # setmaxnreg.inc blocks until the pool has the registers: the launch must allocate the whole entry cap.
         assert b.registers == p.entry_regs, b.log[-800:]
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16", src)
+    assert ("__cluster_dims__" in src) == (p.split_k > 1)
 
 
 def test_kn_transposes_b_by_descriptor_and_nk_does_not():
@@ -67,6 +72,11 @@ def test_kn_transposes_b_by_descriptor_and_nk_does_not():
     ({"block_n": 128, "stages": 2, "min_blocks": 2}, Problem(256, 256, 256), "one m64n128 wgmma needs"),
     ({"consumers": 5}, Problem(256, 256, 256), "consumers"),
     ({"bogus": 1}, Problem(256, 256, 256), "bogus"),
+    ({"split_k": 3}, Problem(256, 256, 256), "split_k"),
+    ({"split_k": 16}, Problem(256, 256, 256), "split_k"),
+    ({"split_k": 2, "persistent": True, "epilogue": "direct"}, Problem(256, 256, 256), "persistent blocks are not"),
+    ({"block_m": 256, "block_n": 256, "consumers": 4, "stages": 2, "split_k": 2}, Problem(256, 256, 256),
+     "split-K fp32 exchange tile"),
 ])
 def test_impossible_settings_are_rejected_with_a_reason(params, problem, message):
     with pytest.raises(ValueError, match=message):
@@ -80,3 +90,33 @@ def test_persistent_launch_fills_the_sms_once():
     assert FAMILY.launch({**p, "persistent": False}, Problem(4096, 4096, 4096)).grid == (512, 1, 1)
     with pytest.raises(ValueError, match="C staging beside it"):  # persistent blocks cannot stage C in the ring
         FAMILY.parse({**p, "epilogue": "smem"}, Problem(4096, 4096, 4096))
+
+
+@pytest.mark.parametrize("problem", LONG_K, ids=lambda p: p.key)
+def test_long_k_few_tiles_gets_split_k_in_clusters(problem):
+    space = FAMILY.space(problem)
+    split = [p for p in space if p["split_k"] > 1]
+    assert split and space[0]["split_k"] > 1, "split-K settings lead the list"
+    for p in split:
+        assert not p["persistent"]
+        tiles = -(-problem.m // p["block_m"]) * -(-problem.n // p["block_n"])
+        spec = FAMILY.launch(p, problem)
+        assert spec.grid == (tiles * p["split_k"], 1, 1)  # one cluster of split_k blocks per C tile
+        assert spec.smem_bytes >= p["block_m"] * (p["block_n"] + 8) * 4  # the fp32 exchange tile
+        assert -(-problem.k // 64) // p["split_k"] >= 16
+    src = FAMILY.render(split[0], problem)
+    assert f"__cluster_dims__({split[0]['split_k']}, 1, 1)" in src and "mapa.shared::cluster" in src
+
+
+@pytest.mark.parametrize("problem", [Problem(4096, 4096, 4096), Problem(64, 4096, 16384), Problem(128, 8192, 8192),
+                                     Problem(16, 4096, 4096), Problem(1000, 3000, 2000)], ids=lambda p: p.key)
+def test_other_problems_get_no_split_k(problem):
+    assert all(p["split_k"] == 1 for p in FAMILY.space(problem))
+
+
+def test_split_k_launch_and_empty_k_ranges_are_allowed():
+    p = {"block_m": 64, "block_n": 64, "consumers": 1, "split_k": 8}
+    assert FAMILY.launch(p, Problem(64, 1024, 16384)).grid == (128, 1, 1)
+    # K = 8: one k-tile, seven CTAs of each cluster get an empty range and contribute zeros; still a valid launch
+    assert FAMILY.launch(p, Problem(1, 8, 8)).grid == (8, 1, 1)
+    assert "__cluster_dims__" not in FAMILY.render({**p, "split_k": 1}, Problem(64, 1024, 16384))

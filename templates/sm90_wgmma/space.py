@@ -40,6 +40,11 @@ class Sm90WgmmaParams(Params):
         "H200); direct: 4-byte stores from the accumulators")
     persistent: bool = Field(False, description="one block per SM slot striding over the tiles; the producer "
                              "prefetches the next tile while the consumers store the last")
+    split_k: Literal[1, 2, 4, 8] = Field(
+        1, description="CTAs per C tile, each over its own contiguous K range (whole block_k tiles), launched as a "
+        "thread-block cluster along grid x; they sum their fp32 partial tiles through distributed shared memory "
+        "(each CTA a block_m/split_k row slice, peers in a fixed order: deterministic) and store fp16 C. For long-K "
+        "problems with few C tiles; 1 = no split, no cluster")
 
     @property
     def threads(self) -> int:
@@ -50,8 +55,14 @@ class Sm90WgmmaParams(Params):
         return self.stages * (self.block_m + self.block_n) * self.block_k * 2
 
     @property
+    def exchange_bytes(self) -> int:
+        """split_k > 1: the fp32 partial tile (rows padded by 8 floats) written over the drained ring."""
+        return self.block_m * (self.block_n + 8) * 4 if self.split_k > 1 else 0
+
+    @property
     def smem_bytes(self) -> int:
         c_tile = self.block_m * (self.block_n + 8) * 2 if self.epilogue == "smem" else 0
+        c_tile = max(c_tile, self.exchange_bytes)
         # Persistent blocks refill the ring while storing C, so C needs room of its own; otherwise it reuses it.
         body = self.ring_bytes + c_tile if self.persistent else max(self.ring_bytes, c_tile)
         # + the mbarriers (16 B a stage) + slack to align the ring to a 1024-byte swizzle atom
@@ -94,10 +105,16 @@ class Sm90WgmmaParams(Params):
         if self.block_m % (64 * self.consumers):
             raise ValueError(f"block_m={self.block_m} must split into consumers={self.consumers} warpgroups of "
                              "a multiple of 64 rows each (wgmma is m64)")
+        if self.split_k > 1 and self.persistent:
+            raise ValueError(f"split_k={self.split_k} needs one tile per cluster: persistent blocks are not supported "
+                             "with split-K")
         if self.smem_bytes > SMEM_PER_BLOCK_MAX:
             c_note = " + C staging beside it (persistent)" if self.persistent and self.epilogue == "smem" else ""
-            raise ValueError(f"shared memory {self.smem_bytes} B (ring of stages*(block_m+block_n)*128 B{c_note} + "
-                             f"barriers + alignment) exceeds the sm_90 limit of {SMEM_PER_BLOCK_MAX} B per block")
+            x_note = (f", or the split-K fp32 exchange tile of {self.exchange_bytes} B if larger"
+                      if self.split_k > 1 else "")
+            raise ValueError(f"shared memory {self.smem_bytes} B (ring of stages*(block_m+block_n)*128 B{c_note}"
+                             f"{x_note} + barriers + alignment) exceeds the sm_90 limit of {SMEM_PER_BLOCK_MAX} B "
+                             "per block")
         if self.min_blocks * (self.smem_bytes + SMEM_RESERVED_PER_BLOCK) > SMEM_PER_SM:
             raise ValueError(f"min_blocks={self.min_blocks} blocks of {self.smem_bytes} B shared memory do not fit "
                              f"one SM ({SMEM_PER_SM} B)")
@@ -136,6 +153,50 @@ def _cost(p: Sm90WgmmaParams, problem: Problem) -> float:
     return waves * per_sm * p.block_m * p.block_n * traffic * issue * uneven * (k_tiles + 2 + 2 / p.stages)
 
 
+def _split_cost(p: Sm90WgmmaParams, problem: Problem) -> float:
+    """Relative time of a split-K setting: waves of CTAs, each running its K share at the slower of wgmma issue
+    (~bm*bn/16 clocks a 64-deep k-tile) and operand loads (~2 clocks a row of A or B), plus the ring fill and the
+    distributed-shared-memory reduction (a tile of fp32 read once per CTA)."""
+    tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
+    waves = -(-tiles * p.split_k // SMS)
+    k_tiles = -(-problem.k // p.block_k)
+    k_share = -(-k_tiles // p.split_k)
+    per_k_tile = max(p.block_m * p.block_n / 16, 2 * (p.block_m + p.block_n))
+    return waves * ((k_share + 2) * per_k_tile + p.block_m * p.block_n / 16)
+
+
+def _split_settings(problem: Problem) -> list[Sm90WgmmaParams]:
+    """Split-K settings for long-K problems with few C tiles (K >= 8 max(M, N)): per tile shape the largest
+    split_k that keeps tiles x split_k within two waves and every CTA at least 16 k-tiles; none otherwise."""
+    k_tiles = -(-problem.k // 64)
+    if problem.k < 8 * max(problem.m, problem.n) or k_tiles < 32:
+        return []
+    found: list[Sm90WgmmaParams] = []
+    for bm, bn, consumers in TILES:
+        if (problem.b_layout == "kn" and bn % 64) or bm > -(-problem.m // 64) * 64 or bn > -(-problem.n // 64) * 64:
+            continue  # kn needs 64-column panels; rows or columns past M, N would be computed for nothing
+        tiles = -(-problem.m // bm) * -(-problem.n // bn)
+        if tiles >= SMS // 2:
+            continue
+        split = next((s for s in (8, 4, 2) if tiles * s <= 2 * SMS and k_tiles // s >= 16), 1)
+        if split == 1 or tiles * split < 32:
+            continue
+        for stages in (8, 6, 5, 4):  # a deep ring: these problems stream operands
+            try:
+                found.append(Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=consumers, stages=stages,
+                                             split_k=split))
+                break
+            except ValueError:
+                continue
+    found.sort(key=lambda p: _split_cost(p, problem))
+    extra = []
+    for p in found[:2]:  # the best guesses also with a shallower ring and with half the split
+        extra.append(p.model_copy(update={"stages": 4}))
+        if p.split_k > 2:
+            extra.append(p.model_copy(update={"split_k": p.split_k // 2}))
+    return found[:8] + extra
+
+
 class Sm90Wgmma(Family):
     name: ClassVar[str] = "sm90_wgmma"
     arches: ClassVar[tuple[str, ...]] = ("sm_90a",)
@@ -162,7 +223,8 @@ class Sm90Wgmma(Family):
         p = self.parse(params, problem)
         assert isinstance(p, Sm90WgmmaParams)
         tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
-        grid = min(tiles, SMS * p.min_blocks) if p.persistent else tiles
+        # split-K: the kernel's __cluster_dims__(split_k, 1, 1) groups consecutive blocks, one cluster per tile
+        grid = min(tiles, SMS * p.min_blocks) if p.persistent else tiles * p.split_k
         return LaunchSpec(grid=(grid, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes)
 
     def space(self, problem: Problem) -> list[dict[str, Any]]:
@@ -202,6 +264,7 @@ class Sm90Wgmma(Family):
             except ValueError:
                 pass
         seen: dict[str, dict[str, Any]] = {}
-        for p in picked:
+        # Long-K problems with few tiles: split-K settings first; every other problem's list is unchanged.
+        for p in _split_settings(problem) + picked:
             seen.setdefault(p.model_dump_json(), p.model_dump())
         return list(seen.values())[:30]
