@@ -1,6 +1,9 @@
 """Check the sm90_wgmma family on a real GPU: every space() setting correct on odd shapes, speed vs cuBLAS.
 
 Run on the GPU machine from the repository root:  python3 tools/check_sm90_gpu.py [out_dir]
+Split-K only (short):  python3 tools/check_sm90_gpu.py --split [out_dir]: every split_k > 1 setting space() proposes
+for the long-K shapes, plus each shape's best unsplit setting, checked on small odd shapes (empty K ranges, K not a
+multiple of 64 split_k) and the long-K shapes themselves, then timed on the long-K shapes.
 For ncu: ncu -k regex:"hgemm|nvjet" -s 2 -c 2 python3 tools/check_sm90_gpu.py --profile PARAMS_JSON LAYOUT M_N_K
 The parent process never touches the GPU: it compiles every setting (NVRTC, in parallel), disassembles one cubin
 (HGMMA present, no local memory), then feeds settings one at a time to a worker process that it kills and
@@ -36,6 +39,11 @@ TIMED = {"4096_4096_4096": 12, "8192_8192_8192": 12, "1024_1024_1024": 4, "2048_
          "512_8192_1024": 4, "16384_4096_4096": 4, "4096_6144_4096": 4, "2048_14336_4096": 4, "16384_1024_1024": 4}
 VARIANT_SHAPES = ["4096_4096_4096", "8192_8192_8192"]
 FIRST_JOB_TIMEOUT_S, JOB_TIMEOUT_S = 60.0, 20.0
+# --split: the split-K settings' shapes; how many split settings per (shape, layout) to time.
+SPLIT_CHECK_SHAPES = ["1_8_8", "17_24_40", "257_136_520", "100_264_1000", "64_1024_16384", "256_128_16384"]
+SPLIT_SHAPES = {"64_1024_16384": 12, "256_128_16384": 12}
+SPLIT_ONLY = "--split" in sys.argv
+SPLIT_TIMING_DEADLINE_S = 150.0  # --split skips the remaining timings after this long, so the table still prints
 # Source edits tried on the best-guess settings of the timed shapes: (name, old, new).
 VARIANTS = [("no-proxy-fence", r'asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");', "")]
 
@@ -43,6 +51,14 @@ VARIANTS = [("no-proxy-fence", r'asm volatile("fence.proxy.async.shared::cta;\n"
 def problem(mnk: str, layout: str) -> Problem:
     m, n, k = map(int, mnk.split("_"))
     return Problem(m, n, k, layout)
+
+
+def settings(prob: Problem, top: int | None = None) -> list[dict]:
+    """space()'s first `top` settings; with --split, its split-K settings' first `top` and its best unsplit one."""
+    space = FAMILY.space(prob)
+    if not SPLIT_ONLY:
+        return space[:top]
+    return [p for p in space if p["split_k"] > 1][:top] + [p for p in space if p["split_k"] == 1][:1]
 
 
 def key(params: dict) -> str:
@@ -53,6 +69,7 @@ def short(params: dict, variant: str = "") -> str:
     p = params
     return (f"{p['block_m']}x{p['block_n']} c{p['consumers']} s{p['stages']} g{p['raster_group']} "
             f"b{p['min_blocks']} {p['epilogue'][0]}{' P' if p.get('persistent') else ''}"
+            + (f" k{p['split_k']}" if p.get("split_k", 1) > 1 else "")
             + (f" [{variant}]" if variant else ""))
 
 
@@ -110,7 +127,7 @@ class Worker:
         params, layout = job["params"], job["layout"]
         kern = self.kernel(job["cubin"], params, layout)
         results = []
-        for mnk in CHECK_SHAPES:
+        for mnk in job.get("shapes", CHECK_SHAPES):
             prob, a, b, _, ref, torch_err = self.case(mnk, layout)
             guard = 4096
             buf = torch.full((prob.m * prob.n + guard,), 0x7E00, device="cuda", dtype=torch.int16)
@@ -229,15 +246,18 @@ def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     out_dir = Path(args[0]) if args else None
     t0 = time.time()
+    if SPLIT_ONLY:
+        global CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES
+        CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES = SPLIT_CHECK_SHAPES, list(SPLIT_SHAPES), SPLIT_SHAPES, []
     # (params json, layout, variant) -> params: every space() setting of every SPACE_SHAPE, the timed settings, and
     # the variants of the first setting of each VARIANT_SHAPE.
     keys: dict[tuple[str, str, str], dict] = {}
     for layout in ("kn", "nk"):
         for mnk in SPACE_SHAPES:
-            for p in FAMILY.space(problem(mnk, layout)):
+            for p in settings(problem(mnk, layout)):
                 keys.setdefault((key(p), layout, ""), p)
         for mnk, top in TIMED.items():
-            for p in FAMILY.space(problem(mnk, layout))[:top]:
+            for p in settings(problem(mnk, layout), top):
                 keys.setdefault((key(p), layout, ""), p)
         for mnk in VARIANT_SHAPES:
             p = FAMILY.space(problem(mnk, layout))[0]
@@ -269,7 +289,7 @@ def main() -> None:
     status: dict[tuple[str, str, str], dict] = {}
     bad_in_a_row = 0
     for k, path in cubins.items():
-        res = worker.run({"kind": "check", "params": keys[k], "layout": k[1], "cubin": path})
+        res = worker.run({"kind": "check", "params": keys[k], "layout": k[1], "cubin": path, "shapes": CHECK_SHAPES})
         status[k] = res
         if res["status"] != "ok":
             worst = [s for s in res.get("shapes", []) if not s["ok"]][:3]
@@ -291,11 +311,14 @@ def main() -> None:
     for mnk, top in TIMED.items():
         for layout in ("kn", "nk"):
             prob = problem(mnk, layout)
-            todo = [(key(p), layout, "") for p in FAMILY.space(prob)[:top]]
+            todo = [(key(p), layout, "") for p in settings(prob, top)]
             if mnk in VARIANT_SHAPES:
                 todo += [k for k in keys if k[1] == layout and k[2] and (k[0], layout, "") == todo[0]]
             for k in todo:
                 if status.get(k, {}).get("status") != "ok":
+                    continue
+                if SPLIT_ONLY and time.time() - t0 > SPLIT_TIMING_DEADLINE_S:
+                    print(f"timing skipped (past {SPLIT_TIMING_DEADLINE_S:.0f} s): {mnk} {layout} {short(keys[k])}")
                     continue
                 res = worker.run({"kind": "time", "params": keys[k], "layout": layout, "cubin": cubins[k], "mnk": mnk})
                 if res["status"] == "ok":

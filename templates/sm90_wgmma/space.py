@@ -153,21 +153,31 @@ def _cost(p: Sm90WgmmaParams, problem: Problem) -> float:
     return waves * per_sm * p.block_m * p.block_n * traffic * issue * uneven * (k_tiles + 2 + 2 / p.stages)
 
 
+# Clusters of 8, 4, 2 CTAs that run at once per CTA slot of an SM: clusters must fit inside one GPC, so the 132 SMs
+# hold fewer than 132 / size (64x64 tiles, split_k=8, 1 block per SM: 16 clusters measured clearly slower per CTA
+# than 8 or 11 on the H200).
+CLUSTERS_PER_SLOT = {2: 66, 4: 32, 8: 14}
+
+
 def _split_cost(p: Sm90WgmmaParams, problem: Problem) -> float:
-    """Relative time of a split-K setting: waves of CTAs, each running its K share at the slower of wgmma issue
-    (~bm*bn/16 clocks a 64-deep k-tile) and operand loads (~2 clocks a row of A or B), plus the ring fill and the
-    distributed-shared-memory reduction (a tile of fp32 read once per CTA)."""
+    """Relative time of a split-K setting. These problems stream operands: a CTA's k-tile costs the slower of its
+    wgmma issue (~bm*bn/16 clocks) and its cp.async loads (~4 clocks a 128-byte row of A or B: the rate measured
+    per SM on the H200), CTAs sharing an SM share its load rate, and clusters beyond what fits run in a second wave.
+    Calibrated on 64_1024_16384 and 256_128_16384 (both layouts): it ranks the measured best first."""
     tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
-    waves = -(-tiles * p.split_k // SMS)
-    k_tiles = -(-problem.k // p.block_k)
-    k_share = -(-k_tiles // p.split_k)
-    per_k_tile = max(p.block_m * p.block_n / 16, 2 * (p.block_m + p.block_n))
+    slots = min(SMEM_PER_SM // (p.smem_bytes + SMEM_RESERVED_PER_BLOCK), 2048 // p.threads)
+    cap = CLUSTERS_PER_SLOT[p.split_k]
+    waves = -(-tiles // (cap * slots))
+    sharing = min(slots, -(-tiles // cap))  # CTAs of one SM that load at once
+    k_share = -(-problem.k // (p.block_k * p.split_k))
+    per_k_tile = max(p.block_m * p.block_n / 16, 4 * (p.block_m + p.block_n) * sharing)
     return waves * ((k_share + 2) * per_k_tile + p.block_m * p.block_n / 16)
 
 
 def _split_settings(problem: Problem) -> list[Sm90WgmmaParams]:
-    """Split-K settings for long-K problems with few C tiles (K >= 8 max(M, N)): per tile shape the largest
-    split_k that keeps tiles x split_k within two waves and every CTA at least 16 k-tiles; none otherwise."""
+    """Split-K settings for long-K problems with few C tiles (K >= 8 max(M, N)), best guesses first: every tile shape
+    with split_k 8 or 4 (tiles x split_k within two waves of CTAs, every CTA at least 16 k-tiles), with the deepest
+    ring that fits and with a 4-stage ring (several CTAs per SM); none for other problems."""
     k_tiles = -(-problem.k // 64)
     if problem.k < 8 * max(problem.m, problem.n) or k_tiles < 32:
         return []
@@ -178,23 +188,19 @@ def _split_settings(problem: Problem) -> list[Sm90WgmmaParams]:
         tiles = -(-problem.m // bm) * -(-problem.n // bn)
         if tiles >= SMS // 2:
             continue
-        split = next((s for s in (8, 4, 2) if tiles * s <= 2 * SMS and k_tiles // s >= 16), 1)
-        if split == 1 or tiles * split < 32:
-            continue
-        for stages in (8, 6, 5, 4):  # a deep ring: these problems stream operands
-            try:
-                found.append(Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=consumers, stages=stages,
-                                             split_k=split))
-                break
-            except ValueError:
+        for split in (8, 4):
+            if tiles * split > 2 * SMS or k_tiles // split < 16 or tiles * split < 32:
                 continue
+            for rings in ((8, 6, 5), (4,)):  # the deepest that fits; a shallow one
+                for stages in rings:
+                    try:
+                        found.append(Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=consumers, stages=stages,
+                                                     split_k=split))
+                        break
+                    except ValueError:
+                        continue
     found.sort(key=lambda p: _split_cost(p, problem))
-    extra = []
-    for p in found[:2]:  # the best guesses also with a shallower ring and with half the split
-        extra.append(p.model_copy(update={"stages": 4}))
-        if p.split_k > 2:
-            extra.append(p.model_copy(update={"split_k": p.split_k // 2}))
-    return found[:8] + extra
+    return found[:12]
 
 
 class Sm90Wgmma(Family):
@@ -205,7 +211,8 @@ class Sm90Wgmma(Family):
         "Hopper HGEMM: a producer warpgroup streams A/B tiles with cp.async into a STAGES-deep ring of "
         "128-byte-swizzled shared memory (mbarrier full/empty handshake); 1-4 consumer warpgroups issue "
         "wgmma.mma_async m64nNk16 from shared-memory descriptors (B MN-major via the transpose bit for kn), "
-        "setmaxnreg moves registers to the consumers; grouped rasterisation; direct or smem-staged epilogue."
+        "setmaxnreg moves registers to the consumers; grouped rasterisation; direct or smem-staged epilogue; "
+        "split-K in thread-block clusters (fp32 partial tiles summed through distributed shared memory)."
     )
 
     def derived(self, params: Params) -> dict[str, Any]:
