@@ -20,7 +20,6 @@ from urllib.parse import urlsplit
 
 import jinja2
 import openai
-from jinja2.sandbox import SandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agent.config import LlmSettings, RunConfig
@@ -28,6 +27,7 @@ from agent.proposers.base import Proposer, SearchState
 from agent.proposers.builtin import BuiltinProposer
 from agent.proposers.context import build_context
 from agent.records import Candidate, Problem
+from sandbox.build import reads_host_files
 from templates import get_family
 from templates.family import Family, Params
 
@@ -36,9 +36,6 @@ MAX_TEMPLATE_CHARS = 64_000
 MAX_SOURCE_CHARS = 256_000
 MAX_RATIONALE_CHARS = 500
 MAX_ECHO_CHARS = 100_000  # a bad reply is echoed back whole (an edit needs its template), up to this
-# Words of the directives that make NVRTC read host files (whose contents would come back in compiler logs and
-# prompts), banned anywhere: `#/**/include`, `%:include` and backslash-newline splices all spell a directive.
-FILE_WORDS = re.compile(r"\b(include|include_next|import|embed|__has_include|__has_include_next)\b")
 KERNEL_ENTRY = re.compile(r'extern\s+"C"[^;{]*\bhgemm\s*\(')
 SECRET_LIKE = re.compile(r"\bsk-[A-Za-z0-9_*\-]{6,}")
 
@@ -273,19 +270,17 @@ class LlmProposer(Proposer):
 
 
 def check_template(family: Family, params: Params, problem: Problem, template: str) -> str:
-    """Render an edited template in Jinja's sandbox with the family's variables; ValueError says what is wrong."""
-    env = SandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    """Render an edited template as the loop will (the family's sandboxed Jinja environment and variables), and
+    apply the build's own refusal of file-reading directives; ValueError says what is wrong."""
     try:
-        source = env.from_string(template).render(**params.model_dump(), **family.derived(params),
-                                                  b_layout=problem.b_layout)
+        source = family.render(params.model_dump(), problem, template)
     except Exception as e:  # syntax, undefined names, sandbox refusals, errors in template expressions
         raise ValueError(f"the template does not render: {type(e).__name__}: {e}") from None
     if len(source) > MAX_SOURCE_CHARS:
         raise ValueError(f"the rendered source has {len(source)} characters; at most {MAX_SOURCE_CHARS}")
-    spliced = re.sub(r"\\[ \t]*\r?\n", "", source)
-    if FILE_WORDS.search(spliced):
-        raise ValueError(f"{FILE_WORDS.search(spliced).group(0)!r} is not allowed anywhere in the source, not even "
-                         "in a comment: the kernel must be self-contained (inline PTX, no #include)")
+    if reads_host_files(source):
+        raise ValueError("#include and other file-reading directives are not allowed: the kernel must be "
+                         "self-contained (inline PTX, no headers)")
     if not KERNEL_ENTRY.search(source):
         raise ValueError('the rendered source must define extern "C" __global__ void hgemm(const unsigned short* '
                          "A, const unsigned short* B, unsigned short* C, int M, int N, int K)")
