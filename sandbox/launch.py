@@ -40,6 +40,15 @@ class Kernel:
         self.launch_rule = launch_rule
         self._smem_raised = 0
 
+    @classmethod
+    def for_family(cls, cubin: bytes, family: str, params: dict, b_layout: str, dtype: str = "f16") -> Kernel:
+        """A kernel launched by its family's trusted rule, for whatever M, N, K it is called with."""
+        from agent.records import Problem
+        from templates import get_family
+
+        fam = get_family(family)
+        return cls(cubin, lambda m, n, k: fam.launch(params, Problem(m, n, k, b_layout, dtype)))
+
     def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, m: int, n: int, k: int) -> None:
         spec = self.launch_rule(m, n, k)
         if spec.smem_bytes > self._smem_raised:

@@ -19,13 +19,10 @@ def main(argv: list[str]) -> int:
 
     from agent.records import Problem
     from sandbox.launch import Kernel
-    from templates import get_family
 
     job = json.loads(Path(argv[0]).read_text())
     p = Problem(**job["problem"])
-    family, params = get_family(job["family"]), job["params"]
-    kernel = Kernel(Path(job["cubin"]).read_bytes(),
-                    lambda m, n, k: family.launch(params, Problem(m, n, k, p.b_layout, p.dtype)))
+    kernel = Kernel.for_family(Path(job["cubin"]).read_bytes(), job["family"], job["params"], p.b_layout, p.dtype)
     a = torch.randn(p.m, p.k, device="cuda").half()
     b = torch.randn(*((p.k, p.n) if p.b_layout == "kn" else (p.n, p.k)), device="cuda").half()
     c = torch.empty(p.m, p.n, dtype=torch.float16, device="cuda")

@@ -93,8 +93,7 @@ class GpuContext:
         from templates import get_family
 
         family, p = get_family(job.family), job.problem
-        rule = lambda m, n, k: family.launch(job.params, Problem(m, n, k, p.b_layout, p.dtype))  # noqa: E731
-        kernel = Kernel(job.cubin, rule)
+        kernel = Kernel.for_family(job.cubin, job.family, job.params, p.b_layout, p.dtype)
         a, b, cublas = self._operands(p)
         expected_s = estimate_us(cublas) * 1e-6
 

@@ -25,7 +25,7 @@ TOP_ARMS = 3  # each of these arms' best candidate is shown, whatever its rank o
 MAX_FAILURES = 5
 MAX_ERROR_CHARS = 700
 MAX_RANKING = 8
-MAX_TEMPLATE_CHARS = 24_000
+MAX_PROMPT_TEMPLATE_CHARS = 24_000
 MAX_REJECTED = 4
 USABLE = (Status.OK, Status.SKIPPED)  # compiled (and, unless compile-only, correct)
 
@@ -107,7 +107,7 @@ def family_view(family: Family, edits: bool) -> dict[str, Any]:
     }
     if edits:
         source = family.template_source()
-        view["template"] = source if len(source) <= MAX_TEMPLATE_CHARS else None
+        view["template"] = source if len(source) <= MAX_PROMPT_TEMPLATE_CHARS else None
     return view
 
 
