@@ -8,7 +8,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agent.records import Problem
@@ -16,6 +16,7 @@ from agent.store import RunStore
 from templates import get_family
 
 RUNTIME = Path(__file__).with_name("export_runtime.py")
+DRIVER = Path(__file__).parents[1] / "sandbox" / "driver.py"  # tensor maps and launches; copied as hgemm_driver.py
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,13 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
         manifest["kernels"][f"{p.mnk}:{p.b_layout}"] = {
             "file": f"{stem}.cu", "cubin": f"{stem}.cubin", "arch": build.arch, "candidate": cand.id,
             "grid": list(spec.grid), "block": list(spec.block), "smem_bytes": spec.smem_bytes,
+            "tensor_maps": [asdict(t) for t in spec.tensor_maps],
             "time_us": result.time_us, "cublas_us": result.cublas_warm.median_us, "speedup": ratio,
         }
         lines.append(ExportLine(p, f"{stem}.cu", f"{ratio:.3f}x of cuBLAS ({cand.id})"))
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     shutil.copyfile(RUNTIME, out / "hgemm_ops.py")
+    shutil.copyfile(DRIVER, out / "hgemm_driver.py")
     return lines
 
 
@@ -63,7 +66,9 @@ def _header(store, p, cand, result, spec, ratio) -> str:
         f"// params: {json.dumps(cand.params, sort_keys=True)}\n"
         f"// launch: hgemm<<<dim3{spec.grid}, dim3{spec.block}, {spec.smem_bytes}>>>(A, B, C, M, N, K); "
         f"raise cudaFuncAttributeMaxDynamicSharedMemorySize to {spec.smem_bytes} first\n"
-        f"// measured: {result.time_us:.2f} us vs cuBLAS {result.cublas_warm.median_us:.2f} us "
+        + "".join(f"// then, by value, a CUtensorMap over {t.operand}: fp16, dims {t.dims} and box {t.box} innermost "
+                  f"first, {t.swizzle}-byte swizzle, zero fill\n" for t in spec.tensor_maps)
+        + f"// measured: {result.time_us:.2f} us vs cuBLAS {result.cublas_warm.median_us:.2f} us "
         f"(median ratio {ratio:.3f}x), {result.device.get('name', '?')}\n"
         f"// compile: nvrtc / nvcc -arch={store.get_meta('arch', 'sm_90a')} (no headers needed)\n\n"
     )

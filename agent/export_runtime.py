@@ -1,27 +1,26 @@
 """Exported HGEMM op: runs the kernels an hgemm-agent run found, on torch tensors; cuBLAS for everything else.
 
-This file is copied as `hgemm_ops.py` next to `manifest.json` and the kernels' `.cu` / `.cubin` files; it needs only
-torch and cupy. `mm(a, b)` is `torch.matmul(a, b)` (b K x N), `linear(x, w)` is `F.linear(x, w)` without bias
-(w N x K). A shape the run did not tune, or tuned without beating cuBLAS, calls cuBLAS. `selfcheck()` compares
-every exported kernel against an fp64 reference and cuBLAS on fresh random inputs.
+This file is copied as `hgemm_ops.py` next to `manifest.json`, the kernels' `.cu` / `.cubin` files and
+`hgemm_driver.py` (tensor maps and launches through the CUDA driver); it needs only torch and cupy.
+`mm(a, b)` is `torch.matmul(a, b)` (b K x N), `linear(x, w)` is `F.linear(x, w)` without bias (w N x K).
+A shape the run did not tune, or tuned without beating cuBLAS, calls cuBLAS. `selfcheck()` compares every
+exported kernel against an fp64 reference and cuBLAS on fresh random inputs.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
-
-# CuPy 14 deprecates ExternalStream in favour of Stream.from_external; the old name still wraps torch's stream
-# handle exactly, on every CuPy this runs with.
-warnings.filterwarnings("ignore", "ExternalStream is deprecated", DeprecationWarning)
 
 HERE = Path(__file__).resolve().parent
 MANIFEST = json.loads((HERE / "manifest.json").read_text())
 _loaded: dict[str, object] = {}
+_spec = importlib.util.spec_from_file_location("hgemm_driver", HERE / "hgemm_driver.py")
+driver = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(driver)
 
 
 def _kernel(entry: dict):
@@ -52,17 +51,17 @@ def _run(a: torch.Tensor, b: torch.Tensor, layout: str) -> torch.Tensor:
     n = b.shape[1] if layout == "kn" else b.shape[0]
     entry = _find(m, n, k, layout)
     usable = (entry is not None and a.is_cuda and a.dtype == b.dtype == torch.float16
-              and a.is_contiguous() and b.is_contiguous())
+              and a.is_contiguous() and b.is_contiguous()
+              and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)  # TMA and 16-byte loads need it
     if not usable:
         return torch.matmul(a, b if layout == "kn" else b.t())
-    import cupy
-
     c = torch.empty(m, n, dtype=torch.float16, device=a.device)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-    args = (np.uint64(a.data_ptr()), np.uint64(b.data_ptr()), np.uint64(c.data_ptr()),
-            np.int32(m), np.int32(n), np.int32(k))
-    _kernel(entry)(tuple(entry["grid"]), tuple(entry["block"]), args, shared_mem=entry["smem_bytes"],
-                   stream=stream)
+    fn = _kernel(entry)
+    operands = {"A": a, "B": b, "C": c}
+    maps = tuple(driver.encode_tiled(operands[t["operand"]].data_ptr(), tuple(t["dims"]), tuple(t["box"]),
+                                     t["swizzle"]) for t in entry.get("tensor_maps", []))
+    driver.launch(fn.kernel.ptr, tuple(entry["grid"]), tuple(entry["block"]), entry["smem_bytes"],
+                  torch.cuda.current_stream().cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()), (m, n, k), maps)
     return c
 
 

@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 B_LAYOUTS = ("kn", "nk")  # kn: B is K x N row-major (torch.matmul); nk: N x K row-major (nn.Linear weight)
 
@@ -79,6 +79,17 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class TensorMapSpec:
+    """A TMA tensor map the host encodes for each launch over operand A, B or C (packed fp16, rows contiguous) and
+    passes by value after the six fixed arguments."""
+
+    operand: Literal["A", "B", "C"]
+    dims: tuple[int, ...]  # elements per dimension, innermost first
+    box: tuple[int, ...]  # the tile one TMA copy moves, innermost first
+    swizzle: int = 128  # bytes: 0, 32, 64 or 128
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     """How the trusted host side launches a rendered kernel (never supplied by a proposer)."""
 
@@ -86,6 +97,7 @@ class LaunchSpec:
     block: tuple[int, int, int]
     smem_bytes: int
     kernel_name: str = "hgemm"
+    tensor_maps: tuple[TensorMapSpec, ...] = ()
 
 
 @dataclass(frozen=True)

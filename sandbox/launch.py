@@ -1,7 +1,8 @@
 """Load a cubin with CuPy and launch it on PyTorch's current stream (GPU worker only).
 
-The launch geometry comes from the family's trusted `launch()` rule, never from a proposer. Kernels are launched on
-`torch.cuda.current_stream()`, so they land inside a `torch.cuda.graph` capture like any torch op.
+The launch geometry and any TMA tensor maps come from the family's trusted `launch()` rule, never from a proposer.
+Kernels are launched through the driver (`sandbox.driver`) on `torch.cuda.current_stream()`, so they land inside a
+`torch.cuda.graph` capture like any torch op.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import cupy
 import numpy as np
 import torch
 
-from agent.records import LaunchSpec
+from agent.records import LaunchSpec, TensorMapSpec
+from sandbox import driver
 
 # CuPy 14 deprecates ExternalStream in favour of Stream.from_external; the old name still wraps torch's stream
 # handle exactly, on every CuPy this runs with.
@@ -39,6 +41,7 @@ class Kernel:
             os.unlink(path)
         self.launch_rule = launch_rule
         self._smem_raised = 0
+        self._maps: dict[tuple[int, TensorMapSpec], driver.TensorMap] = {}
 
     @classmethod
     def for_family(cls, cubin: bytes, family: str, params: dict, b_layout: str, dtype: str = "f16") -> Kernel:
@@ -54,10 +57,20 @@ class Kernel:
         if spec.smem_bytes > self._smem_raised:
             self.function.max_dynamic_shared_size_bytes = spec.smem_bytes
             self._smem_raised = spec.smem_bytes
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-        args = (np.uint64(a.data_ptr()), np.uint64(b.data_ptr()), np.uint64(c.data_ptr()),
-                np.int32(m), np.int32(n), np.int32(k))
-        self.function(spec.grid, spec.block, args, shared_mem=spec.smem_bytes, stream=stream)
+        operands = {"A": a, "B": b, "C": c}
+        maps = tuple(self._tensor_map(t, operands[t.operand].data_ptr()) for t in spec.tensor_maps)
+        driver.launch(self.function.kernel.ptr, spec.grid, spec.block, spec.smem_bytes,
+                      torch.cuda.current_stream().cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()),
+                      (m, n, k), maps)
+
+    def _tensor_map(self, spec: TensorMapSpec, address: int) -> driver.TensorMap:
+        """Encoded once per operand address and shape (the checks and timing reuse a handful of tensors)."""
+        key = (address, spec)
+        if key not in self._maps:
+            if len(self._maps) >= 64:
+                self._maps.clear()
+            self._maps[key] = driver.encode_tiled(address, spec.dims, spec.box, spec.swizzle)
+        return self._maps[key]
 
 
 SCRUB_SOURCE = r"""

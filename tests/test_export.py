@@ -30,6 +30,10 @@ def test_export_writes_kernels_and_fallbacks(tmp_path):
     assert "extern \"C\" __global__" in cu and f"dim3{tuple(entry['grid'])}" in cu
     assert (tmp_path / "out" / entry["cubin"]).read_bytes()[:4] == b"\x7fELF"
     assert [ln.kernel_file is None for ln in lines] == [False, True]
+    # a TMA kernel: the manifest and the .cu header carry the tensor maps the op encodes before each launch
+    assert [t["operand"] for t in entry["tensor_maps"]] == ["A", "B"]
+    assert entry["tensor_maps"][0]["dims"] == [2000, 1000] and "CUtensorMap over A" in cu
+    assert (tmp_path / "out" / "hgemm_driver.py").is_file()
 
 
 def test_exported_op_falls_back_to_cublas_off_gpu(tmp_path):
@@ -40,6 +44,7 @@ def test_exported_op_falls_back_to_cublas_off_gpu(tmp_path):
     ops.MANIFEST["kernels"]["16_24_8:kn"] = ops.MANIFEST["kernels"]["1000_3000_2000:kn"]  # small, for the CPU
     x, w = torch.randn(16, 8).half(), torch.randn(8, 24).half()
     assert torch.equal(ops.mm(x, w), torch.matmul(x, w))  # CPU tensors: the kernel is not usable, cuBLAS path
+    assert ops.driver.TENSOR_MAP_BYTES == 128  # the copied driver module loaded beside it
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU path")

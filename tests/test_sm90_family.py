@@ -8,6 +8,7 @@ import re
 import pytest
 
 from agent.records import Problem
+from sandbox import driver
 from sandbox.build import compile_cuda
 from templates.sm90_wgmma.space import Sm90Wgmma, Sm90WgmmaParams
 
@@ -52,6 +53,30 @@ def test_every_setting_compiles_without_spills(problem, params):
         assert b.registers == p.entry_regs, b.log[-800:]
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16", src)
     assert ("__cluster_dims__" in src) == (p.split_k > 1)
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_tma_launch_declares_valid_tensor_maps(layout):
+    prob = Problem(1000, 3000, 2000, layout)
+    params = {"block_m": 128, "block_n": 192 if layout == "kn" else 160, "loader": "tma"}
+    spec = FAMILY.launch(params, prob)
+    a, b = spec.tensor_maps
+    assert (a.operand, a.dims, a.box) == ("A", (2000, 1000), (64, 128))
+    # kn: B is K x N (MN-major), loaded as 64-column panels; nk: N x K, one box per stage
+    assert (b.operand, b.dims, b.box) == (("B", (3000, 2000), (64, 64)) if layout == "kn"
+                                         else ("B", (2000, 3000), (64, 160)))
+    for t in spec.tensor_maps:
+        driver.check_tiled(0x7F0000000000, t.dims, t.box, t.swizzle)
+    src = FAMILY.render(params, prob)
+    assert src.count("__grid_constant__ TmaMap") == 2 and "cp.async.bulk.tensor.2d" in src
+    cp = {**params, "loader": "cp_async"}
+    assert FAMILY.launch(cp, prob).tensor_maps == () and "__grid_constant__" not in FAMILY.render(cp, prob)
+
+
+def test_space_leads_with_tma_and_keeps_cp_async_in_reach():
+    space = FAMILY.space(Problem(4096, 4096, 4096))
+    assert space[0]["loader"] == "tma"
+    assert [p["loader"] for p in space[:12]].count("cp_async") == 2
 
 
 def test_kn_transposes_b_by_descriptor_and_nk_does_not():

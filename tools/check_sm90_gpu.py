@@ -4,6 +4,8 @@ Run on the GPU machine from the repository root:  python3 tools/check_sm90_gpu.p
 Split-K only (short):  python3 tools/check_sm90_gpu.py --split [out_dir]: every split_k > 1 setting space() proposes
 for the long-K shapes, plus each shape's best unsplit setting, checked on small odd shapes (empty K ranges, K not a
 multiple of 64 split_k) and the long-K shapes themselves, then timed on the long-K shapes.
+Loaders (short):  python3 tools/check_sm90_gpu.py --tma [out_dir]: the first space() settings of TMA_SHAPES, each
+with the cp.async and the TMA producer, checked on the odd shapes and timed side by side.
 For ncu: ncu -k regex:"hgemm|nvjet" -s 2 -c 2 python3 tools/check_sm90_gpu.py --profile PARAMS_JSON LAYOUT M_N_K
 The parent process never touches the GPU: it compiles every setting (NVRTC, in parallel), disassembles one cubin
 (HGMMA present, no local memory), then feeds settings one at a time to a worker process that it kills and
@@ -43,6 +45,9 @@ FIRST_JOB_TIMEOUT_S, JOB_TIMEOUT_S = 60.0, 20.0
 SPLIT_CHECK_SHAPES = ["1_8_8", "17_24_40", "257_136_520", "100_264_1000", "64_1024_16384", "256_128_16384"]
 SPLIT_SHAPES = {"64_1024_16384": 12, "256_128_16384": 12}
 SPLIT_ONLY = "--split" in sys.argv
+TMA_ONLY = "--tma" in sys.argv
+TMA_SHAPES = {"4096_4096_4096": 4, "8192_8192_8192": 3, "1024_1024_1024": 3, "1000_3000_2000": 2,
+              "256_4096_4096": 2, "64_1024_16384": 2, "16384_512_128": 2}
 SPLIT_TIMING_DEADLINE_S = 150.0  # --split skips the remaining timings after this long, so the table still prints
 # Source edits tried on the best-guess settings of the timed shapes: (name, old, new).
 VARIANTS = [("no-proxy-fence", r'asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");', "")]
@@ -56,6 +61,8 @@ def problem(mnk: str, layout: str) -> Problem:
 def settings(prob: Problem, top: int | None = None) -> list[dict]:
     """space()'s first `top` settings; with --split, its split-K settings' first `top` and its best unsplit one."""
     space = FAMILY.space(prob)
+    if TMA_ONLY:
+        return [dict(p, loader=loader) for p in space[:top] for loader in ("cp_async", "tma")]
     if not SPLIT_ONLY:
         return space[:top]
     return [p for p in space if p["split_k"] > 1][:top] + [p for p in space if p["split_k"] == 1][:1]
@@ -70,6 +77,7 @@ def short(params: dict, variant: str = "") -> str:
     return (f"{p['block_m']}x{p['block_n']} c{p['consumers']} s{p['stages']} g{p['raster_group']} "
             f"b{p['min_blocks']} {p['epilogue'][0]}{' P' if p.get('persistent') else ''}"
             + (f" k{p['split_k']}" if p.get("split_k", 1) > 1 else "")
+            + (" TMA" if p.get("loader") == "tma" else "")
             + (f" [{variant}]" if variant else ""))
 
 
@@ -246,9 +254,12 @@ def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     out_dir = Path(args[0]) if args else None
     t0 = time.time()
+    global CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES
     if SPLIT_ONLY:
-        global CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES
         CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES = SPLIT_CHECK_SHAPES, list(SPLIT_SHAPES), SPLIT_SHAPES, []
+    if TMA_ONLY:
+        CHECK_SHAPES = ["1_8_8", "17_24_40", "257_136_520", "1000_3000_2000", "100_264_1000"]
+        SPACE_SHAPES, TIMED, VARIANT_SHAPES = [], TMA_SHAPES, []
     # (params json, layout, variant) -> params: every space() setting of every SPACE_SHAPE, the timed settings, and
     # the variants of the first setting of each VARIANT_SHAPE.
     keys: dict[tuple[str, str, str], dict] = {}
@@ -317,7 +328,7 @@ def main() -> None:
             for k in todo:
                 if status.get(k, {}).get("status") != "ok":
                     continue
-                if SPLIT_ONLY and time.time() - t0 > SPLIT_TIMING_DEADLINE_S:
+                if (SPLIT_ONLY or TMA_ONLY) and time.time() - t0 > SPLIT_TIMING_DEADLINE_S + 150 * TMA_ONLY:
                     print(f"timing skipped (past {SPLIT_TIMING_DEADLINE_S:.0f} s): {mnk} {layout} {short(keys[k])}")
                     continue
                 res = worker.run({"kind": "time", "params": keys[k], "layout": layout, "cubin": cubins[k], "mnk": mnk})

@@ -1,0 +1,104 @@
+"""TMA tensor maps and kernel launches through the CUDA driver API, by ctypes.
+
+Standalone on purpose (ctypes only, no project imports): `agent export` copies it next to the exported op. A kernel
+takes its six fixed arguments (A, B, C pointers; M, N, K) and then, by value, one 128-byte `CUtensorMap` for each
+tensor map its family's launch rule declares; `launch` passes them all through `cuLaunchKernel`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+FLOAT16 = 6  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}  # bytes -> CU_TENSOR_MAP_SWIZZLE_*
+L2_PROMOTION_256B = 3
+TENSOR_MAP_BYTES = 128
+MAX_BOX = 256
+
+
+class DriverError(RuntimeError):
+    """A driver call failed, or its inputs break a documented rule (named in the message)."""
+
+
+_lib: ctypes.CDLL | None = None
+
+
+def _cuda() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        try:
+            _lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise DriverError(f"the CUDA driver library could not be loaded: {e}") from None
+        _lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
+        _lib.cuLaunchKernel.restype = ctypes.c_int
+        _lib.cuGetErrorString.restype = ctypes.c_int
+    return _lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc:
+        text = ctypes.c_char_p()
+        _cuda().cuGetErrorString(rc, ctypes.byref(text))
+        raise DriverError(f"{what} failed: CUDA error {rc} ({(text.value or b'?').decode()})")
+
+
+class TensorMap(ctypes.Structure):
+    """A CUtensorMap: 128 opaque bytes, 64-byte aligned when encoded (ctypes gives no alignment, so the bytes are
+    encoded into an aligned scratch buffer and copied here)."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * (TENSOR_MAP_BYTES // 8))]
+
+
+def check_tiled(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizzle: int) -> None:
+    """The documented rules of cuTensorMapEncodeTiled for a packed fp16 tensor; raises DriverError naming one."""
+    if not 1 <= len(dims) <= 5 or len(box) != len(dims):
+        raise DriverError(f"tensor map rank {len(dims)} (box {len(box)}): must be 1-5, one box size per dimension")
+    if address % 16:
+        raise DriverError(f"tensor map base address {address:#x} is not 16-byte aligned")
+    if swizzle not in SWIZZLE:
+        raise DriverError(f"swizzle {swizzle} B: must be one of {sorted(SWIZZLE)}")
+    for i, (d, b) in enumerate(zip(dims, box, strict=True)):
+        if d < 1 or not 1 <= b <= MAX_BOX:
+            raise DriverError(f"dimension {i}: size {d} and box {b} must be positive, the box at most {MAX_BOX}")
+    if box[0] * 2 % 16 or (swizzle and box[0] * 2 > swizzle):
+        raise DriverError(f"inner box of {box[0] * 2} B must be a multiple of 16 B and within the {swizzle} B swizzle")
+    for i in range(len(dims) - 1):
+        if dims[i] * 2 % 16:
+            raise DriverError(f"row pitch of dimension {i} ({dims[i] * 2} B) must be a multiple of 16 bytes")
+
+
+def encode_tiled(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizzle: int = 128) -> TensorMap:
+    """A tiled tensor map over a packed fp16 tensor at `address`: `dims` and `box` innermost first, rows contiguous.
+    Reads outside the tensor fill zeros; stores outside it are dropped."""
+    check_tiled(address, dims, box, swizzle)
+    rank = len(dims)
+    strides, pitch = [], 2
+    for d in dims[:-1]:
+        pitch *= d
+        strides.append(pitch)
+    scratch = (ctypes.c_uint8 * (TENSOR_MAP_BYTES + 64))()
+    aligned = (ctypes.addressof(scratch) + 63) // 64 * 64
+    _check(_cuda().cuTensorMapEncodeTiled(
+        ctypes.c_void_p(aligned), ctypes.c_int(FLOAT16), ctypes.c_uint32(rank), ctypes.c_void_p(address),
+        (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * max(1, rank - 1))(*strides),
+        (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
+        ctypes.c_int(0), ctypes.c_int(SWIZZLE[swizzle]), ctypes.c_int(L2_PROMOTION_256B), ctypes.c_int(0),
+    ), f"cuTensorMapEncodeTiled(dims={dims}, box={box}, swizzle={swizzle})")
+    out = TensorMap()
+    ctypes.memmove(ctypes.addressof(out), aligned, TENSOR_MAP_BYTES)
+    return out
+
+
+def launch(function: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int, stream: int,
+           pointers: tuple[int, int, int], sizes: tuple[int, int, int],
+           tensor_maps: tuple[TensorMap, ...] = ()) -> None:
+    """cuLaunchKernel(function, ...) with (A, B, C, M, N, K, *tensor_maps) on `stream` (a CUstream handle)."""
+    args: list[ctypes._SimpleCData | ctypes.Structure] = [ctypes.c_uint64(p) for p in pointers]
+    args += [ctypes.c_int32(s) for s in sizes]
+    args += list(tensor_maps)
+    params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+    _check(_cuda().cuLaunchKernel(
+        ctypes.c_void_p(function), *(ctypes.c_uint(g) for g in grid), *(ctypes.c_uint(b) for b in block),
+        ctypes.c_uint(smem_bytes), ctypes.c_void_p(stream), params, None,
+    ), "cuLaunchKernel")

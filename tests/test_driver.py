@@ -1,0 +1,45 @@
+"""sandbox.driver on the CPU: the documented tensor-map rules are checked before the driver is called, and a
+missing driver is a clear error (the encode and launch paths themselves run in the GPU tests)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from sandbox import driver
+from tests.conftest import HAS_GPU
+
+
+def test_a_gemm_operand_map_passes():
+    driver.check_tiled(0x10000, (4096, 1000), (64, 128), 128)
+    driver.check_tiled(0x10000, (8, 1), (64, 256), 128)  # the box may be larger than a tiny tensor
+
+
+@pytest.mark.parametrize("address,dims,box,swizzle,message", [
+    (0x10008, (64, 64), (64, 64), 128, "not 16-byte aligned"),
+    (0x10000, (64, 64), (64, 64), 96, "swizzle 96"),
+    (0x10000, (64, 64), (128, 64), 128, "within the 128 B swizzle"),
+    (0x10000, (64, 64), (4, 64), 0, "multiple of 16 B"),
+    (0x10000, (64, 64), (64, 512), 128, "at most 256"),
+    (0x10000, (60, 64), (32, 64), 128, "row pitch"),
+    (0x10000, (64, 64), (64,), 128, "one box size per dimension"),
+    (0x10000, (1, 1, 1, 1, 1, 1), (1,) * 6, 0, "rank 6"),
+    (0x10000, (0, 64), (64, 64), 128, "must be positive"),
+])
+def test_broken_rules_are_named(address, dims, box, swizzle, message):
+    with pytest.raises(driver.DriverError, match=message):
+        driver.check_tiled(address, dims, box, swizzle)
+    with pytest.raises(driver.DriverError, match=message):  # checked before any driver call
+        driver.encode_tiled(address, dims, box, swizzle)
+
+
+def test_tensor_map_is_the_driver_s_128_bytes():
+    assert ctypes.sizeof(driver.TensorMap) == driver.TENSOR_MAP_BYTES == 128
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-driver path")
+def test_without_a_driver_the_error_says_so(monkeypatch):
+    monkeypatch.setattr(driver, "_lib", None)
+    with pytest.raises(driver.DriverError, match="could not be loaded"):
+        driver.encode_tiled(0x10000, (64, 64), (64, 64), 128)
