@@ -6,6 +6,8 @@ for the long-K shapes, plus each shape's best unsplit setting, checked on small 
 multiple of 64 split_k) and the long-K shapes themselves, then timed on the long-K shapes.
 Loaders (short):  python3 tools/check_sm90_gpu.py --tma [out_dir]: the first space() settings of TMA_SHAPES, each
 with the cp.async and the TMA producer, checked on the odd shapes and timed side by side.
+Epilogues (short):  python3 tools/check_sm90_gpu.py --epilogue [out_dir]: the same for the smem, tma, persistent
+direct and persistent tma epilogues of EPILOGUE_SHAPES' first settings.
 For ncu: ncu -k regex:"hgemm|nvjet" -s 2 -c 2 python3 tools/check_sm90_gpu.py --profile PARAMS_JSON LAYOUT M_N_K
 The parent process never touches the GPU: it compiles every setting (NVRTC, in parallel), disassembles one cubin
 (HGMMA present, no local memory), then feeds settings one at a time to a worker process that it kills and
@@ -48,6 +50,11 @@ SPLIT_ONLY = "--split" in sys.argv
 TMA_ONLY = "--tma" in sys.argv
 TMA_SHAPES = {"4096_4096_4096": 4, "8192_8192_8192": 3, "1024_1024_1024": 3, "1000_3000_2000": 2,
               "256_4096_4096": 2, "64_1024_16384": 2, "16384_512_128": 2}
+EPILOGUE_ONLY = "--epilogue" in sys.argv
+EPILOGUE_SHAPES = {"16384_512_128": 2, "12288_1024_64": 2, "16384_16384_64": 1, "4096_4096_4096": 2,
+                   "8192_8192_8192": 1, "2048_2048_2048": 1, "1000_3000_2000": 1, "16384_1024_1024": 1}
+EPILOGUES = ({}, {"epilogue": "tma"}, {"persistent": True, "epilogue": "direct"},
+             {"persistent": True, "epilogue": "tma"})
 SPLIT_TIMING_DEADLINE_S = 150.0  # --split skips the remaining timings after this long, so the table still prints
 # Source edits tried on the best-guess settings of the timed shapes: (name, old, new).
 VARIANTS = [("no-proxy-fence", r'asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");', "")]
@@ -63,6 +70,11 @@ def settings(prob: Problem, top: int | None = None) -> list[dict]:
     space = FAMILY.space(prob)
     if TMA_ONLY:
         return [dict(p, loader=loader) for p in space[:top] for loader in ("cp_async", "tma")]
+    if EPILOGUE_ONLY:
+        from templates.sm90_wgmma.space import Sm90WgmmaParams, with_update
+
+        made = [with_update(Sm90WgmmaParams(**p), u) for p in space[:top] for u in EPILOGUES]
+        return [v.model_dump() for v in made if v is not None]
     if not SPLIT_ONLY:
         return space[:top]
     return [p for p in space if p["split_k"] > 1][:top] + [p for p in space if p["split_k"] == 1][:1]
@@ -75,7 +87,7 @@ def key(params: dict) -> str:
 def short(params: dict, variant: str = "") -> str:
     p = params
     return (f"{p['block_m']}x{p['block_n']} c{p['consumers']} s{p['stages']} g{p['raster_group']} "
-            f"b{p['min_blocks']} {p['epilogue'][0]}{' P' if p.get('persistent') else ''}"
+            f"b{p['min_blocks']} {p['epilogue']}{' P' if p.get('persistent') else ''}"
             + (f" k{p['split_k']}" if p.get("split_k", 1) > 1 else "")
             + (" TMA" if p.get("loader") == "tma" else "")
             + (f" [{variant}]" if variant else ""))
@@ -257,9 +269,9 @@ def main() -> None:
     global CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES
     if SPLIT_ONLY:
         CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES = SPLIT_CHECK_SHAPES, list(SPLIT_SHAPES), SPLIT_SHAPES, []
-    if TMA_ONLY:
+    if TMA_ONLY or EPILOGUE_ONLY:
         CHECK_SHAPES = ["1_8_8", "17_24_40", "257_136_520", "1000_3000_2000", "100_264_1000"]
-        SPACE_SHAPES, TIMED, VARIANT_SHAPES = [], TMA_SHAPES, []
+        SPACE_SHAPES, TIMED, VARIANT_SHAPES = [], TMA_SHAPES if TMA_ONLY else EPILOGUE_SHAPES, []
     # (params json, layout, variant) -> params: every space() setting of every SPACE_SHAPE, the timed settings, and
     # the variants of the first setting of each VARIANT_SHAPE.
     keys: dict[tuple[str, str, str], dict] = {}
@@ -328,7 +340,8 @@ def main() -> None:
             for k in todo:
                 if status.get(k, {}).get("status") != "ok":
                     continue
-                if (SPLIT_ONLY or TMA_ONLY) and time.time() - t0 > SPLIT_TIMING_DEADLINE_S + 150 * TMA_ONLY:
+                if (SPLIT_ONLY or TMA_ONLY or EPILOGUE_ONLY) and time.time() - t0 > SPLIT_TIMING_DEADLINE_S + 150 * (
+                        TMA_ONLY or EPILOGUE_ONLY):
                     print(f"timing skipped (past {SPLIT_TIMING_DEADLINE_S:.0f} s): {mnk} {layout} {short(keys[k])}")
                     continue
                 res = worker.run({"kind": "time", "params": keys[k], "layout": layout, "cubin": cubins[k], "mnk": mnk})

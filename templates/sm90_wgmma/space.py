@@ -37,9 +37,11 @@ class Sm90WgmmaParams(Params):
     consumers: Literal[1, 2, 3, 4] = Field(2, description="consumer warpgroups; each owns block_m/consumers rows")
     raster_group: int = Field(8, ge=1, le=64, description="tile-rows a block group walks before moving across N")
     min_blocks: Literal[1, 2] = Field(1, description="blocks resident per SM (__launch_bounds__); caps registers")
-    epilogue: Literal["direct", "smem"] = Field(
+    epilogue: Literal["direct", "smem", "tma"] = Field(
         "smem", description="smem: C staged in shared memory for 16-byte stores (measured 3-10% faster on the "
-        "H200); direct: 4-byte stores from the accumulators")
+        "H200 than direct); direct: 4-byte stores from the accumulators; tma: C staged in 128-byte-swizzled "
+        "panels and written by asynchronous TMA stores (block_n a multiple of 64), so a persistent block's "
+        "next tile starts while the last one drains")
     persistent: bool = Field(False, description="one block per SM slot striding over the tiles; the producer "
                              "prefetches the next tile while the consumers store the last")
     loader: Literal["cp_async", "tma"] = Field(
@@ -67,7 +69,8 @@ class Sm90WgmmaParams(Params):
 
     @property
     def smem_bytes(self) -> int:
-        c_tile = self.block_m * (self.block_n + 8) * 2 if self.epilogue == "smem" else 0
+        c_tile = {"smem": self.block_m * (self.block_n + 8) * 2, "tma": self.block_m * self.block_n * 2,
+                  "direct": 0}[self.epilogue]
         c_tile = max(c_tile, self.exchange_bytes)
         # Persistent blocks refill the ring while storing C, so C needs room of its own; otherwise it reuses it.
         body = self.ring_bytes + c_tile if self.persistent else max(self.ring_bytes, c_tile)
@@ -113,11 +116,14 @@ class Sm90WgmmaParams(Params):
         if self.block_m % (64 * self.consumers):
             raise ValueError(f"block_m={self.block_m} must split into consumers={self.consumers} warpgroups of "
                              "a multiple of 64 rows each (wgmma is m64)")
+        if self.epilogue == "tma" and (self.block_n % 64 or self.split_k > 1):
+            raise ValueError(f"epilogue=tma stores 64-column panels: block_n={self.block_n} must be a multiple of "
+                             f"64, and split_k={self.split_k} must be 1 (split-K stores its own sums)")
         if self.split_k > 1 and self.persistent:
             raise ValueError(f"split_k={self.split_k} needs one tile per cluster: persistent blocks are not supported "
                              "with split-K")
         if self.smem_bytes > SMEM_PER_BLOCK_MAX:
-            c_note = " + C staging beside it (persistent)" if self.persistent and self.epilogue == "smem" else ""
+            c_note = " + C staging beside it (persistent)" if self.persistent and self.epilogue != "direct" else ""
             x_note = (f", or the split-K fp32 exchange tile of {self.exchange_bytes} B if larger"
                       if self.split_k > 1 else "")
             raise ValueError(f"shared memory {self.smem_bytes} B (ring of stages*(block_m+block_n)*128 B{c_note}"
@@ -211,16 +217,27 @@ def _split_settings(problem: Problem) -> list[Sm90WgmmaParams]:
     return found[:12]
 
 
+def with_update(p: Sm90WgmmaParams, update: dict[str, Any]) -> Sm90WgmmaParams | None:
+    """p changed by `update`, with the deepest ring (at most p's) that still fits; None if none does."""
+    for stages in range(p.stages, 1, -1):
+        try:
+            return Sm90WgmmaParams(**{**p.model_dump(), "stages": stages, **update})
+        except ValueError:
+            continue
+    return None
+
+
 class Sm90Wgmma(Family):
     name: ClassVar[str] = "sm90_wgmma"
     arches: ClassVar[tuple[str, ...]] = ("sm_90a",)
     params_model: ClassVar[type[Params]] = Sm90WgmmaParams
     description: ClassVar[str] = (
-        "Hopper HGEMM: a producer warpgroup streams A/B tiles with cp.async into a STAGES-deep ring of "
-        "128-byte-swizzled shared memory (mbarrier full/empty handshake); 1-4 consumer warpgroups issue "
-        "wgmma.mma_async m64nNk16 from shared-memory descriptors (B MN-major via the transpose bit for kn), "
-        "setmaxnreg moves registers to the consumers; grouped rasterisation; direct or smem-staged epilogue; "
-        "split-K in thread-block clusters (fp32 partial tiles summed through distributed shared memory)."
+        "Hopper HGEMM: a producer warpgroup streams A/B tiles with TMA (host-encoded tensor maps) or cp.async "
+        "into a STAGES-deep ring of 128-byte-swizzled shared memory (mbarrier full/empty handshake); 1-4 consumer "
+        "warpgroups issue wgmma.mma_async m64nNk16 from shared-memory descriptors (B MN-major via the transpose "
+        "bit for kn), setmaxnreg moves registers to the consumers; grouped rasterisation; persistent blocks; "
+        "direct, smem-staged or TMA-store epilogue; split-K in thread-block clusters (fp32 partial tiles summed "
+        "through distributed shared memory)."
     )
 
     def derived(self, params: Params) -> dict[str, Any]:
@@ -246,6 +263,8 @@ class Sm90Wgmma(Family):
             b_map = (TensorMapSpec("B", (problem.n, k), (64, p.block_k)) if problem.b_layout == "kn"
                      else TensorMapSpec("B", (k, problem.n), (p.block_k, p.block_n)))
             maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, p.block_m)), b_map)
+        if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels
+            maps += (TensorMapSpec("C", (problem.n, problem.m), (64, p.block_m // p.consumers)),)
         return LaunchSpec(grid=(grid, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps)
 
     def space(self, problem: Problem) -> list[dict[str, Any]]:
@@ -277,13 +296,15 @@ class Sm90Wgmma(Family):
         for group in (16, 4, 1):
             if group < tiles_m or group == 1:
                 picked.append(best.model_copy(update={"raster_group": group}))
-        # Persistent blocks need C room beside the ring, so they store C directly.
-        for p, update in [(p, {"epilogue": "direct"}) for p in picked[:2]] + [
-                (p, {"persistent": True, "epilogue": "direct"}) for p in picked[:2]]:
-            try:
-                picked.append(Sm90WgmmaParams(**{**p.model_dump(), **update}))
-            except ValueError:
-                pass
+        # Persistent blocks with TMA stores lead: the next tile's loads and MMAs overlap the last one's stores
+        # (measured on the H200: best or tied on every shape tried, 1.04-1.16x of cuBLAS at K <= 128, where the
+        # others reach 0.8x), unless the room C takes beside the ring leaves too shallow a ring for a long K.
+        lead = list({v.model_dump_json(): v for v in (with_update(p, {"persistent": True, "epilogue": "tma"})
+                                                      for p in picked[:10])
+                     if v is not None and (v.stages >= 3 or v.stages > k_tiles)}.values())[:3]
+        # Other epilogues of the two best guesses (persistent with direct stores measured 0.3-0.97x: left out).
+        others = [with_update(p, u) for p in picked[:2] for u in ({"epilogue": "direct"}, {"epilogue": "tma"})]
+        picked = lead + picked + [v for v in others if v is not None]
         # Long-K problems with few tiles: split-K settings first; every other problem's list is unchanged.
         ordered = _split_settings(problem) + picked
         # The cp.async producer of the two best guesses, eighth: it wins now and then where TMA barely loses.
