@@ -52,3 +52,12 @@ def test_recheck_without_gpu_says_so(tmp_path):
     export_run(populated_run(tmp_path / "r"), tmp_path / "out")
     status, text = recheck(tmp_path / "out")
     assert status == "no-gpu" and "not re-checked" in text
+
+
+@pytest.mark.gpu
+def test_exported_tma_kernel_rechecks_on_the_gpu(tmp_path):
+    out = tmp_path / "out"
+    export_run(populated_run(tmp_path / "r"), out)
+    assert json.loads((out / "manifest.json").read_text())["kernels"]["1000_3000_2000:kn"]["tensor_maps"]
+    status, text = recheck(out)
+    assert status == "ok", text

@@ -50,6 +50,21 @@ def test_correct_kernels_are_never_rejected(pool):
             assert r.max_rel_err <= 2 * r.cublas_rel_err + 1e-6
 
 
+def test_every_sm90_producer_and_epilogue_passes_the_full_checks(pool):
+    """TMA and cp.async producers; smem, direct and TMA-store epilogues, persistent or not; split-K clusters:
+    each kind space() proposes goes through every check (poison, guards, edge shapes, repeat launches)."""
+    sm90 = get_family("sm90_wgmma")
+    problems = random_problems(4, seed=5) + [Problem(100, 264, 8192, "kn"), Problem(77, 200, 8192, "nk")]
+    for p in problems:
+        kinds: dict[tuple, dict] = {}
+        for params in sm90.space(p):
+            kinds.setdefault((params["loader"], params["epilogue"], params["persistent"], params["split_k"] > 1),
+                             params)
+        for params in kinds.values():
+            r = pool.evaluate(build_job("sm90_wgmma", params, p, time_it=False))
+            assert r.status is Status.OK, f"{params} on {p.key}: {r.status} {r.reason}"
+
+
 def test_timing_record_is_complete(pool):
     p = Problem(1024, 1024, 1024)
     r = pool.evaluate(build_job("sm80_mma", get_family("sm80_mma").space(p)[0], p))
