@@ -58,8 +58,8 @@ def _run(a: torch.Tensor, b: torch.Tensor, layout: str) -> torch.Tensor:
     c = torch.empty(m, n, dtype=torch.float16, device=a.device)
     fn = _kernel(entry)
     operands = {"A": a, "B": b, "C": c}
-    maps = tuple(driver.encode_tiled(operands[t["operand"]].data_ptr(), tuple(t["dims"]), tuple(t["box"]),
-                                     t["swizzle"]) for t in entry.get("tensor_maps", []))
+    maps = tuple(driver.tensor_map(operands[t["operand"]].data_ptr(), tuple(t["dims"]), tuple(t["box"]),
+                                   t["swizzle"]) for t in entry.get("tensor_maps", []))
     driver.launch(fn.kernel.ptr, tuple(entry["grid"]), tuple(entry["block"]), entry["smem_bytes"],
                   torch.cuda.current_stream().cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()), (m, n, k), maps)
     return c

@@ -8,6 +8,7 @@ tensor map its family's launch rule declares; `launch` passes them all through `
 from __future__ import annotations
 
 import ctypes
+import functools
 
 FLOAT16 = 6  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16
 SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}  # bytes -> CU_TENSOR_MAP_SWIZZLE_*
@@ -88,6 +89,13 @@ def encode_tiled(address: int, dims: tuple[int, ...], box: tuple[int, ...], swiz
     out = TensorMap()
     ctypes.memmove(ctypes.addressof(out), aligned, TENSOR_MAP_BYTES)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def tensor_map(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizzle: int = 128) -> TensorMap:
+    """encode_tiled, remembered: a map depends only on these values, so one encoded for an address stays right
+    for any tensor later placed there with the same shape (launches only read it)."""
+    return encode_tiled(address, dims, box, swizzle)
 
 
 def launch(function: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int, stream: int,

@@ -16,7 +16,7 @@ import cupy
 import numpy as np
 import torch
 
-from agent.records import LaunchSpec, TensorMapSpec
+from agent.records import LaunchSpec
 from sandbox import driver
 
 # CuPy 14 deprecates ExternalStream in favour of Stream.from_external; the old name still wraps torch's stream
@@ -41,7 +41,6 @@ class Kernel:
             os.unlink(path)
         self.launch_rule = launch_rule
         self._smem_raised = 0
-        self._maps: dict[tuple[int, TensorMapSpec], driver.TensorMap] = {}
 
     @classmethod
     def for_family(cls, cubin: bytes, family: str, params: dict, b_layout: str, dtype: str = "f16") -> Kernel:
@@ -58,19 +57,11 @@ class Kernel:
             self.function.max_dynamic_shared_size_bytes = spec.smem_bytes
             self._smem_raised = spec.smem_bytes
         operands = {"A": a, "B": b, "C": c}
-        maps = tuple(self._tensor_map(t, operands[t.operand].data_ptr()) for t in spec.tensor_maps)
+        maps = tuple(driver.tensor_map(operands[t.operand].data_ptr(), t.dims, t.box, t.swizzle)
+                     for t in spec.tensor_maps)
         driver.launch(self.function.kernel.ptr, spec.grid, spec.block, spec.smem_bytes,
                       torch.cuda.current_stream().cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()),
                       (m, n, k), maps)
-
-    def _tensor_map(self, spec: TensorMapSpec, address: int) -> driver.TensorMap:
-        """Encoded once per operand address and shape (the checks and timing reuse a handful of tensors)."""
-        key = (address, spec)
-        if key not in self._maps:
-            if len(self._maps) >= 64:
-                self._maps.clear()
-            self._maps[key] = driver.encode_tiled(address, spec.dims, spec.box, spec.swizzle)
-        return self._maps[key]
 
 
 SCRUB_SOURCE = r"""

@@ -43,3 +43,15 @@ def test_without_a_driver_the_error_says_so(monkeypatch):
     monkeypatch.setattr(driver, "_lib", None)
     with pytest.raises(driver.DriverError, match="could not be loaded"):
         driver.encode_tiled(0x10000, (64, 64), (64, 64), 128)
+
+
+def test_tensor_maps_are_remembered_per_address_and_shape(monkeypatch):
+    calls = []
+    monkeypatch.setattr(driver, "encode_tiled", lambda *args: calls.append(args) or driver.TensorMap())
+    driver.tensor_map.cache_clear()
+    first = driver.tensor_map(0x10000, (64, 64), (64, 64), 128)
+    assert driver.tensor_map(0x10000, (64, 64), (64, 64), 128) is first
+    driver.tensor_map(0x20000, (64, 64), (64, 64), 128)
+    driver.tensor_map(0x10000, (64, 128), (64, 64), 128)
+    assert len(calls) == 3
+    driver.tensor_map.cache_clear()
