@@ -8,6 +8,9 @@ Loaders (short):  python3 tools/check_sm90_gpu.py --tma [out_dir]: the first spa
 with the cp.async and the TMA producer, checked on the odd shapes and timed side by side.
 Epilogues (short):  python3 tools/check_sm90_gpu.py --epilogue [out_dir]: the same for the smem, tma, persistent
 direct and persistent tma epilogues of EPILOGUE_SHAPES' first settings.
+Split-K on mid-size shapes (short):  python3 tools/check_sm90_gpu.py --split-mid [out_dir]: for SPLIT_MID_SHAPES,
+space()'s first three settings and split-K 2 and 4 variants of a few tile shapes (which space() does not propose
+there).
 For ncu: ncu -k regex:"hgemm|nvjet" -s 2 -c 2 python3 tools/check_sm90_gpu.py --profile PARAMS_JSON LAYOUT M_N_K
 The parent process never touches the GPU: it compiles every setting (NVRTC, in parallel), disassembles one cubin
 (HGMMA present, no local memory), then feeds settings one at a time to a worker process that it kills and
@@ -55,6 +58,9 @@ EPILOGUE_SHAPES = {"16384_512_128": 2, "12288_1024_64": 2, "16384_16384_64": 1, 
                    "8192_8192_8192": 1, "2048_2048_2048": 1, "1000_3000_2000": 1, "16384_1024_1024": 1}
 EPILOGUES = ({}, {"epilogue": "tma"}, {"persistent": True, "epilogue": "direct"},
              {"persistent": True, "epilogue": "tma"})
+SPLIT_MID = "--split-mid" in sys.argv
+SPLIT_MID_SHAPES = {"64_4096_16384": 1, "128_8192_8192": 1, "2048_1024_12288": 1, "16_4096_4096": 1,
+                    "1024_1024_1024": 1, "2048_2048_2048": 1}
 SPLIT_TIMING_DEADLINE_S = 150.0  # --split skips the remaining timings after this long, so the table still prints
 # Source edits tried on the best-guess settings of the timed shapes: (name, old, new).
 VARIANTS = [("no-proxy-fence", r'asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");', "")]
@@ -70,6 +76,19 @@ def settings(prob: Problem, top: int | None = None) -> list[dict]:
     space = FAMILY.space(prob)
     if TMA_ONLY:
         return [dict(p, loader=loader) for p in space[:top] for loader in ("cp_async", "tma")]
+    if SPLIT_MID:
+        from templates.sm90_wgmma.space import Sm90WgmmaParams, with_update
+
+        base = space[:3]
+        for bm, bn, c in ((64, 128, 1), (128, 128, 2), (128, 256, 2), (64, 256, 1)):
+            if bm > max(64, prob.m):
+                continue
+            for split in (2, 4):
+                tile = Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=c, stages=4)
+                v = with_update(tile, {"split_k": split, "stages": 6})
+                if v is not None:
+                    base.append(v.model_dump())
+        return base
     if EPILOGUE_ONLY:
         from templates.sm90_wgmma.space import Sm90WgmmaParams, with_update
 
@@ -269,9 +288,10 @@ def main() -> None:
     global CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES
     if SPLIT_ONLY:
         CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES = SPLIT_CHECK_SHAPES, list(SPLIT_SHAPES), SPLIT_SHAPES, []
-    if TMA_ONLY or EPILOGUE_ONLY:
+    if TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID:
         CHECK_SHAPES = ["1_8_8", "17_24_40", "257_136_520", "1000_3000_2000", "100_264_1000"]
-        SPACE_SHAPES, TIMED, VARIANT_SHAPES = [], TMA_SHAPES if TMA_ONLY else EPILOGUE_SHAPES, []
+        SPACE_SHAPES, VARIANT_SHAPES = [], []
+        TIMED = TMA_SHAPES if TMA_ONLY else EPILOGUE_SHAPES if EPILOGUE_ONLY else SPLIT_MID_SHAPES
     # (params json, layout, variant) -> params: every space() setting of every SPACE_SHAPE, the timed settings, and
     # the variants of the first setting of each VARIANT_SHAPE.
     keys: dict[tuple[str, str, str], dict] = {}
@@ -331,6 +351,7 @@ def main() -> None:
             print(f"  {layout}: worst rel err / torch's own: {max(errs):.2f}")
 
     rows = []
+    short_mode = SPLIT_ONLY or TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID
     for mnk, top in TIMED.items():
         for layout in ("kn", "nk"):
             prob = problem(mnk, layout)
@@ -340,8 +361,7 @@ def main() -> None:
             for k in todo:
                 if status.get(k, {}).get("status") != "ok":
                     continue
-                if (SPLIT_ONLY or TMA_ONLY or EPILOGUE_ONLY) and time.time() - t0 > SPLIT_TIMING_DEADLINE_S + 150 * (
-                        TMA_ONLY or EPILOGUE_ONLY):
+                if short_mode and time.time() - t0 > SPLIT_TIMING_DEADLINE_S + 150 * (not SPLIT_ONLY):
                     print(f"timing skipped (past {SPLIT_TIMING_DEADLINE_S:.0f} s): {mnk} {layout} {short(keys[k])}")
                     continue
                 res = worker.run({"kind": "time", "params": keys[k], "layout": layout, "cubin": cubins[k], "mnk": mnk})
