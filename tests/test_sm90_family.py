@@ -79,6 +79,14 @@ def test_space_leads_with_tma_and_keeps_cp_async_in_reach():
     assert [p["loader"] for p in space[:12]].count("cp_async") == 2
 
 
+@pytest.mark.parametrize("problem,lead", [(Problem(16384, 512, 128), True), (Problem(4096, 4096, 4096), True),
+                                          (Problem(1024, 1024, 1024), False), (Problem(64, 64, 64), False)],
+                         ids=lambda x: x.key if isinstance(x, Problem) else str(x))
+def test_persistent_tma_store_leads_only_beyond_one_wave(problem, lead):
+    first = FAMILY.space(problem)[0]
+    assert (first["persistent"] and first["epilogue"] == "tma") == lead
+
+
 def test_kn_transposes_b_by_descriptor_and_nk_does_not():
     kn = FAMILY.render({"block_n": 128}, Problem(256, 256, 256, "kn"))
     nk = FAMILY.render({"block_n": 128}, Problem(256, 256, 256, "nk"))
