@@ -296,16 +296,15 @@ class Sm90Wgmma(Family):
         for group in (16, 4, 1):
             if group < tiles_m or group == 1:
                 picked.append(best.model_copy(update={"raster_group": group}))
-        # Persistent blocks with TMA stores lead where a block gets more than one tile: the next tile's loads and
-        # MMAs overlap the last one's stores (measured on the H200: 1.04-1.16x of cuBLAS at K <= 128, where the
-        # others reach 0.8x; 1.0x at 4096 cubed), unless the room C takes beside the ring leaves too shallow a ring
-        # for a long K. In one wave there is nothing to overlap (1024 cubed: 0.93x against 0.97x without).
-        def more_than_a_wave(v: Sm90WgmmaParams) -> bool:
-            return -(-problem.m // v.block_m) * -(-problem.n // v.block_n) > SMS * v.min_blocks
-
-        lead = list({v.model_dump_json(): v for v in (with_update(p, {"persistent": True, "epilogue": "tma"})
-                                                      for p in picked[:10])
-                     if v is not None and (v.stages >= 3 or v.stages > k_tiles) and more_than_a_wave(v)}.values())[:3]
+        # Persistent blocks with TMA stores lead where the best guess gives a block more than one tile: the next
+        # tile's loads and MMAs overlap the last one's stores (measured on the H200: 1.04-1.16x of cuBLAS at
+        # K <= 128, where the others reach 0.8x; 1.0x at 4096 cubed), unless the room C takes beside the ring leaves
+        # too shallow a ring for a long K. In one wave there is nothing to overlap (1024 cubed: 0.93x against 0.97x).
+        one_wave = -(-problem.m // best.block_m) * -(-problem.n // best.block_n) <= SMS * best.min_blocks
+        lead = [] if one_wave else list({
+            v.model_dump_json(): v for v in (with_update(p, {"persistent": True, "epilogue": "tma"})
+                                             for p in picked[:10])
+            if v is not None and (v.stages >= 3 or v.stages > k_tiles)}.values())[:3]
         # Other epilogues of the two best guesses (persistent with direct stores measured 0.3-0.97x: left out).
         others = [with_update(p, u) for p in picked[:2] for u in ({"epilogue": "direct"}, {"epilogue": "tma"})]
         picked = lead + picked + [v for v in others if v is not None]
