@@ -56,12 +56,9 @@ def _run(a: torch.Tensor, b: torch.Tensor, layout: str) -> torch.Tensor:
     if not usable:
         return torch.matmul(a, b if layout == "kn" else b.t())
     c = torch.empty(m, n, dtype=torch.float16, device=a.device)
-    fn = _kernel(entry)
-    operands = {"A": a, "B": b, "C": c}
-    maps = tuple(driver.tensor_map(operands[t["operand"]].data_ptr(), tuple(t["dims"]), tuple(t["box"]),
-                                   t["swizzle"]) for t in entry.get("tensor_maps", []))
-    driver.launch(fn.kernel.ptr, tuple(entry["grid"]), tuple(entry["block"]), entry["smem_bytes"],
-                  torch.cuda.current_stream().cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()), (m, n, k), maps)
+    driver.launch(_kernel(entry).kernel.ptr, tuple(entry["grid"]), tuple(entry["block"]), entry["smem_bytes"],
+                  torch.cuda.current_stream().cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()), (m, n, k),
+                  [(t["operand"], t["dims"], t["box"], t["swizzle"]) for t in entry.get("tensor_maps", [])])
     return c
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Iterable
 
 FLOAT16 = 6  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16
 SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}  # bytes -> CU_TENSOR_MAP_SWIZZLE_*
@@ -98,13 +99,18 @@ def tensor_map(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizzl
     return encode_tiled(address, dims, box, swizzle)
 
 
+OPERANDS = "ABC"  # a tensor map's operand names the pointer argument it covers
+
+
 def launch(function: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int, stream: int,
            pointers: tuple[int, int, int], sizes: tuple[int, int, int],
-           tensor_maps: tuple[TensorMap, ...] = ()) -> None:
-    """cuLaunchKernel(function, ...) with (A, B, C, M, N, K, *tensor_maps) on `stream` (a CUstream handle)."""
+           tensor_maps: Iterable[tuple[str, tuple[int, ...], tuple[int, ...], int]] = ()) -> None:
+    """cuLaunchKernel(function, ...) with (A, B, C, M, N, K, *maps) on `stream` (a CUstream handle); each of
+    `tensor_maps` is (operand "A" | "B" | "C", dims, box, swizzle), encoded (remembered) over that operand."""
     args: list[ctypes._SimpleCData | ctypes.Structure] = [ctypes.c_uint64(p) for p in pointers]
     args += [ctypes.c_int32(s) for s in sizes]
-    args += list(tensor_maps)
+    args += [tensor_map(pointers[OPERANDS.index(operand)], tuple(dims), tuple(box), swizzle)
+             for operand, dims, box, swizzle in tensor_maps]
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
     _check(_cuda().cuLaunchKernel(
         ctypes.c_void_p(function), *(ctypes.c_uint(g) for g in grid), *(ctypes.c_uint(b) for b in block),

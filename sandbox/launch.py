@@ -56,12 +56,9 @@ class Kernel:
         if spec.smem_bytes > self._smem_raised:
             self.function.max_dynamic_shared_size_bytes = spec.smem_bytes
             self._smem_raised = spec.smem_bytes
-        operands = {"A": a, "B": b, "C": c}
-        maps = tuple(driver.tensor_map(operands[t.operand].data_ptr(), t.dims, t.box, t.swizzle)
-                     for t in spec.tensor_maps)
         driver.launch(self.function.kernel.ptr, spec.grid, spec.block, spec.smem_bytes,
                       torch.cuda.current_stream().cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()),
-                      (m, n, k), maps)
+                      (m, n, k), [(t.operand, t.dims, t.box, t.swizzle) for t in spec.tensor_maps])
 
 
 SCRUB_SOURCE = r"""

@@ -55,3 +55,20 @@ def test_tensor_maps_are_remembered_per_address_and_shape(monkeypatch):
     driver.tensor_map(0x10000, (64, 128), (64, 64), 128)
     assert len(calls) == 3
     driver.tensor_map.cache_clear()
+
+
+def test_launch_encodes_each_map_over_the_operand_it_names(monkeypatch):
+    encoded, launched = [], []
+
+    class FakeDriver:
+        def cuLaunchKernel(self, function, *rest):  # noqa: N802 - the driver's name
+            launched.append(rest)
+            return 0
+
+    monkeypatch.setattr(driver, "_cuda", lambda: FakeDriver())
+    monkeypatch.setattr(driver, "tensor_map", lambda *args: encoded.append(args) or driver.TensorMap())
+    driver.launch(1, (2, 1, 1), (384, 1, 1), 1024, 0, (0xA00, 0xB00, 0xC00), (64, 64, 64),
+                  [("A", [64, 64], [64, 64], 128), ("C", (64, 64), (64, 64), 128)])
+    assert encoded == [(0xA00, (64, 64), (64, 64), 128), (0xC00, (64, 64), (64, 64), 128)]
+    params = launched[0][-2]
+    assert len(params) == 3 + 3 + 2  # pointers, sizes, then the maps by value

@@ -311,7 +311,7 @@ class Sm90Wgmma(Family):
         # Long-K problems with few tiles: split-K settings first; every other problem's list is unchanged.
         ordered = _split_settings(problem) + picked
         # The cp.async producer of the two best guesses, eighth: it wins now and then where TMA barely loses.
-        ordered[8:8] = [p.model_copy(update={"loader": "cp_async"}) for p in ordered[:2]]
+        ordered[8:8] = [v for v in (with_update(p, {"loader": "cp_async"}) for p in ordered[:2]) if v is not None]
         seen: dict[str, dict[str, Any]] = {}
         for p in ordered:
             seen.setdefault(p.model_dump_json(), p.model_dump())
