@@ -48,7 +48,8 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
         manifest["kernels"][f"{p.mnk}:{p.b_layout}"] = {
             "file": f"{stem}.cu", "cubin": f"{stem}.cubin", "arch": build.arch, "candidate": cand.id,
             "grid": list(spec.grid), "block": list(spec.block), "smem_bytes": spec.smem_bytes,
-            "tensor_maps": [asdict(t) for t in spec.tensor_maps],
+            "tensor_maps": [asdict(t) for t in spec.tensor_maps], "workspace_bytes": spec.workspace_bytes,
+            "counters": spec.counters,
             "time_us": result.time_us, "cublas_us": result.cublas_warm.median_us, "speedup": ratio,
         }
         lines.append(ExportLine(p, f"{stem}.cu", f"{ratio:.3f}x of cuBLAS ({cand.id})"))
@@ -68,6 +69,9 @@ def _header(store, p, cand, result, spec, ratio) -> str:
         f"raise cudaFuncAttributeMaxDynamicSharedMemorySize to {spec.smem_bytes} first\n"
         + "".join(f"// then, by value, a CUtensorMap over {t.operand}: fp16, dims {t.dims} and box {t.box} innermost "
                   f"first, {t.swizzle}-byte swizzle, zero fill\n" for t in spec.tensor_maps)
+        + (f"// then a scratch buffer of at least {spec.workspace_bytes} bytes and a zeroed array of at least "
+           f"{spec.counters} unsigned ints, reused from call to call (the kernel leaves the counters zeroed; one "
+           "launch at a time)\n" if spec.workspace_bytes or spec.counters else "")
         + f"// measured: {result.time_us:.2f} us vs cuBLAS {result.cublas_warm.median_us:.2f} us "
         f"(median ratio {ratio:.3f}x), {result.device.get('name', '?')}\n"
         f"// compile: nvrtc / nvcc -arch={store.get_meta('arch', 'sm_90a')} (no headers needed)\n\n"

@@ -4,7 +4,9 @@ This file is copied as `hgemm_ops.py` next to `manifest.json`, the kernels' `.cu
 `hgemm_driver.py` (tensor maps and launches through the CUDA driver); it needs only torch and cupy.
 `mm(a, b)` is `torch.matmul(a, b)` (b K x N), `linear(x, w)` is `F.linear(x, w)` without bias (w N x K).
 A shape the run did not tune, or tuned without beating cuBLAS, calls cuBLAS. `selfcheck()` compares every
-exported kernel against an fp64 reference and cuBLAS on fresh random inputs.
+exported kernel against an fp64 reference and cuBLAS on fresh random inputs. Kernels whose manifest entry has a
+`workspace_bytes` share one scratch buffer and one array of counters per GPU (allocated on first use): do not run two
+of them at the same time on different streams, and call each once before capturing it in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def _run(a: torch.Tensor, b: torch.Tensor, layout: str) -> torch.Tensor:
     c = torch.empty(m, n, dtype=torch.float16, device=a.device)
     driver.launch(_kernel(entry).kernel.ptr, tuple(entry["grid"]), tuple(entry["block"]), entry["smem_bytes"],
                   torch.cuda.current_stream().cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()), (m, n, k),
-                  [(t["operand"], t["dims"], t["box"], t["swizzle"]) for t in entry.get("tensor_maps", [])])
+                  [(t["operand"], t["dims"], t["box"], t["swizzle"]) for t in entry.get("tensor_maps", [])],
+                  entry.get("workspace_bytes", 0), entry.get("counters", 0))
     return c
 
 

@@ -98,6 +98,11 @@ class LaunchSpec:
     smem_bytes: int
     kernel_name: str = "hgemm"
     tensor_maps: tuple[TensorMapSpec, ...] = ()
+    # > 0 (either): the kernel takes two more pointers, a scratch buffer of at least workspace_bytes (split-K partial
+    # tiles) and a zeroed array of at least `counters` 32-bit counters that it leaves zeroed; sandbox.driver keeps
+    # one of each per GPU
+    workspace_bytes: int = 0
+    counters: int = 0
 
 
 @dataclass(frozen=True)

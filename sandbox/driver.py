@@ -1,8 +1,9 @@
 """TMA tensor maps and kernel launches through the CUDA driver API, by ctypes.
 
 Standalone on purpose (ctypes only, no project imports): `agent export` copies it next to the exported op. A kernel
-takes its six fixed arguments (A, B, C pointers; M, N, K) and then, by value, one 128-byte `CUtensorMap` for each
-tensor map its family's launch rule declares; `launch` passes them all through `cuLaunchKernel`.
+takes its six fixed arguments (A, B, C pointers; M, N, K), then, by value, one 128-byte `CUtensorMap` for each
+tensor map its family's launch rule declares, then, where the rule asks for them, a scratch buffer and a zeroed array
+of counters (the kernel leaves them zeroed); `launch` passes them all through `cuLaunchKernel`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def _cuda() -> ctypes.CDLL:
         _lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
         _lib.cuLaunchKernel.restype = ctypes.c_int
         _lib.cuGetErrorString.restype = ctypes.c_int
+        _lib.cuMemAlloc_v2.restype = ctypes.c_int
+        _lib.cuMemsetD8Async.restype = ctypes.c_int
+        _lib.cuCtxGetCurrent.restype = ctypes.c_int
     return _lib
 
 
@@ -102,15 +106,44 @@ def tensor_map(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizzl
 OPERANDS = "ABC"  # a tensor map's operand names the pointer argument it covers
 
 
+# (context, kind) -> (bytes, device pointer) of the largest buffer handed out there; smaller ones stay allocated (a
+# captured graph may still launch with them).
+_workspaces: dict[tuple[int, str], tuple[int, int]] = {}
+
+
+def workspace(kind: str, nbytes: int, stream: int) -> int:
+    """A device buffer of at least `nbytes` in the current context, one per `kind` ("scratch": contents undefined;
+    "counters": zeroed, and every kernel given it leaves it zeroed), allocated (and zeroed on `stream`) on first need
+    and reused. One per GPU context, so two kernels using them must not run at the same time on different streams;
+    make the first call outside CUDA-graph capture (a capture would record the zeroing)."""
+    ctx = ctypes.c_void_p()
+    _check(_cuda().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    key = (ctx.value or 0, kind)
+    have = _workspaces.get(key)
+    if have is None or have[0] < nbytes:
+        ptr = ctypes.c_uint64()
+        _check(_cuda().cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(nbytes)), f"cuMemAlloc({nbytes} B {kind})")
+        _check(_cuda().cuMemsetD8Async(ptr, ctypes.c_ubyte(0), ctypes.c_size_t(nbytes), ctypes.c_void_p(stream)),
+               f"cuMemsetD8Async({kind})")  # on the stream: done before any kernel launched after it there
+        have = _workspaces[key] = (nbytes, ptr.value)
+    return have[1]
+
+
 def launch(function: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int, stream: int,
            pointers: tuple[int, int, int], sizes: tuple[int, int, int],
-           tensor_maps: Iterable[tuple[str, tuple[int, ...], tuple[int, ...], int]] = ()) -> None:
-    """cuLaunchKernel(function, ...) with (A, B, C, M, N, K, *maps) on `stream` (a CUstream handle); each of
-    `tensor_maps` is (operand "A" | "B" | "C", dims, box, swizzle), encoded (remembered) over that operand."""
+           tensor_maps: Iterable[tuple[str, tuple[int, ...], tuple[int, ...], int]] = (),
+           workspace_bytes: int = 0, counters: int = 0) -> None:
+    """cuLaunchKernel(function, ...) with (A, B, C, M, N, K, *maps[, scratch, counters]) on `stream` (a CUstream
+    handle); each of `tensor_maps` is (operand "A" | "B" | "C", dims, box, swizzle), encoded (remembered) over that
+    operand; workspace_bytes or counters > 0 append the context's scratch buffer of at least workspace_bytes and its
+    zeroed buffer of at least `counters` 32-bit counters."""
     args: list[ctypes._SimpleCData | ctypes.Structure] = [ctypes.c_uint64(p) for p in pointers]
     args += [ctypes.c_int32(s) for s in sizes]
     args += [tensor_map(pointers[OPERANDS.index(operand)], tuple(dims), tuple(box), swizzle)
              for operand, dims, box, swizzle in tensor_maps]
+    if workspace_bytes > 0 or counters > 0:
+        args.append(ctypes.c_uint64(workspace("scratch", max(workspace_bytes, 16), stream)))
+        args.append(ctypes.c_uint64(workspace("counters", max(counters * 4, 16), stream)))
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
     _check(_cuda().cuLaunchKernel(
         ctypes.c_void_p(function), *(ctypes.c_uint(g) for g in grid), *(ctypes.c_uint(b) for b in block),

@@ -72,3 +72,39 @@ def test_launch_encodes_each_map_over_the_operand_it_names(monkeypatch):
     assert encoded == [(0xA00, (64, 64), (64, 64), 128), (0xC00, (64, 64), (64, 64), 128)]
     params = launched[0][-2]
     assert len(params) == 3 + 3 + 2  # pointers, sizes, then the maps by value
+
+
+def test_launch_appends_scratch_and_counters_reused_per_context(monkeypatch):
+    allocs, memsets, launched = [], [], []
+
+    class FakeDriver:
+        def cuCtxGetCurrent(self, ctx):  # noqa: N802
+            ctx._obj.value = 0x1234
+            return 0
+
+        def cuMemAlloc_v2(self, ptr, size):  # noqa: N802
+            ptr._obj.value = 0x100000 * (len(allocs) + 1)
+            allocs.append(size.value)
+            return 0
+
+        def cuMemsetD8Async(self, ptr, value, size, stream):  # noqa: N802
+            memsets.append((ptr.value, value.value, size.value))
+            return 0
+
+        def cuLaunchKernel(self, function, *rest):  # noqa: N802
+            launched.append(rest)
+            return 0
+
+    monkeypatch.setattr(driver, "_cuda", lambda: FakeDriver())
+    monkeypatch.setattr(driver, "_workspaces", {})
+    for scratch in (4096, 1024, 8192):
+        driver.launch(1, (8, 1, 1), (256, 1, 1), 1024, 0, (0xA00, 0xB00, 0xC00), (64, 64, 64),
+                      workspace_bytes=scratch, counters=16)
+    assert allocs == [4096, 64, 8192]  # scratch, counters; reused until a larger scratch is needed
+    assert all(value == 0 for _, value, _ in memsets)  # zeroed when allocated
+    params = launched[-1][-2]
+    assert len(params) == 3 + 3 + 2
+    assert ctypes.cast(params[6], ctypes.POINTER(ctypes.c_uint64)).contents.value == 0x300000  # the new scratch
+    assert ctypes.cast(params[7], ctypes.POINTER(ctypes.c_uint64)).contents.value == 0x200000  # same counters
+    driver.launch(1, (8, 1, 1), (256, 1, 1), 1024, 0, (0xA00, 0xB00, 0xC00), (64, 64, 64))
+    assert len(launched[-1][-2]) == 6  # no workspace asked for: none passed

@@ -51,15 +51,17 @@ def test_correct_kernels_are_never_rejected(pool):
 
 
 def test_every_sm90_producer_and_epilogue_passes_the_full_checks(pool):
-    """TMA and cp.async producers; smem, direct and TMA-store epilogues, persistent or not; split-K clusters:
-    each kind space() proposes goes through every check (poison, guards, edge shapes, repeat launches)."""
+    """TMA and cp.async producers; smem, direct and TMA-store epilogues, persistent or not; split-K clusters; K
+    groups (workspace partials and arrival counters, which repeat launches must find reset): each kind space()
+    proposes goes through every check (poison, guards, edge shapes, repeat launches)."""
     sm90 = get_family("sm90_wgmma")
-    problems = random_problems(4, seed=5) + [Problem(100, 264, 8192, "kn"), Problem(77, 200, 8192, "nk")]
+    problems = random_problems(4, seed=5) + [Problem(100, 264, 8192, "kn"), Problem(77, 200, 8192, "nk"),
+                                             Problem(40, 1000, 8200, "kn"), Problem(17, 2056, 5000, "nk")]
     for p in problems:
         kinds: dict[tuple, dict] = {}
         for params in sm90.space(p):
-            kinds.setdefault((params["loader"], params["epilogue"], params["persistent"], params["split_k"] > 1),
-                             params)
+            kinds.setdefault((params["loader"], params["epilogue"], params["persistent"], params["split_k"] > 1,
+                              params["k_groups"] > 1), params)
         for params in kinds.values():
             r = pool.evaluate(build_job("sm90_wgmma", params, p, time_it=False))
             assert r.status is Status.OK, f"{params} on {p.key}: {r.status} {r.reason}"

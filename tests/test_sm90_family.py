@@ -17,7 +17,9 @@ PROBLEMS = [Problem(128, 256, 64, "kn"), Problem(1000, 3000, 2000, "nk"), Proble
 # long K, few C tiles: space() proposes split-K (cluster + distributed shared memory) settings here
 LONG_K = [Problem(64, 1024, 16384, "kn"), Problem(64, 1024, 16384, "nk"), Problem(256, 128, 16384, "kn"),
           Problem(256, 128, 16384, "nk")]
-PROBLEMS += LONG_K
+# skinny M, few C tiles: space() proposes K groups (fp32 partials through a workspace) here
+SKINNY = [Problem(64, 4096, 16384, "kn"), Problem(16, 4096, 4096, "nk")]
+PROBLEMS += LONG_K + SKINNY
 
 
 def _settings() -> list[tuple[Problem, dict]]:
@@ -38,7 +40,8 @@ def test_space_is_valid_and_sized(problem):
 
 @pytest.mark.parametrize("problem,params", _settings(), ids=lambda x: x.key if isinstance(x, Problem) else
                          f"{x['block_m']}x{x['block_n']}c{x['consumers']}s{x['stages']}g{x['raster_group']}"
-                         f"b{x['min_blocks']}{x['epilogue'][0]}{'P' if x['persistent'] else ''}k{x['split_k']}")
+                         f"b{x['min_blocks']}{x['epilogue'][0]}{'P' if x['persistent'] else ''}k{x['split_k']}"
+                         f"G{x['k_groups']}")
 def test_every_setting_compiles_without_spills(problem, params):
     src = FAMILY.render(params, problem)
     assert "#include" not in src
@@ -139,6 +142,50 @@ def test_long_k_few_tiles_gets_split_k_in_clusters(problem):
         assert -(-problem.k // 64) // p["split_k"] >= 16
     src = FAMILY.render(split[0], problem)
     assert f"__cluster_dims__({split[0]['split_k']}, 1, 1)" in src and "mapa.shared::cluster" in src
+
+
+@pytest.mark.parametrize("problem", SKINNY, ids=lambda p: p.key)
+def test_skinny_few_tiles_gets_k_groups_first(problem):
+    space = FAMILY.space(problem)
+    grouped = [p for p in space if p["k_groups"] > 1]
+    assert grouped and space[0]["k_groups"] > 1
+    for p in grouped:
+        assert not p["persistent"] and p["block_m"] == 64 and p["split_k"] == 1
+        tiles = -(-problem.n // p["block_n"])
+        spec = FAMILY.launch(p, problem)
+        assert spec.grid == (tiles * p["k_groups"], 1, 1) and spec.grid[0] <= 132
+        assert spec.workspace_bytes == p["k_groups"] * tiles * 64 * p["block_n"] * 4  # one fp32 tile per group
+        assert spec.counters == tiles
+        assert -(-problem.k // 64) // p["k_groups"] >= 16
+    src = FAMILY.render(grouped[0], problem)
+    assert "float* __restrict__ ws, u32* __restrict__ counters" in src and "atom.global.add" in src
+
+
+@pytest.mark.parametrize("problem", [Problem(1024, 1024, 1024), Problem(128, 8192, 8192), Problem(16, 14336, 4096),
+                                     Problem(64, 64, 64), Problem(256, 128, 16384)], ids=lambda p: p.key)
+def test_wider_or_many_tile_problems_get_no_k_groups(problem):
+    """Measured: on M = 128-1024 the fp32 partials cost more than the extra SMs bring."""
+    assert all(p["k_groups"] == 1 for p in FAMILY.space(problem))
+    assert all(FAMILY.launch(p, problem).workspace_bytes == 0 for p in FAMILY.space(problem))
+
+
+@pytest.mark.parametrize("update,message", [
+    ({"k_groups": 2, "persistent": True}, "persistent"),
+    ({"k_groups": 2, "epilogue": "tma"}, "epilogue=tma"),
+    ({"k_groups": 9}, "less than or equal to 8"),
+])
+def test_k_groups_rejects_what_it_cannot_do(update, message):
+    with pytest.raises(ValueError, match=message):
+        Sm90WgmmaParams(block_m=64, block_n=64, consumers=1, stages=4, **update)
+
+
+def test_k_groups_with_clusters_count_one_arrival_per_cta_of_a_cluster():
+    p = {"block_m": 64, "block_n": 128, "consumers": 1, "stages": 8, "split_k": 2, "k_groups": 4}
+    spec = FAMILY.launch(p, Problem(64, 1024, 16384))
+    assert spec.grid == (8 * 2 * 4, 1, 1) and spec.counters == 8 * 2
+    assert spec.workspace_bytes == 4 * 8 * 64 * 128 * 4
+    b = compile_cuda(FAMILY.render(p, Problem(64, 1024, 16384)), "sm_90a", cache_dir=None)
+    assert b.ok and b.spill_bytes == 0 and b.stack_bytes == 0, b.log[-1500:]
 
 
 @pytest.mark.parametrize("problem", [Problem(4096, 4096, 4096), Problem(64, 4096, 16384), Problem(128, 8192, 8192),

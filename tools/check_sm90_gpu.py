@@ -11,6 +11,9 @@ direct and persistent tma epilogues of EPILOGUE_SHAPES' first settings.
 Split-K on mid-size shapes (short):  python3 tools/check_sm90_gpu.py --split-mid [out_dir]: for SPLIT_MID_SHAPES,
 space()'s first three settings and split-K 2 and 4 variants of a few tile shapes (which space() does not propose
 there).
+K groups (short):  python3 tools/check_sm90_gpu.py --groups [out_dir]: for GROUPS_SHAPES (few C tiles), space()'s
+first two settings and k_groups variants (fp32 partial tiles summed through a workspace by the last CTA to arrive)
+of a few tile shapes, with and without cluster split-K, each filling about one wave of CTAs.
 For ncu: ncu -k regex:"hgemm|nvjet" -s 2 -c 2 python3 tools/check_sm90_gpu.py --profile PARAMS_JSON LAYOUT M_N_K
 The parent process never touches the GPU: it compiles every setting (NVRTC, in parallel), disassembles one cubin
 (HGMMA present, no local memory), then feeds settings one at a time to a worker process that it kills and
@@ -61,6 +64,9 @@ EPILOGUES = ({}, {"epilogue": "tma"}, {"persistent": True, "epilogue": "direct"}
 SPLIT_MID = "--split-mid" in sys.argv
 SPLIT_MID_SHAPES = {"64_4096_16384": 1, "128_8192_8192": 1, "2048_1024_12288": 1, "16_4096_4096": 1,
                     "1024_1024_1024": 1, "2048_2048_2048": 1}
+GROUPS = "--groups" in sys.argv
+GROUPS_SHAPES = {"256_128_16384": 8, "64_1024_16384": 8, "64_4096_16384": 6, "16_4096_4096": 6,
+                 "1024_1024_1024": 2}
 SPLIT_TIMING_DEADLINE_S = 150.0  # --split skips the remaining timings after this long, so the table still prints
 # Source edits tried on the best-guess settings of the timed shapes: (name, old, new).
 VARIANTS = [("no-proxy-fence", r'asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");', "")]
@@ -89,6 +95,8 @@ def settings(prob: Problem, top: int | None = None) -> list[dict]:
                 if v is not None:
                     base.append(v.model_dump())
         return base
+    if GROUPS:
+        return space[:2] + group_variants(prob)[:top]
     if EPILOGUE_ONLY:
         from templates.sm90_wgmma.space import Sm90WgmmaParams, with_update
 
@@ -97,6 +105,28 @@ def settings(prob: Problem, top: int | None = None) -> list[dict]:
     if not SPLIT_ONLY:
         return space[:top]
     return [p for p in space if p["split_k"] > 1][:top] + [p for p in space if p["split_k"] == 1][:1]
+
+
+def group_variants(prob: Problem) -> list[dict]:
+    """k_groups settings that fill about one wave of CTAs (K groups x split_k x tiles <= 132), most CTAs first."""
+    from templates.sm90_wgmma.space import Sm90WgmmaParams, with_update
+
+    k_tiles = -(-prob.k // 64)
+    found = []
+    for bm, bn, c in ((64, 64, 1), (64, 128, 1), (128, 64, 2), (128, 128, 2), (64, 256, 1), (128, 256, 2)):
+        if bm > -(-prob.m // 64) * 64 or bn > -(-prob.n // 64) * 64:
+            continue
+        tiles = -(-prob.m // bm) * -(-prob.n // bn)
+        for split in (1, 2, 4, 8):
+            groups = min(16, 132 // (tiles * split))
+            if groups < 2 or k_tiles // (split * groups) < 4:
+                continue
+            v = with_update(Sm90WgmmaParams.model_construct(block_m=bm, block_n=bn, consumers=c, stages=8),
+                            {"split_k": split, "k_groups": groups})
+            if v is not None:
+                found.append((tiles * split * groups, -split, v.model_dump()))
+    found.sort(key=lambda f: (-f[0], f[1]))
+    return [p for _, _, p in found]
 
 
 def key(params: dict) -> str:
@@ -108,6 +138,7 @@ def short(params: dict, variant: str = "") -> str:
     return (f"{p['block_m']}x{p['block_n']} c{p['consumers']} s{p['stages']} g{p['raster_group']} "
             f"b{p['min_blocks']} {p['epilogue']}{' P' if p.get('persistent') else ''}"
             + (f" k{p['split_k']}" if p.get("split_k", 1) > 1 else "")
+            + (f" G{p['k_groups']}" if p.get("k_groups", 1) > 1 else "")
             + (" TMA" if p.get("loader") == "tma" else "")
             + (f" [{variant}]" if variant else ""))
 
@@ -288,10 +319,13 @@ def main() -> None:
     global CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES
     if SPLIT_ONLY:
         CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES = SPLIT_CHECK_SHAPES, list(SPLIT_SHAPES), SPLIT_SHAPES, []
-    if TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID:
+    if TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID or GROUPS:
         CHECK_SHAPES = ["1_8_8", "17_24_40", "257_136_520", "1000_3000_2000", "100_264_1000"]
         SPACE_SHAPES, VARIANT_SHAPES = [], []
-        TIMED = TMA_SHAPES if TMA_ONLY else EPILOGUE_SHAPES if EPILOGUE_ONLY else SPLIT_MID_SHAPES
+        TIMED = (TMA_SHAPES if TMA_ONLY else EPILOGUE_SHAPES if EPILOGUE_ONLY else SPLIT_MID_SHAPES if SPLIT_MID
+                 else GROUPS_SHAPES)
+        if GROUPS:  # the long-K shapes themselves too: many K groups, and counters reused across shapes
+            CHECK_SHAPES += ["64_1024_16384", "256_128_16384", "1_8_8"]
     # (params json, layout, variant) -> params: every space() setting of every SPACE_SHAPE, the timed settings, and
     # the variants of the first setting of each VARIANT_SHAPE.
     keys: dict[tuple[str, str, str], dict] = {}
@@ -351,7 +385,7 @@ def main() -> None:
             print(f"  {layout}: worst rel err / torch's own: {max(errs):.2f}")
 
     rows = []
-    short_mode = SPLIT_ONLY or TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID
+    short_mode = SPLIT_ONLY or TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID or GROUPS
     for mnk, top in TIMED.items():
         for layout in ("kn", "nk"):
             prob = problem(mnk, layout)

@@ -53,6 +53,11 @@ class Sm90WgmmaParams(Params):
         "thread-block cluster along grid x; they sum their fp32 partial tiles through distributed shared memory "
         "(each CTA a block_m/split_k row slice, peers in a fixed order: deterministic) and store fp16 C. For long-K "
         "problems with few C tiles; 1 = no split, no cluster")
+    k_groups: int = Field(
+        1, ge=1, le=8, description="CTAs (or split_k clusters) per C tile beyond a cluster, each over its own K "
+        "range: they write fp32 partial tiles to a global workspace and the last to arrive at a tile (an atomic "
+        "counter it resets) sums them in group order (deterministic) and stores fp16 C. Fills the SMs where the C "
+        "tiles are few, without the placement limits of large clusters; 1 = none")
 
     @property
     def threads(self) -> int:
@@ -63,9 +68,14 @@ class Sm90WgmmaParams(Params):
         return self.stages * (self.block_m + self.block_n) * self.block_k * 2
 
     @property
+    def reduces(self) -> bool:
+        """Partial tiles are summed (split_k or k_groups > 1): the kernel stores C from fp32 sums, not the epilogue."""
+        return self.split_k > 1 or self.k_groups > 1
+
+    @property
     def exchange_bytes(self) -> int:
-        """split_k > 1: the fp32 partial tile (rows padded by 8 floats) written over the drained ring."""
-        return self.block_m * (self.block_n + 8) * 4 if self.split_k > 1 else 0
+        """The fp32 partial tile (rows padded by 8 floats) written over the drained ring where partials are summed."""
+        return self.block_m * (self.block_n + 8) * 4 if self.reduces else 0
 
     @property
     def smem_bytes(self) -> int:
@@ -116,12 +126,13 @@ class Sm90WgmmaParams(Params):
         if self.block_m % (64 * self.consumers):
             raise ValueError(f"block_m={self.block_m} must split into consumers={self.consumers} warpgroups of "
                              "a multiple of 64 rows each (wgmma is m64)")
-        if self.epilogue == "tma" and (self.block_n % 64 or self.split_k > 1):
+        if self.epilogue == "tma" and (self.block_n % 64 or self.reduces):
             raise ValueError(f"epilogue=tma stores 64-column panels: block_n={self.block_n} must be a multiple of "
-                             f"64, and split_k={self.split_k} must be 1 (split-K stores its own sums)")
-        if self.split_k > 1 and self.persistent:
-            raise ValueError(f"split_k={self.split_k} needs one tile per cluster: persistent blocks are not supported "
-                             "with split-K")
+                             f"64, and split_k={self.split_k}, k_groups={self.k_groups} must be 1 (split-K stores "
+                             "its own sums)")
+        if self.reduces and self.persistent:
+            raise ValueError(f"split_k={self.split_k}, k_groups={self.k_groups}: split-K needs one tile per CTA, so "
+                             "persistent blocks are not supported with it")
         if self.smem_bytes > SMEM_PER_BLOCK_MAX:
             c_note = " + C staging beside it (persistent)" if self.persistent and self.epilogue != "direct" else ""
             x_note = (f", or the split-K fp32 exchange tile of {self.exchange_bytes} B if larger"
@@ -217,6 +228,30 @@ def _split_settings(problem: Problem) -> list[Sm90WgmmaParams]:
     return found[:12]
 
 
+def _group_settings(problem: Problem) -> list[Sm90WgmmaParams]:
+    """K-group settings for skinny problems (M <= 64) whose 64-row tiles fill at most half the SMs: 64 x 64, 128, 256
+    tiles with k_groups = as many CTAs per tile as one wave holds (at most 8, each CTA at least 16 k-tiles), the
+    deepest ring that fits; none for other problems. Measured on the H200: 64_4096_16384 64x64 with 2 groups
+    1.03-1.14x of cuBLAS (the best single-CTA tiles 0.91-1.03x), 16_4096_4096 64x128 with 4 groups 0.83-0.96x
+    (0.47-0.66x); on M = 128-1024 the fp32 partials cost more than the extra SMs bring (0.35-0.77x)."""
+    k_tiles = -(-problem.k // 64)
+    if problem.m > 64 or -(-problem.n // 64) > SMS // 2:
+        return []
+    found = []
+    for bn in (64, 128, 256):
+        tiles = -(-problem.n // bn)
+        groups = min(8, SMS // tiles)
+        if bn > -(-problem.n // 64) * 64 or groups < 2 or k_tiles // groups < 16:
+            continue
+        for stages in range(8, 1, -1):
+            try:
+                found.append(Sm90WgmmaParams(block_m=64, block_n=bn, consumers=1, stages=stages, k_groups=groups))
+                break
+            except ValueError:
+                continue
+    return found
+
+
 def with_update(p: Sm90WgmmaParams, update: dict[str, Any]) -> Sm90WgmmaParams | None:
     """p changed by `update`, with the deepest ring (at most p's) that still fits; None if none does."""
     for stages in range(p.stages, 1, -1):
@@ -255,8 +290,11 @@ class Sm90Wgmma(Family):
         p = self.parse(params, problem)
         assert isinstance(p, Sm90WgmmaParams)
         tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
-        # split-K: the kernel's __cluster_dims__(split_k, 1, 1) groups consecutive blocks, one cluster per tile
-        grid = min(tiles, SMS * p.min_blocks) if p.persistent else tiles * p.split_k
+        # split-K: the kernel's __cluster_dims__(split_k, 1, 1) groups consecutive blocks, one cluster per tile and K
+        # group; k_groups > 1 adds the workspace (the groups' fp32 partial tiles) and one arrival counter per CTA of
+        # a tile's cluster
+        grid = min(tiles, SMS * p.min_blocks) if p.persistent else tiles * p.split_k * p.k_groups
+        grouped = p.k_groups > 1
         maps: tuple[TensorMapSpec, ...] = ()
         if p.loader == "tma":  # boxes land as 128-byte rows (64 fp16), swizzled like the cp.async copies
             k = problem.k
@@ -265,7 +303,9 @@ class Sm90Wgmma(Family):
             maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, p.block_m)), b_map)
         if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels
             maps += (TensorMapSpec("C", (problem.n, problem.m), (64, p.block_m // p.consumers)),)
-        return LaunchSpec(grid=(grid, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps)
+        return LaunchSpec(grid=(grid, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
+                          workspace_bytes=p.k_groups * tiles * p.block_m * p.block_n * 4 if grouped else 0,
+                          counters=tiles * p.split_k if grouped else 0)
 
     def space(self, problem: Problem) -> list[dict[str, Any]]:
         k_tiles = -(-problem.k // 64)
@@ -308,8 +348,10 @@ class Sm90Wgmma(Family):
         # Other epilogues of the two best guesses (persistent with direct stores measured 0.3-0.97x: left out).
         others = [with_update(p, u) for p in picked[:2] for u in ({"epilogue": "direct"}, {"epilogue": "tma"})]
         picked = lead + picked + [v for v in others if v is not None]
-        # Long-K problems with few tiles: split-K settings first; every other problem's list is unchanged.
-        ordered = _split_settings(problem) + picked
+        # Long-K problems with few tiles: split-K settings first, K groups after the two best (measured on par with
+        # them on 64_1024_16384); skinny problems with few tiles: K groups first. Every other list is unchanged.
+        split = _split_settings(problem)
+        ordered = split[:2] + _group_settings(problem) + split[2:] + picked
         # The cp.async producer of the two best guesses, eighth: it wins now and then where TMA barely loses.
         ordered[8:8] = [v for v in (with_update(p, {"loader": "cp_async"}) for p in ordered[:2]) if v is not None]
         seen: dict[str, dict[str, Any]] = {}
