@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 FLOAT16 = 6  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16
 SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}  # bytes -> CU_TENSOR_MAP_SWIZZLE_*
-L2_PROMOTION_256B = 3
+L2_PROMOTION_128B, L2_PROMOTION_256B = 2, 3
 TENSOR_MAP_BYTES = 128
 MAX_BOX = 256
 
@@ -74,6 +74,13 @@ def check_tiled(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizz
             raise DriverError(f"row pitch of dimension {i} ({dims[i] * 2} B) must be a multiple of 16 bytes")
 
 
+def l2_promotion(dims: tuple[int, ...]) -> int:
+    """256-byte L2 promotion where rows start on 128-byte boundaries, 128-byte otherwise: with rows only 16-byte
+    aligned, 256-byte promotion fetched lines the box does not use (measured on the H200, 1000_3000_2000 with B K x N:
+    26.2 us against 23.9 us with 128-byte promotion; no change where B's rows are 32-byte aligned)."""
+    return L2_PROMOTION_256B if len(dims) == 1 or dims[0] * 2 % 128 == 0 else L2_PROMOTION_128B
+
+
 def encode_tiled(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizzle: int = 128) -> TensorMap:
     """A tiled tensor map over a packed fp16 tensor at `address`: `dims` and `box` innermost first, rows contiguous.
     Reads outside the tensor fill zeros; stores outside it are dropped."""
@@ -89,7 +96,7 @@ def encode_tiled(address: int, dims: tuple[int, ...], box: tuple[int, ...], swiz
         ctypes.c_void_p(aligned), ctypes.c_int(FLOAT16), ctypes.c_uint32(rank), ctypes.c_void_p(address),
         (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * max(1, rank - 1))(*strides),
         (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
-        ctypes.c_int(0), ctypes.c_int(SWIZZLE[swizzle]), ctypes.c_int(L2_PROMOTION_256B), ctypes.c_int(0),
+        ctypes.c_int(0), ctypes.c_int(SWIZZLE[swizzle]), ctypes.c_int(l2_promotion(dims)), ctypes.c_int(0),
     ), f"cuTensorMapEncodeTiled(dims={dims}, box={box}, swizzle={swizzle})")
     out = TensorMap()
     ctypes.memmove(ctypes.addressof(out), aligned, TENSOR_MAP_BYTES)

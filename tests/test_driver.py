@@ -108,3 +108,10 @@ def test_launch_appends_scratch_and_counters_reused_per_context(monkeypatch):
     assert ctypes.cast(params[7], ctypes.POINTER(ctypes.c_uint64)).contents.value == 0x200000  # same counters
     driver.launch(1, (8, 1, 1), (256, 1, 1), 1024, 0, (0xA00, 0xB00, 0xC00), (64, 64, 64))
     assert len(launched[-1][-2]) == 6  # no workspace asked for: none passed
+
+
+def test_l2_promotion_narrows_for_rows_off_128_byte_boundaries():
+    assert driver.l2_promotion((4096, 4096)) == driver.L2_PROMOTION_256B
+    assert driver.l2_promotion((64, 1000)) == driver.L2_PROMOTION_256B  # 128-byte rows
+    assert driver.l2_promotion((3000, 2000)) == driver.L2_PROMOTION_128B  # 6000-byte rows: 16-byte aligned only
+    assert driver.l2_promotion((2000, 1000)) == driver.L2_PROMOTION_128B

@@ -73,7 +73,8 @@ def test_timing_record_is_complete(pool):
     assert r.status is Status.OK, r.reason
     for t in (r.warm, r.cold, r.cublas_warm, r.cublas_cold):
         assert t and t.min_us <= t.median_us <= t.max_us and t.launches >= 1
-    assert r.warm.median_us * r.warm.launches >= 900  # a replay lasts about 1 ms or more
+    # a replay lasts about 1 ms: the launch count comes from a short graph's estimate, which errs long for short kernels
+    assert r.warm.median_us * r.warm.launches >= 800
     assert r.cold.median_us >= 0.8 * r.warm.median_us
     assert r.device["name"] and r.device["sms"] > 0 and "torch" in r.device
 

@@ -8,6 +8,7 @@ Loaders (short):  python3 tools/check_sm90_gpu.py --tma [out_dir]: the first spa
 with the cp.async and the TMA producer, checked on the odd shapes and timed side by side.
 Epilogues (short):  python3 tools/check_sm90_gpu.py --epilogue [out_dir]: the same for the smem, tma, persistent
 direct and persistent tma epilogues of EPILOGUE_SHAPES' first settings.
+SWEEP_SHAPES=M_N_K,... limits any mode's timings to those of its shapes.
 Split-K on mid-size shapes (short):  python3 tools/check_sm90_gpu.py --split-mid [out_dir]: for SPLIT_MID_SHAPES,
 space()'s first three settings and split-K 2 and 4 variants of a few tile shapes (which space() does not propose
 there).
@@ -326,6 +327,8 @@ def main() -> None:
                  else GROUPS_SHAPES)
         if GROUPS:  # the long-K shapes themselves too: many K groups, and counters reused across shapes
             CHECK_SHAPES += ["64_1024_16384", "256_128_16384", "1_8_8"]
+    if os.environ.get("SWEEP_SHAPES"):  # time only these (comma-separated M_N_K) of the mode's shapes
+        TIMED = {s: n for s, n in TIMED.items() if s in os.environ["SWEEP_SHAPES"].split(",")}
     # (params json, layout, variant) -> params: every space() setting of every SPACE_SHAPE, the timed settings, and
     # the variants of the first setting of each VARIANT_SHAPE.
     keys: dict[tuple[str, str, str], dict] = {}
