@@ -52,7 +52,8 @@ def test_correct_kernels_are_never_rejected(pool):
 
 def test_every_sm90_producer_and_epilogue_passes_the_full_checks(pool):
     """TMA and cp.async producers; smem, direct and TMA-store epilogues, persistent or not; split-K clusters; K
-    groups (workspace partials and arrival counters, which repeat launches must find reset): each kind space()
+    groups (workspace partials and arrival counters, which repeat launches must find reset); multicast clusters
+    (a trailing CTA past M still loads its peer's B): each kind space()
     proposes goes through every check (poison, guards, edge shapes, repeat launches)."""
     sm90 = get_family("sm90_wgmma")
     problems = random_problems(4, seed=5) + [Problem(100, 264, 8192, "kn"), Problem(77, 200, 8192, "nk"),
@@ -61,7 +62,7 @@ def test_every_sm90_producer_and_epilogue_passes_the_full_checks(pool):
         kinds: dict[tuple, dict] = {}
         for params in sm90.space(p):
             kinds.setdefault((params["loader"], params["epilogue"], params["persistent"], params["split_k"] > 1,
-                              params["k_groups"] > 1), params)
+                              params["k_groups"] > 1, params["cluster_m"] > 1), params)
         for params in kinds.values():
             r = pool.evaluate(build_job("sm90_wgmma", params, p, time_it=False))
             assert r.status is Status.OK, f"{params} on {p.key}: {r.status} {r.reason}"

@@ -15,6 +15,8 @@ there).
 K groups (short):  python3 tools/check_sm90_gpu.py --groups [out_dir]: for GROUPS_SHAPES (few C tiles), space()'s
 first two settings and k_groups variants (fp32 partial tiles summed through a workspace by the last CTA to arrive)
 of a few tile shapes, with and without cluster split-K, each filling about one wave of CTAs.
+Multicast (short):  python3 tools/check_sm90_gpu.py --multicast [out_dir]: for MULTICAST_SHAPES, space()'s first
+non-persistent TMA settings with and without clusters of 2 CTAs sharing each B tile by TMA multicast.
 For ncu: ncu -k regex:"hgemm|nvjet" -s 2 -c 2 python3 tools/check_sm90_gpu.py --profile PARAMS_JSON LAYOUT M_N_K
 The parent process never touches the GPU: it compiles every setting (NVRTC, in parallel), disassembles one cubin
 (HGMMA present, no local memory), then feeds settings one at a time to a worker process that it kills and
@@ -68,6 +70,10 @@ SPLIT_MID_SHAPES = {"64_4096_16384": 1, "128_8192_8192": 1, "2048_1024_12288": 1
 GROUPS = "--groups" in sys.argv
 GROUPS_SHAPES = {"256_128_16384": 8, "64_1024_16384": 8, "64_4096_16384": 6, "16_4096_4096": 6,
                  "1024_1024_1024": 2}
+MULTICAST = "--multicast" in sys.argv
+MULTICAST_SHAPES = {"2048_2048_2048": 3, "512_8192_1024": 3, "2048_1024_12288": 3, "1024_1024_1024": 3,
+                    "256_4096_4096": 3, "128_8192_8192": 2, "1000_3000_2000": 2, "4096_4096_4096": 2,
+                    "2048_14336_4096": 2}
 SPLIT_TIMING_DEADLINE_S = 150.0  # --split skips the remaining timings after this long, so the table still prints
 # Source edits tried on the best-guess settings of the timed shapes: (name, old, new).
 VARIANTS = [("no-proxy-fence", r'asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");', "")]
@@ -98,6 +104,17 @@ def settings(prob: Problem, top: int | None = None) -> list[dict]:
         return base
     if GROUPS:
         return space[:2] + group_variants(prob)[:top]
+    if MULTICAST:
+        from templates.sm90_wgmma.space import Sm90WgmmaParams, with_update
+
+        plain = [p for p in space if not p["persistent"] and p["loader"] == "tma" and p["split_k"] == 1
+                 and p["k_groups"] == 1][:top]
+        for bm, bn, c, stages in ((64, 128, 1, 8), (128, 128, 2, 6)):  # tiles wide enough to share B in halves
+            extra = Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=c, stages=stages).model_dump()
+            if extra not in plain:
+                plain.append(extra)
+        pairs = [with_update(Sm90WgmmaParams(**p), {"cluster_m": 2}) for p in plain]
+        return plain + [v.model_dump() for v in pairs if v is not None]
     if EPILOGUE_ONLY:
         from templates.sm90_wgmma.space import Sm90WgmmaParams, with_update
 
@@ -140,6 +157,7 @@ def short(params: dict, variant: str = "") -> str:
             f"b{p['min_blocks']} {p['epilogue']}{' P' if p.get('persistent') else ''}"
             + (f" k{p['split_k']}" if p.get("split_k", 1) > 1 else "")
             + (f" G{p['k_groups']}" if p.get("k_groups", 1) > 1 else "")
+            + (f" MC{p['cluster_m']}" if p.get("cluster_m", 1) > 1 else "")
             + (" TMA" if p.get("loader") == "tma" else "")
             + (f" [{variant}]" if variant else ""))
 
@@ -320,11 +338,11 @@ def main() -> None:
     global CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES
     if SPLIT_ONLY:
         CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES = SPLIT_CHECK_SHAPES, list(SPLIT_SHAPES), SPLIT_SHAPES, []
-    if TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID or GROUPS:
+    if TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID or GROUPS or MULTICAST:
         CHECK_SHAPES = ["1_8_8", "17_24_40", "257_136_520", "1000_3000_2000", "100_264_1000"]
         SPACE_SHAPES, VARIANT_SHAPES = [], []
         TIMED = (TMA_SHAPES if TMA_ONLY else EPILOGUE_SHAPES if EPILOGUE_ONLY else SPLIT_MID_SHAPES if SPLIT_MID
-                 else GROUPS_SHAPES)
+                 else GROUPS_SHAPES if GROUPS else MULTICAST_SHAPES)
         if GROUPS:  # the long-K shapes themselves too: many K groups, and counters reused across shapes
             CHECK_SHAPES += ["64_1024_16384", "256_128_16384", "1_8_8"]
     if os.environ.get("SWEEP_SHAPES"):  # time only these (comma-separated M_N_K) of the mode's shapes
@@ -388,7 +406,7 @@ def main() -> None:
             print(f"  {layout}: worst rel err / torch's own: {max(errs):.2f}")
 
     rows = []
-    short_mode = SPLIT_ONLY or TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID or GROUPS
+    short_mode = SPLIT_ONLY or TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID or GROUPS or MULTICAST
     for mnk, top in TIMED.items():
         for layout in ("kn", "nk"):
             prob = problem(mnk, layout)
