@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 
 from agent.export import export_run, recheck
+from agent.records import EvalJob, Problem, Timing
 from tests.conftest import HAS_GPU
-from tests.helpers import populated_run
+from tests.helpers import fake_evaluate, populated_run
 
 
 def load_module(folder):
@@ -34,6 +36,18 @@ def test_export_writes_kernels_and_fallbacks(tmp_path):
     assert [t["operand"] for t in entry["tensor_maps"]][:2] == ["A", "B"]  # + C with a TMA-store epilogue
     assert entry["tensor_maps"][0]["dims"] == [2000, 1000] and "CUtensorMap over A" in cu
     assert (tmp_path / "out" / "hgemm_driver.py").is_file()
+
+
+def test_export_records_the_workspace_a_k_groups_kernel_needs(tmp_path):
+    def k_groups_win(job: EvalJob):
+        t = 10.0 if job.params.get("k_groups", 1) > 1 else 50.0
+        return dataclasses.replace(fake_evaluate(job), warm=Timing(t, t, t, 100), cold=Timing(t, t, t, 100))
+
+    populated = populated_run(tmp_path / "r", problems=(Problem(64, 4096, 16384),), evaluate=k_groups_win)
+    export_run(populated, tmp_path / "out")
+    entry = json.loads((tmp_path / "out" / "manifest.json").read_text())["kernels"]["64_4096_16384:kn"]
+    assert entry["workspace_bytes"] > 0 and entry["counters"] > 0  # passed after the tensor maps by the op
+    assert "scratch buffer" in (tmp_path / "out" / entry["file"]).read_text()
 
 
 def test_exported_op_falls_back_to_cublas_off_gpu(tmp_path):
