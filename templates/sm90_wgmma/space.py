@@ -243,8 +243,8 @@ def _group_settings(problem: Problem) -> list[Sm90WgmmaParams]:
     """K-group settings for skinny problems (M <= 64) whose 64-row tiles fill at most half the SMs: 64 x 64, 128, 256
     tiles with k_groups = as many CTAs per tile as one wave holds (at most 8, each CTA at least 16 k-tiles), the
     deepest ring that fits; none for other problems. Measured on the H200: 64_4096_16384 64x64 with 2 groups
-    1.03-1.14x of cuBLAS (the best single-CTA tiles 0.91-1.03x), 16_4096_4096 64x128 with 4 groups 0.83-0.96x
-    (0.47-0.66x); on M = 128-1024 the fp32 partials cost more than the extra SMs bring (0.35-0.77x)."""
+    1.03-1.14x of cuBLAS (the best single-CTA tiles 0.91-1.03x), 16_4096_4096 64x128 with 4 groups 0.80-0.96x
+    (0.45-0.69x); on M = 128-1024 the fp32 partials cost more than the extra SMs bring (0.33-0.77x)."""
     k_tiles = -(-problem.k // 64)
     if problem.m > 64 or -(-problem.n // 64) > SMS // 2:
         return []
