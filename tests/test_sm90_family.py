@@ -204,7 +204,9 @@ def test_multicast_launches_whole_clusters_and_halves_the_b_box(layout):
     spec = FAMILY.launch(p, prob)
     assert spec.grid == (2 * 2 * 8, 1, 1)  # 3 row tiles padded to 2 clusters of 2, 8 column tiles
     b_box = next(t.box for t in spec.tensor_maps if t.operand == "B")
-    assert b_box == ((64, 64) if layout == "kn" else (64, 64))  # kn: one of two 64-column panels; nk: half the rows
+    unpaired = next(t.box for t in FAMILY.launch({**p, "cluster_m": 1}, prob).tensor_maps if t.operand == "B")
+    # nk: each CTA copies half the tile's rows; kn: whole 64-column panels, half of them each (in the kernel)
+    assert (b_box, unpaired) == (((64, 64), (64, 64)) if layout == "kn" else ((64, 64), (64, 128)))
     src = FAMILY.render(p, prob)
     assert "__cluster_dims__(2, 1, 1)" in src and ".multicast::cluster" in src
     assert "mbarrier.arrive.release.cluster" not in src  # measured 2.7x slower than the CTA-scope arrival

@@ -8,7 +8,6 @@ Loaders (short):  python3 tools/check_sm90_gpu.py --tma [out_dir]: the first spa
 with the cp.async and the TMA producer, checked on the odd shapes and timed side by side.
 Epilogues (short):  python3 tools/check_sm90_gpu.py --epilogue [out_dir]: the same for the smem, tma, persistent
 direct and persistent tma epilogues of EPILOGUE_SHAPES' first settings.
-SWEEP_SHAPES=M_N_K,... limits any mode's timings to those of its shapes.
 Split-K on mid-size shapes (short):  python3 tools/check_sm90_gpu.py --split-mid [out_dir]: for SPLIT_MID_SHAPES,
 space()'s first three settings and split-K 2 and 4 variants of a few tile shapes (which space() does not propose
 there).
@@ -17,6 +16,7 @@ first two settings and k_groups variants (fp32 partial tiles summed through a wo
 of a few tile shapes, with and without cluster split-K, each filling about one wave of CTAs.
 Multicast (short):  python3 tools/check_sm90_gpu.py --multicast [out_dir]: for MULTICAST_SHAPES, space()'s first
 non-persistent TMA settings with and without clusters of 2 CTAs sharing each B tile by TMA multicast.
+SWEEP_SHAPES=M_N_K,... limits any of the short modes' timings to those of its shapes.
 For ncu: ncu -k regex:"hgemm|nvjet" -s 2 -c 2 python3 tools/check_sm90_gpu.py --profile PARAMS_JSON LAYOUT M_N_K
 The parent process never touches the GPU: it compiles every setting (NVRTC, in parallel), disassembles one cubin
 (HGMMA present, no local memory), then feeds settings one at a time to a worker process that it kills and
@@ -127,7 +127,7 @@ def settings(prob: Problem, top: int | None = None) -> list[dict]:
 
 def group_variants(prob: Problem) -> list[dict]:
     """k_groups settings that fill about one wave of CTAs (K groups x split_k x tiles <= 132), most CTAs first."""
-    from templates.sm90_wgmma.space import Sm90WgmmaParams, with_update
+    from templates.sm90_wgmma.space import deepest
 
     k_tiles = -(-prob.k // 64)
     found = []
@@ -139,8 +139,7 @@ def group_variants(prob: Problem) -> list[dict]:
             groups = min(16, 132 // (tiles * split))
             if groups < 2 or k_tiles // (split * groups) < 4:
                 continue
-            v = with_update(Sm90WgmmaParams.model_construct(block_m=bm, block_n=bn, consumers=c, stages=8),
-                            {"split_k": split, "k_groups": groups})
+            v = deepest({"block_m": bm, "block_n": bn, "consumers": c, "split_k": split, "k_groups": groups})
             if v is not None:
                 found.append((tiles * split * groups, -split, v.model_dump()))
     found.sort(key=lambda f: (-f[0], f[1]))

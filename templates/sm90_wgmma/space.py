@@ -254,23 +254,25 @@ def _group_settings(problem: Problem) -> list[Sm90WgmmaParams]:
         groups = min(8, SMS // tiles)
         if bn > -(-problem.n // 64) * 64 or groups < 2 or k_tiles // groups < 16:
             continue
-        for stages in range(8, 1, -1):
-            try:
-                found.append(Sm90WgmmaParams(block_m=64, block_n=bn, consumers=1, stages=stages, k_groups=groups))
-                break
-            except ValueError:
-                continue
+        v = deepest({"block_m": 64, "block_n": bn, "consumers": 1, "k_groups": groups})
+        if v is not None:
+            found.append(v)
     return found
+
+
+def deepest(fields: dict[str, Any], top: int = 8) -> Sm90WgmmaParams | None:
+    """The setting `fields` describes with the deepest ring (at most `top` stages) that fits; None if none does."""
+    for stages in range(top, 1, -1):
+        try:
+            return Sm90WgmmaParams(**{**fields, "stages": stages})
+        except ValueError:
+            continue
+    return None
 
 
 def with_update(p: Sm90WgmmaParams, update: dict[str, Any]) -> Sm90WgmmaParams | None:
     """p changed by `update`, with the deepest ring (at most p's) that still fits; None if none does."""
-    for stages in range(p.stages, 1, -1):
-        try:
-            return Sm90WgmmaParams(**{**p.model_dump(), "stages": stages, **update})
-        except ValueError:
-            continue
-    return None
+    return deepest({**p.model_dump(), **update}, top=p.stages)
 
 
 class Sm90Wgmma(Family):
