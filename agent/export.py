@@ -68,7 +68,8 @@ def _header(store, p, cand, result, spec, ratio) -> str:
         f"// launch: hgemm<<<dim3{spec.grid}, dim3{spec.block}, {spec.smem_bytes}>>>(A, B, C, M, N, K); "
         f"raise cudaFuncAttributeMaxDynamicSharedMemorySize to {spec.smem_bytes} first\n"
         + "".join(f"// then, by value, a CUtensorMap over {t.operand}: fp16, dims {t.dims} and box {t.box} innermost "
-                  f"first, {t.swizzle}-byte swizzle, zero fill\n" for t in spec.tensor_maps)
+                  f"first, {f'byte strides {t.strides} after the first, ' if t.strides else ''}{t.swizzle}-byte "
+                  "swizzle, zero fill\n" for t in spec.tensor_maps)
         + (f"// then a scratch buffer of at least {spec.workspace_bytes} bytes and a zeroed array of at least "
            f"{spec.counters} unsigned ints, reused from call to call (the kernel leaves the counters zeroed; one "
            "launch at a time)\n" if spec.workspace_bytes or spec.counters else "")

@@ -60,7 +60,8 @@ def _run(a: torch.Tensor, b: torch.Tensor, layout: str) -> torch.Tensor:
     c = torch.empty(m, n, dtype=torch.float16, device=a.device)
     driver.launch(_kernel(entry).kernel.ptr, tuple(entry["grid"]), tuple(entry["block"]), entry["smem_bytes"],
                   torch.cuda.current_stream().cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()), (m, n, k),
-                  [(t["operand"], t["dims"], t["box"], t["swizzle"]) for t in entry.get("tensor_maps", [])],
+                  [(t["operand"], t["dims"], t["box"], t["swizzle"], t.get("strides", ()))
+                   for t in entry.get("tensor_maps", [])],
                   entry.get("workspace_bytes", 0), entry.get("counters", 0))
     return c
 

@@ -87,6 +87,9 @@ class TensorMapSpec:
     dims: tuple[int, ...]  # elements per dimension, innermost first
     box: tuple[int, ...]  # the tile one TMA copy moves, innermost first
     swizzle: int = 128  # bytes: 0, 32, 64 or 128
+    # byte strides of dims[1:], in any order (a view such as B's 64-column panels as a third dimension); empty: the
+    # packed tensor (rows contiguous). The family keeps every address such a view reaches inside the operand.
+    strides: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,10 @@ class TensorMap(ctypes.Structure):
     _fields_ = [("opaque", ctypes.c_uint64 * (TENSOR_MAP_BYTES // 8))]
 
 
-def check_tiled(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizzle: int) -> None:
-    """The documented rules of cuTensorMapEncodeTiled for a packed fp16 tensor; raises DriverError naming one."""
+def check_tiled(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizzle: int,
+                strides: tuple[int, ...] = ()) -> None:
+    """The documented rules of cuTensorMapEncodeTiled for an fp16 tensor, packed (no `strides`) or with the byte
+    strides of dims[1:]; raises DriverError naming one."""
     if not 1 <= len(dims) <= 5 or len(box) != len(dims):
         raise DriverError(f"tensor map rank {len(dims)} (box {len(box)}): must be 1-5, one box size per dimension")
     if address % 16:
@@ -69,45 +71,57 @@ def check_tiled(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizz
             raise DriverError(f"dimension {i}: size {d} and box {b} must be positive, the box at most {MAX_BOX}")
     if box[0] * 2 % 16 or (swizzle and box[0] * 2 > swizzle):
         raise DriverError(f"inner box of {box[0] * 2} B must be a multiple of 16 B and within the {swizzle} B swizzle")
+    if strides:
+        if len(strides) != len(dims) - 1 or any(s < 16 or s % 16 or s >= 1 << 40 for s in strides):
+            raise DriverError(f"strides {strides} B: one per dimension after the first, each a multiple of 16 bytes "
+                              "below 2^40")
+        return
     for i in range(len(dims) - 1):
         if dims[i] * 2 % 16:
             raise DriverError(f"row pitch of dimension {i} ({dims[i] * 2} B) must be a multiple of 16 bytes")
 
 
-def l2_promotion(dims: tuple[int, ...]) -> int:
+def l2_promotion(dims: tuple[int, ...], strides: tuple[int, ...] = ()) -> int:
     """256-byte L2 promotion where rows start on 128-byte boundaries, 128-byte otherwise: with rows only 16-byte
     aligned, 256-byte promotion fetched lines the box does not use (measured on the H200, 1000_3000_2000 with B K x N:
     26.2 us against 23.9 us with 128-byte promotion; no change where B's rows are 32-byte aligned)."""
-    return L2_PROMOTION_256B if len(dims) == 1 or dims[0] * 2 % 128 == 0 else L2_PROMOTION_128B
+    pitch = strides[0] if strides else dims[0] * 2
+    return L2_PROMOTION_256B if len(dims) == 1 or pitch % 128 == 0 else L2_PROMOTION_128B
 
 
-def encode_tiled(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizzle: int = 128) -> TensorMap:
-    """A tiled tensor map over a packed fp16 tensor at `address`: `dims` and `box` innermost first, rows contiguous.
-    Reads outside the tensor fill zeros; stores outside it are dropped."""
-    check_tiled(address, dims, box, swizzle)
+def encode_tiled(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizzle: int = 128,
+                 strides: tuple[int, ...] = ()) -> TensorMap:
+    """A tiled tensor map over an fp16 tensor at `address`: `dims` and `box` innermost first; rows contiguous, or
+    dims[1:] `strides` bytes apart (any order: the caller keeps every address inside the tensor). Reads outside the
+    dims fill zeros; stores outside them are dropped."""
+    check_tiled(address, dims, box, swizzle, strides)
     rank = len(dims)
-    strides, pitch = [], 2
-    for d in dims[:-1]:
-        pitch *= d
-        strides.append(pitch)
+    if not strides:
+        pitches, pitch = [], 2
+        for d in dims[:-1]:
+            pitch *= d
+            pitches.append(pitch)
+        strides = tuple(pitches)
     scratch = (ctypes.c_uint8 * (TENSOR_MAP_BYTES + 64))()
     aligned = (ctypes.addressof(scratch) + 63) // 64 * 64
     _check(_cuda().cuTensorMapEncodeTiled(
         ctypes.c_void_p(aligned), ctypes.c_int(FLOAT16), ctypes.c_uint32(rank), ctypes.c_void_p(address),
         (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * max(1, rank - 1))(*strides),
         (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
-        ctypes.c_int(0), ctypes.c_int(SWIZZLE[swizzle]), ctypes.c_int(l2_promotion(dims)), ctypes.c_int(0),
-    ), f"cuTensorMapEncodeTiled(dims={dims}, box={box}, swizzle={swizzle})")
+        ctypes.c_int(0), ctypes.c_int(SWIZZLE[swizzle]), ctypes.c_int(l2_promotion(dims, strides)),
+        ctypes.c_int(0),
+    ), f"cuTensorMapEncodeTiled(dims={dims}, strides={strides}, box={box}, swizzle={swizzle})")
     out = TensorMap()
     ctypes.memmove(ctypes.addressof(out), aligned, TENSOR_MAP_BYTES)
     return out
 
 
 @functools.lru_cache(maxsize=256)
-def tensor_map(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizzle: int = 128) -> TensorMap:
+def tensor_map(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizzle: int = 128,
+               strides: tuple[int, ...] = ()) -> TensorMap:
     """encode_tiled, remembered: a map depends only on these values, so one encoded for an address stays right
     for any tensor later placed there with the same shape (launches only read it)."""
-    return encode_tiled(address, dims, box, swizzle)
+    return encode_tiled(address, dims, box, swizzle, strides)
 
 
 OPERANDS = "ABC"  # a tensor map's operand names the pointer argument it covers
@@ -138,16 +152,17 @@ def workspace(kind: str, nbytes: int, stream: int) -> int:
 
 def launch(function: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int, stream: int,
            pointers: tuple[int, int, int], sizes: tuple[int, int, int],
-           tensor_maps: Iterable[tuple[str, tuple[int, ...], tuple[int, ...], int]] = (),
+           tensor_maps: Iterable[tuple] = (),
            workspace_bytes: int = 0, counters: int = 0) -> None:
     """cuLaunchKernel(function, ...) with (A, B, C, M, N, K, *maps[, scratch, counters]) on `stream` (a CUstream
-    handle); each of `tensor_maps` is (operand "A" | "B" | "C", dims, box, swizzle), encoded (remembered) over that
-    operand; workspace_bytes or counters > 0 append the context's scratch buffer of at least workspace_bytes and its
-    zeroed buffer of at least `counters` 32-bit counters."""
+    handle); each of `tensor_maps` is (operand "A" | "B" | "C", dims, box, swizzle[, strides]), encoded
+    (remembered) over that operand; workspace_bytes or counters > 0 append the context's scratch buffer of at least
+    workspace_bytes and its zeroed buffer of at least `counters` 32-bit counters."""
     args: list[ctypes._SimpleCData | ctypes.Structure] = [ctypes.c_uint64(p) for p in pointers]
     args += [ctypes.c_int32(s) for s in sizes]
-    args += [tensor_map(pointers[OPERANDS.index(operand)], tuple(dims), tuple(box), swizzle)
-             for operand, dims, box, swizzle in tensor_maps]
+    args += [tensor_map(pointers[OPERANDS.index(operand)], tuple(dims), tuple(box), swizzle,
+                        tuple(strides[0]) if strides else ())
+             for operand, dims, box, swizzle, *strides in tensor_maps]
     if workspace_bytes > 0 or counters > 0:
         args.append(ctypes.c_uint64(workspace("scratch", max(workspace_bytes, 16), stream)))
         args.append(ctypes.c_uint64(workspace("counters", max(counters * 4, 16), stream)))

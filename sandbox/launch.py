@@ -58,7 +58,7 @@ class Kernel:
             self._smem_raised = spec.smem_bytes
         driver.launch(self.function.kernel.ptr, spec.grid, spec.block, spec.smem_bytes,
                       torch.cuda.current_stream().cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()),
-                      (m, n, k), [(t.operand, t.dims, t.box, t.swizzle) for t in spec.tensor_maps],
+                      (m, n, k), [(t.operand, t.dims, t.box, t.swizzle, t.strides) for t in spec.tensor_maps],
                       spec.workspace_bytes, spec.counters)
 
 

@@ -14,6 +14,14 @@ from tests.conftest import HAS_GPU
 def test_a_gemm_operand_map_passes():
     driver.check_tiled(0x10000, (4096, 1000), (64, 128), 128)
     driver.check_tiled(0x10000, (8, 1), (64, 256), 128)  # the box may be larger than a tiny tensor
+    # kn B (K x N) viewed as 64-column panels 128 bytes apart: strides in any order
+    driver.check_tiled(0x10000, (64, 2000, 48), (64, 64, 2), 128, (6144, 128))
+
+
+@pytest.mark.parametrize("strides", [(6144,), (6144, 120), (6144, 0), (1 << 40, 128)])
+def test_broken_strides_are_named(strides):
+    with pytest.raises(driver.DriverError, match="strides"):
+        driver.check_tiled(0x10000, (64, 2000, 48), (64, 64, 2), 128, strides)
 
 
 @pytest.mark.parametrize("address,dims,box,swizzle,message", [
@@ -68,10 +76,12 @@ def test_launch_encodes_each_map_over_the_operand_it_names(monkeypatch):
     monkeypatch.setattr(driver, "_cuda", lambda: FakeDriver())
     monkeypatch.setattr(driver, "tensor_map", lambda *args: encoded.append(args) or driver.TensorMap())
     driver.launch(1, (2, 1, 1), (384, 1, 1), 1024, 0, (0xA00, 0xB00, 0xC00), (64, 64, 64),
-                  [("A", [64, 64], [64, 64], 128), ("C", (64, 64), (64, 64), 128)])
-    assert encoded == [(0xA00, (64, 64), (64, 64), 128), (0xC00, (64, 64), (64, 64), 128)]
+                  [("A", [64, 64], [64, 64], 128), ("B", (64, 64, 1), (64, 64, 1), 128, [128, 128]),
+                   ("C", (64, 64), (64, 64), 128)])
+    assert encoded == [(0xA00, (64, 64), (64, 64), 128, ()), (0xB00, (64, 64, 1), (64, 64, 1), 128, (128, 128)),
+                       (0xC00, (64, 64), (64, 64), 128, ())]
     params = launched[0][-2]
-    assert len(params) == 3 + 3 + 2  # pointers, sizes, then the maps by value
+    assert len(params) == 3 + 3 + 3  # pointers, sizes, then the maps by value
 
 
 def test_launch_appends_scratch_and_counters_reused_per_context(monkeypatch):
@@ -115,3 +125,5 @@ def test_l2_promotion_narrows_for_rows_off_128_byte_boundaries():
     assert driver.l2_promotion((64, 1000)) == driver.L2_PROMOTION_256B  # 128-byte rows
     assert driver.l2_promotion((3000, 2000)) == driver.L2_PROMOTION_128B  # 6000-byte rows: 16-byte aligned only
     assert driver.l2_promotion((2000, 1000)) == driver.L2_PROMOTION_128B
+    assert driver.l2_promotion((64, 2000, 64), (8192, 128)) == driver.L2_PROMOTION_256B  # the row stride decides
+    assert driver.l2_promotion((64, 2000, 47), (6000, 128)) == driver.L2_PROMOTION_128B

@@ -47,7 +47,10 @@ def test_export_records_the_workspace_a_k_groups_kernel_needs(tmp_path):
     export_run(populated, tmp_path / "out")
     entry = json.loads((tmp_path / "out" / "manifest.json").read_text())["kernels"]["64_4096_16384:kn"]
     assert entry["workspace_bytes"] > 0 and entry["counters"] > 0  # passed after the tensor maps by the op
-    assert "scratch buffer" in (tmp_path / "out" / entry["file"]).read_text()
+    cu = (tmp_path / "out" / entry["file"]).read_text()
+    assert "scratch buffer" in cu
+    # B (K x N, N % 64 == 0) as a view of 64-column panels: the op needs the strides to encode it
+    assert entry["tensor_maps"][1]["strides"] == [8192, 128] and "byte strides (8192, 128)" in cu
 
 
 def test_exported_op_falls_back_to_cublas_off_gpu(tmp_path):

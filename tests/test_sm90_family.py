@@ -69,11 +69,29 @@ def test_tma_launch_declares_valid_tensor_maps(layout):
     assert (b.operand, b.dims, b.box) == (("B", (3000, 2000), (64, 64)) if layout == "kn"
                                          else ("B", (2000, 3000), (64, 160)))
     for t in spec.tensor_maps:
-        driver.check_tiled(0x7F0000000000, t.dims, t.box, t.swizzle)
+        driver.check_tiled(0x7F0000000000, t.dims, t.box, t.swizzle, t.strides)
     src = FAMILY.render(params, prob)
     assert src.count("__grid_constant__ TmaMap") == 2 and "cp.async.bulk.tensor.2d" in src
     cp = {**params, "loader": "cp_async"}
     assert FAMILY.launch(cp, prob).tensor_maps == () and "__grid_constant__" not in FAMILY.render(cp, prob)
+
+
+@pytest.mark.parametrize("cluster_m", [1, 2])
+def test_kn_b_is_one_copy_of_every_panel_where_n_is_a_multiple_of_64(cluster_m):
+    """A view of B (K x N) with its 64-column panels as a third dimension 128 bytes apart: one copy per stage brings
+    the B tile (or a multicast CTA's half), and the view's last address is the tensor's last byte."""
+    prob = Problem(256, 4096, 1000, "kn")
+    params = {"block_m": 64, "block_n": 256, "consumers": 1, "stages": 4, "cluster_m": cluster_m}
+    _, b = FAMILY.launch(params, prob).tensor_maps
+    assert (b.dims, b.box, b.strides) == ((64, 1000, 64), (64, 64, 4 // cluster_m), (8192, 128))
+    driver.check_tiled(0x7F0000000000, b.dims, b.box, b.swizzle, b.strides)
+    last = (b.dims[0] - 1) * 2 + sum((d - 1) * s for d, s in zip(b.dims[1:], b.strides, strict=True))
+    assert last == prob.k * prob.n * 2 - 2
+    src = FAMILY.render(params, prob)
+    assert "cp.async.bulk.tensor.3d" in src and "N % 64 == 0" in src  # the kernel picks the copy the map was made for
+    # N off 64: one 2-D copy per panel (a panel view would run past the last row)
+    _, b = FAMILY.launch(params, Problem(256, 4040, 1000, "kn")).tensor_maps
+    assert (b.dims, b.box, b.strides) == ((4040, 1000), (64, 64), ())
 
 
 def test_space_leads_with_tma_and_keeps_cp_async_in_reach():

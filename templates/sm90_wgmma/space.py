@@ -313,9 +313,14 @@ class Sm90Wgmma(Family):
         grouped = p.k_groups > 1
         maps: tuple[TensorMapSpec, ...] = ()
         if p.loader == "tma":  # boxes land as 128-byte rows (64 fp16), swizzled like the cp.async copies
-            k = problem.k
-            b_map = (TensorMapSpec("B", (problem.n, k), (64, p.block_k)) if problem.b_layout == "kn"
-                     else TensorMapSpec("B", (k, problem.n), (p.block_k, p.block_n // p.cluster_m)))
+            k, n = problem.k, problem.n
+            if problem.b_layout == "nk":
+                b_map = TensorMapSpec("B", (k, n), (p.block_k, p.block_n // p.cluster_m))
+            elif n % 64 == 0:  # 64-column panels as a third dimension 128 B apart: one copy per stage (and CTA)
+                b_map = TensorMapSpec("B", (64, k, n // 64), (64, p.block_k, p.block_n // 64 // p.cluster_m),
+                                      strides=(n * 2, 128))
+            else:  # one copy per panel: a panel view would read past the last row's end
+                b_map = TensorMapSpec("B", (n, k), (64, p.block_k))
             maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, p.block_m)), b_map)
         if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels
             maps += (TensorMapSpec("C", (problem.n, problem.m), (64, p.block_m // p.consumers)),)
