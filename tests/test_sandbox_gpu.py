@@ -56,8 +56,11 @@ def test_every_sm90_producer_and_epilogue_passes_the_full_checks(pool):
     (a trailing CTA past M still loads its peer's B): each kind space()
     proposes goes through every check (poison, guards, edge shapes, repeat launches)."""
     sm90 = get_family("sm90_wgmma")
+    # 200_512_3000 kn: B's panels in one 3-D copy (N % 64 == 0; its edge shapes N = 504 take the 2-D copies), with
+    # and without multicast
     problems = random_problems(4, seed=5) + [Problem(100, 264, 8192, "kn"), Problem(77, 200, 8192, "nk"),
-                                             Problem(40, 1000, 8200, "kn"), Problem(17, 2056, 5000, "nk")]
+                                             Problem(40, 1000, 8200, "kn"), Problem(17, 2056, 5000, "nk"),
+                                             Problem(200, 512, 3000, "kn")]
     for p in problems:
         kinds: dict[tuple, dict] = {}
         for params in sm90.space(p):
