@@ -163,10 +163,14 @@ def test_long_k_few_tiles_gets_split_k_in_clusters(problem):
 
 
 @pytest.mark.parametrize("problem", SKINNY, ids=lambda p: p.key)
-def test_skinny_few_tiles_gets_k_groups_first(problem):
+def test_skinny_few_tiles_gets_a_cluster_pair_then_k_groups_first(problem):
     space = FAMILY.space(problem)
+    # 64 tiles of 64 columns: two CTAs a tile, first as a split_k=2 cluster, then as 2 K groups
+    pair = space[0]
+    assert (pair["block_n"], pair["split_k"], pair["k_groups"]) == (64, 2, 1)
+    assert FAMILY.launch(pair, problem).grid == (2 * -(-problem.n // 64), 1, 1)
     grouped = [p for p in space if p["k_groups"] > 1]
-    assert grouped and space[0]["k_groups"] > 1
+    assert grouped and space[1]["k_groups"] == 2 and space[1]["block_n"] == 64
     for p in grouped:
         assert not p["persistent"] and p["block_m"] == 64 and p["split_k"] == 1
         tiles = -(-problem.n // p["block_n"])
@@ -231,9 +235,10 @@ def test_multicast_launches_whole_clusters_and_halves_the_b_box(layout):
     assert any(q["cluster_m"] == 2 for q in FAMILY.space(Problem(2048, 2048, 2048, layout)))
 
 
-@pytest.mark.parametrize("problem", [Problem(4096, 4096, 4096), Problem(64, 4096, 16384), Problem(128, 8192, 8192),
-                                     Problem(16, 4096, 4096), Problem(1000, 3000, 2000)], ids=lambda p: p.key)
+@pytest.mark.parametrize("problem", [Problem(4096, 4096, 4096), Problem(256, 4096, 4096), Problem(128, 8192, 8192),
+                                     Problem(2048, 2048, 2048), Problem(1000, 3000, 2000)], ids=lambda p: p.key)
 def test_other_problems_get_no_split_k(problem):
+    """Neither long K with few tiles nor skinny (M <= 64, whose pairs the K-groups test covers)."""
     assert all(p["split_k"] == 1 for p in FAMILY.space(problem))
 
 

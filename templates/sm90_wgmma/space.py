@@ -191,8 +191,8 @@ def _cost(p: Sm90WgmmaParams, problem: Problem) -> float:
 
 # Clusters of 8, 4, 2 CTAs that run at once per CTA slot of an SM: clusters must fit inside one GPC, so the 132 SMs
 # hold fewer than 132 / size (64x64 tiles, split_k=8, 1 block per SM: 16 clusters measured clearly slower per CTA
-# than 8 or 11 on the H200).
-CLUSTERS_PER_SLOT = {2: 66, 4: 32, 8: 14}
+# than 8 or 11 on the H200; 32 clusters of 4 ran on 120 SMs, the last 2 clusters in a second wave).
+CLUSTERS_PER_SLOT = {2: 66, 4: 30, 8: 14}
 
 
 def _split_cost(p: Sm90WgmmaParams, problem: Problem) -> float:
@@ -244,7 +244,9 @@ def _group_settings(problem: Problem) -> list[Sm90WgmmaParams]:
     tiles with k_groups = as many CTAs per tile as one wave holds (at most 8, each CTA at least 16 k-tiles), the
     deepest ring that fits; none for other problems. Measured on the H200: 64_4096_16384 64x64 with 2 groups
     1.03-1.14x of cuBLAS (the best single-CTA tiles 0.91-1.03x), 16_4096_4096 64x128 with 4 groups 0.80-0.96x
-    (0.45-0.69x); on M = 128-1024 the fp32 partials cost more than the extra SMs bring (0.33-0.77x)."""
+    (0.45-0.69x); on M = 128-1024 the fp32 partials cost more than the extra SMs bring (0.33-0.77x).
+    Two CTAs a tile go first as a cluster pair (split_k=2), whose sum through distributed shared memory costs less
+    than the workspace: 64_4096_16384 64x64 37.6 against 38.6 us kn, 39.1 against 40.2 us nk."""
     k_tiles = -(-problem.k // 64)
     if problem.m > 64 or -(-problem.n // 64) > SMS // 2:
         return []
@@ -254,9 +256,10 @@ def _group_settings(problem: Problem) -> list[Sm90WgmmaParams]:
         groups = min(8, SMS // tiles)
         if bn > -(-problem.n // 64) * 64 or groups < 2 or k_tiles // groups < 16:
             continue
-        v = deepest({"block_m": 64, "block_n": bn, "consumers": 1, "k_groups": groups})
-        if v is not None:
-            found.append(v)
+        tile = {"block_m": 64, "block_n": bn, "consumers": 1}
+        for v in ((deepest({**tile, "split_k": 2}),) if groups == 2 else ()) + (deepest({**tile, "k_groups": groups}),):
+            if v is not None:
+                found.append(v)
     return found
 
 
