@@ -48,19 +48,20 @@ def _row(start, first_copy, first, main_end, end, sm, a=0, b=0):
 
 def test_phases_are_per_cta_differences_in_microseconds():
     rows = [_row(1000, 1500, 2000, 5000, 6000, 3), _row(3000, 3600, 4000, 9000, 9500, 7), [0] * 8]  # third: no run
-    p = probe.summarize(rows)
+    p, counts = probe.summarize(rows)
     assert p["start"] == (0.0, 1.0, 2.0) and p["end"] == (5.0, 6.75, 8.5)
     assert p["first stage"] == (1.0, 1.0, 1.0) and p["mainloop"] == (3.0, 4.0, 5.0)
     assert p["epilogue"] == (0.5, 0.75, 1.0) and p["first copy"] == (0.5, 0.55, 0.6)
-    assert p["ctas"][0] == 2 and p["sms"][0] == 2 and p["per sm"][0] == 1
+    assert counts == {"ctas": 2, "sms": 2, "per sm": 1}
     assert "sum" not in p
 
 
 def test_split_k_and_setup_marks():
     rows = [_row(0, 400, 1000, 5000, 7000, 1, a=5500, b=6500), _row(0, 400, 1000, 5000, 7000, 1, a=5600, b=6600)]
-    p = probe.summarize(rows)
+    p, counts = probe.summarize(rows)
     assert p["partials"] == (0.5, 0.55, 0.6) and p["sum"] == (1.0, 1.0, 1.0) and p["close"] == (0.4, 0.45, 0.5)
-    assert p["per sm"][0] == 2
-    s = probe.summarize(rows, setup=True)
+    assert counts["per sm"] == 2
+    s, _ = probe.summarize(rows, setup=True)
     assert s["barrier"] == (5.5, 5.55, 5.6) and "sum" not in s
-    assert "graph 8.00 µs" in probe.line("x", 8.0, 9.0, p)
+    text = probe.line("x", 8.0, 9.0, p, counts)
+    assert "graph 8.00 µs" in text and "ctas 2 on 1 SMs (<= 2 each)" in text and "sum 1.00/1.00/1.00" in text

@@ -96,9 +96,10 @@ def source(params: dict, layout: str, variant: str = "") -> str:
     return src
 
 
-def summarize(rows, setup: bool = False) -> dict[str, tuple[float, float, float]]:
-    """Phase statistics (min, median, max in µs) from the probe buffer's rows of the CTAs that ran (end stored);
-    `setup`: slots 6 and 7 hold the "setup" variant's marks, not split-K's."""
+def summarize(rows, setup: bool = False) -> tuple[dict[str, tuple[float, float, float]], dict[str, int]]:
+    """Phase statistics (min, median, max in µs) from the probe buffer's rows of the CTAs that ran (end stored), and
+    their counts (CTAs, SMs, most CTAs on one SM); `setup`: slots 6 and 7 hold the "setup" variant's marks, not
+    split-K's."""
     live = [r for r in rows if r[3] > 0]
     t0 = min(r[0] for r in live)
 
@@ -116,15 +117,13 @@ def summarize(rows, setup: bool = False) -> dict[str, tuple[float, float, float]
         out.update({"partials": stats(r[6] - r[2] for r in marked), "sum": stats(r[7] - r[6] for r in marked),
                     "close": stats(r[3] - r[7] for r in marked)})
     sms = [r[4] for r in live]
-    out["ctas"], out["sms"] = (len(live),) * 3, (len(set(sms)),) * 3
-    out["per sm"] = (max(sms.count(s) for s in set(sms)),) * 3
-    return out
+    return out, {"ctas": len(live), "sms": len(set(sms)), "per sm": max(sms.count(s) for s in set(sms))}
 
 
-def line(label: str, graph_us: float, cublas_us: float, phases: dict) -> str:
-    counts = f"ctas {phases['ctas'][0]} on {phases['sms'][0]} SMs (<= {phases['per sm'][0]} each)"
-    parts = [f"{k} {a:.2f}/{m:.2f}/{b:.2f}" for k, (a, m, b) in phases.items() if k not in ("ctas", "sms", "per sm")]
-    return f"{label}: graph {graph_us:.2f} µs, cuBLAS {cublas_us:.2f} | {counts} | " + " | ".join(parts)
+def line(label: str, graph_us: float, cublas_us: float, phases: dict, counts: dict) -> str:
+    where = f"ctas {counts['ctas']} on {counts['sms']} SMs (<= {counts['per sm']} each)"
+    parts = [f"{k} {a:.2f}/{m:.2f}/{b:.2f}" for k, (a, m, b) in phases.items()]
+    return f"{label}: graph {graph_us:.2f} µs, cuBLAS {cublas_us:.2f} | {where} | " + " | ".join(parts)
 
 
 def run(params: dict, layout: str, mnk: str, variant: str = "") -> str:
@@ -165,10 +164,11 @@ def run(params: dict, layout: str, mnk: str, variant: str = "") -> str:
         kern(a, b, c, m, n, k)
     torch.cuda.synchronize()
     rows = cupy.ndarray((MAX_CTAS * SLOTS,), dtype=cupy.uint64, memptr=buf).get()[: grid * SLOTS]
-    phases = summarize([[int(x) for x in rows[i * SLOTS:(i + 1) * SLOTS]] for i in range(grid)], "setup" in variant)
+    phases, counts = summarize([[int(x) for x in rows[i * SLOTS:(i + 1) * SLOTS]] for i in range(grid)],
+                               "setup" in variant)
     label = f"{mnk} {layout} {json.dumps(params, sort_keys=True)}" + (f" [{variant}]" if variant else "")
     label += f" err {err:.1e}"
-    return line(label, t["k"].median_us, t["cublas"].median_us, phases)
+    return line(label, t["k"].median_us, t["cublas"].median_us, phases, counts)
 
 
 def main() -> None:

@@ -256,8 +256,9 @@ def _group_settings(problem: Problem) -> list[Sm90WgmmaParams]:
         groups = min(8, SMS // tiles)
         if bn > -(-problem.n // 64) * 64 or groups < 2 or k_tiles // groups < 16:
             continue
-        tile = {"block_m": 64, "block_n": bn, "consumers": 1}
-        for v in ((deepest({**tile, "split_k": 2}),) if groups == 2 else ()) + (deepest({**tile, "k_groups": groups}),):
+        ways = ([{"split_k": 2}] if groups == 2 else []) + [{"k_groups": groups}]
+        for way in ways:
+            v = deepest({"block_m": 64, "block_n": bn, "consumers": 1, **way})
             if v is not None:
                 found.append(v)
     return found
