@@ -84,6 +84,16 @@ def problem(mnk: str, layout: str) -> Problem:
     return Problem(m, n, k, layout)
 
 
+def operands(prob: Problem):
+    """Random fp16 A (M x K) and B in the problem's layout on the GPU, and B as K x N (a view for nk)."""
+    import torch
+
+    a = torch.randn(prob.m, prob.k, device="cuda", dtype=torch.float16)
+    shape = (prob.k, prob.n) if prob.b_layout == "kn" else (prob.n, prob.k)
+    b = torch.randn(*shape, device="cuda", dtype=torch.float16)
+    return a, b, b if prob.b_layout == "kn" else b.t()
+
+
 def settings(prob: Problem, top: int | None = None) -> list[dict]:
     """space()'s first `top` settings; with --split, its split-K settings' first `top` and its best unsplit one."""
     space = FAMILY.space(prob)
@@ -197,10 +207,7 @@ class Worker:
         if (mnk, layout) not in self.cases:
             torch = self.torch
             prob = problem(mnk, layout)
-            a = torch.randn(prob.m, prob.k, device="cuda", dtype=torch.float16)
-            b = torch.randn(*((prob.k, prob.n) if layout == "kn" else (prob.n, prob.k)), device="cuda",
-                            dtype=torch.float16)
-            b_kn = b if layout == "kn" else b.t()
+            a, b, b_kn = operands(prob)
             ref = a.double() @ b_kn.double()
             torch_err = ((torch.matmul(a, b_kn).double() - ref).norm() / ref.norm()).item()
             self.cases[(mnk, layout)] = (prob, a, b, b_kn, ref, torch_err)
@@ -320,12 +327,11 @@ def profile_one(params_json: str, layout: str, mnk: str) -> None:
     assert path, log
     prob = problem(mnk, layout)
     kern = Kernel(Path(path).read_bytes(), lambda m, n, k: FAMILY.launch(params, Problem(m, n, k, layout)))
-    a = torch.randn(prob.m, prob.k, device="cuda", dtype=torch.float16)
-    b = torch.randn(*((prob.k, prob.n) if layout == "kn" else (prob.n, prob.k)), device="cuda", dtype=torch.float16)
+    a, b, b_kn = operands(prob)
     c = torch.empty(prob.m, prob.n, device="cuda", dtype=torch.float16)
     for _ in range(2):
         kern(a, b, c, prob.m, prob.n, prob.k)
-        torch.matmul(a, b if layout == "kn" else b.t(), out=c)
+        torch.matmul(a, b_kn, out=c)
     torch.cuda.synchronize()
     print(f"profiled {short(params)} {layout} {mnk}: {disassemble(path)}")
 

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from agent.records import Problem  # noqa: E402
 from templates.sm90_wgmma.space import Sm90Wgmma  # noqa: E402
+from tools.check_sm90_gpu import operands  # noqa: E402
 
 FAMILY = Sm90Wgmma()
 SLOTS = 8  # per CTA: start, first full, mainloop end, end, SM id, first copy issued, and two phase marks
@@ -151,9 +152,7 @@ def run(params: dict, layout: str, mnk: str, variant: str = "") -> str:
     kern = Kernel(build.cubin, rule)
     grid = rule(m, n, k).grid[0]
     assert grid <= MAX_CTAS, f"{grid} CTAs: the probe buffer holds {MAX_CTAS}"
-    a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    b = torch.randn(*((k, n) if layout == "kn" else (n, k)), device="cuda", dtype=torch.float16)
-    b_kn = b if layout == "kn" else b.t()
+    a, b, b_kn = operands(Problem(m, n, k, layout))
     c, c2 = torch.empty(m, n, device="cuda", dtype=torch.float16), torch.empty(m, n, device="cuda", dtype=torch.float16)
     t = measure({"k": lambda: kern(a, b, c, m, n, k), "cublas": lambda: torch.matmul(a, b_kn, out=c2)}, None, replays=5)
     ref = a.double() @ b_kn.double()
