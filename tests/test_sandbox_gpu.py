@@ -53,19 +53,21 @@ def test_correct_kernels_are_never_rejected(pool):
 def test_every_sm90_producer_and_epilogue_passes_the_full_checks(pool):
     """TMA and cp.async producers; smem, direct and TMA-store epilogues, persistent or not; split-K clusters; K
     groups (workspace partials and arrival counters, which repeat launches must find reset); multicast clusters
-    (a trailing CTA past M still loads its peer's B): each kind space()
+    (a trailing CTA past M still loads its peer's B); swapped A and B roles: each kind space()
     proposes goes through every check (poison, guards, edge shapes, repeat launches)."""
     sm90 = get_family("sm90_wgmma")
     # 200_512_3000 kn: B's panels in one 3-D copy (N % 64 == 0; its edge shapes N = 504 take the 2-D copies), with
     # and without multicast
+    # M <= 48: swapped roles (the A box only M rounded up to 8 rows), plain, two CTAs an SM, split-K and K groups
     problems = random_problems(4, seed=5) + [Problem(100, 264, 8192, "kn"), Problem(77, 200, 8192, "nk"),
                                              Problem(40, 1000, 8200, "kn"), Problem(17, 2056, 5000, "nk"),
-                                             Problem(200, 512, 3000, "kn")]
+                                             Problem(200, 512, 3000, "kn"), Problem(9, 136, 72, "kn"),
+                                             Problem(16, 9000, 520, "nk")]
     for p in problems:
         kinds: dict[tuple, dict] = {}
         for params in sm90.space(p):
             kinds.setdefault((params["loader"], params["epilogue"], params["persistent"], params["split_k"] > 1,
-                              params["k_groups"] > 1, params["cluster_m"] > 1), params)
+                              params["k_groups"] > 1, params["cluster_m"] > 1, params["swap_ab"]), params)
         for params in kinds.values():
             r = pool.evaluate(build_job("sm90_wgmma", params, p, time_it=False))
             assert r.status is Status.OK, f"{params} on {p.key}: {r.status} {r.reason}"

@@ -19,7 +19,9 @@ LONG_K = [Problem(64, 1024, 16384, "kn"), Problem(64, 1024, 16384, "nk"), Proble
           Problem(256, 128, 16384, "nk")]
 # skinny M, few C tiles: space() proposes K groups (fp32 partials through a workspace) here
 SKINNY = [Problem(64, 4096, 16384, "kn"), Problem(16, 4096, 4096, "nk")]
-PROBLEMS += LONG_K + SKINNY
+# tiny M (<= 48): space() proposes swapped A and B roles here
+TINY = [Problem(16, 4096, 4096, "kn"), Problem(16, 14336, 4096, "kn"), Problem(17, 24, 40, "nk")]
+PROBLEMS += LONG_K + SKINNY + TINY[1:]
 
 
 def _settings() -> list[tuple[Problem, dict]]:
@@ -164,7 +166,7 @@ def test_long_k_few_tiles_gets_split_k_in_clusters(problem):
 
 @pytest.mark.parametrize("problem", SKINNY, ids=lambda p: p.key)
 def test_skinny_few_tiles_gets_a_cluster_pair_then_k_groups_first(problem):
-    space = FAMILY.space(problem)
+    space = [p for p in FAMILY.space(problem) if not p["swap_ab"]]
     # 64 tiles of 64 columns: two CTAs a tile, first as a split_k=2 cluster, then as 2 K groups
     pair = space[0]
     assert (pair["block_n"], pair["split_k"], pair["k_groups"]) == (64, 2, 1)
@@ -187,8 +189,9 @@ def test_skinny_few_tiles_gets_a_cluster_pair_then_k_groups_first(problem):
                                      Problem(64, 64, 64), Problem(256, 128, 16384)], ids=lambda p: p.key)
 def test_wider_or_many_tile_problems_get_no_k_groups(problem):
     """Measured: on M = 128-1024 the fp32 partials cost more than the extra SMs bring."""
-    assert all(p["k_groups"] == 1 for p in FAMILY.space(problem))
-    assert all(FAMILY.launch(p, problem).workspace_bytes == 0 for p in FAMILY.space(problem))
+    space = [p for p in FAMILY.space(problem) if not p["swap_ab"]]
+    assert all(p["k_groups"] == 1 for p in space)
+    assert all(FAMILY.launch(p, problem).workspace_bytes == 0 for p in space)
 
 
 @pytest.mark.parametrize("update,message", [
@@ -248,3 +251,56 @@ def test_split_k_launch_and_empty_k_ranges_are_allowed():
     # K = 8: one k-tile, seven CTAs of each cluster get an empty range and contribute zeros; still a valid launch
     assert FAMILY.launch(p, Problem(1, 8, 8)).grid == (8, 1, 1)
     assert "__cluster_dims__" not in FAMILY.render({**p, "split_k": 1}, Problem(64, 1024, 16384))
+
+
+@pytest.mark.parametrize("problem", TINY, ids=lambda p: p.key)
+def test_tiny_m_gets_swapped_roles_first(problem):
+    space = FAMILY.space(problem)
+    swapped = [p for p in space if p["swap_ab"]]
+    assert swapped and space[0]["swap_ab"]
+    for p in swapped:
+        assert p["block_m"] == -(-problem.m // 16) * 16 and p["block_n"] % 64 == 0
+        assert p["consumers"] == 1 and p["epilogue"] == "smem" and p["cluster_m"] == 1
+        spec = FAMILY.launch(p, problem)
+        tiles = -(-problem.n // p["block_n"])
+        assert spec.grid == (tiles * p["split_k"] * p["k_groups"], 1, 1)
+        # more CTAs than SMs only where two fit an SM
+        assert spec.grid[0] <= 132 * Sm90WgmmaParams(**p).min_blocks or tiles * p["split_k"] * p["k_groups"] == 1
+    src = FAMILY.render(space[0], problem)
+    assert f"m64n{space[0]['block_m']}k16" in src  # the wgmma N is the A tile's rows
+    # kn: B's tile is wgmma's MN-major A operand (transpose bit a), the A tile K-major B; nk: neither transposed
+    assert ("p, 1, 1, 1, 0;" if problem.b_layout == "kn" else "p, 1, 1, 0, 0;") in src
+
+
+@pytest.mark.parametrize("problem", [Problem(64, 4096, 16384), Problem(49, 4096, 4096), Problem(1024, 1024, 1024)],
+                         ids=lambda p: p.key)
+def test_wider_problems_get_no_swapped_roles(problem):
+    assert not any(p["swap_ab"] for p in FAMILY.space(problem))
+
+
+@pytest.mark.parametrize("update,message", [
+    ({"block_m": 16}, "need swap_ab"),
+    ({"swap_ab": True, "block_n": 96}, "multiple of 64"),
+    ({"swap_ab": True, "consumers": 2, "block_m": 128}, "consumers=1"),
+    ({"swap_ab": True, "epilogue": "tma"}, "epilogue=smem"),
+    ({"swap_ab": True, "cluster_m": 2, "block_n": 128}, "cluster_m=1"),
+])
+def test_swapped_roles_reject_what_they_cannot_do(update, message):
+    with pytest.raises(ValueError, match=message):
+        Sm90WgmmaParams(**{"block_m": 64, "block_n": 64, "consumers": 1, "stages": 4, "epilogue": "smem", **update})
+
+
+def test_swapped_accumulators_are_the_transposed_tile():
+    p = Sm90WgmmaParams(block_m=16, block_n=256, consumers=1, stages=4, swap_ab=True)
+    assert (p.wgmma_m, p.wgmma_n) == (256, 16) and p.accumulators == 4 * 16 // 2
+
+
+@pytest.mark.parametrize("m,rows", [(1, 8), (9, 16), (17, 24), (64, 64), (1000, 64)])
+def test_a_box_is_m_rounded_to_8_where_m_fits_one_tile(m, rows):
+    """The kernel expects a_box_rows(M) * 128 bytes of A a stage: the same rule as the host's tensor map."""
+    for params in ({"block_m": 64, "block_n": 64, "consumers": 1}, {"block_m": 64, "block_n": 64, "consumers": 1,
+                                                                     "swap_ab": True, "epilogue": "smem"}):
+        spec = FAMILY.launch(params, Problem(m, 256, 256, "kn"))
+        a_map = next(t for t in spec.tensor_maps if t.operand == "A")
+        assert a_map.box == (64, rows)
+    assert "M < BM ? (M + 7) & ~7 : BM" in FAMILY.render({"block_m": 64, "consumers": 1}, Problem(m, 256, 256))

@@ -16,6 +16,8 @@ first two settings and k_groups variants (fp32 partial tiles summed through a wo
 of a few tile shapes, with and without cluster split-K, each filling about one wave of CTAs.
 Multicast (short):  python3 tools/check_sm90_gpu.py --multicast [out_dir]: for MULTICAST_SHAPES, space()'s first
 non-persistent TMA settings with and without clusters of 2 CTAs sharing each B tile by TMA multicast.
+Swapped roles (short):  python3 tools/check_sm90_gpu.py --swap [out_dir]: for SWAP_SHAPES (M <= 48), every
+swap_ab setting space() proposes beside its first unswapped ones.
 SWEEP_SHAPES=M_N_K,... limits any of the short modes' timings to those of its shapes.
 For ncu: ncu -k regex:"hgemm|nvjet" -s 2 -c 2 python3 tools/check_sm90_gpu.py --profile PARAMS_JSON LAYOUT M_N_K
 The parent process never touches the GPU: it compiles every setting (NVRTC, in parallel), disassembles one cubin
@@ -74,6 +76,8 @@ MULTICAST = "--multicast" in sys.argv
 MULTICAST_SHAPES = {"2048_2048_2048": 3, "512_8192_1024": 3, "2048_1024_12288": 3, "1024_1024_1024": 3,
                     "256_4096_4096": 3, "128_8192_8192": 2, "1000_3000_2000": 2, "4096_4096_4096": 2,
                     "2048_14336_4096": 2}
+SWAP = "--swap" in sys.argv
+SWAP_SHAPES = {"16_4096_4096": 4, "16_14336_4096": 4}
 SPLIT_TIMING_DEADLINE_S = 150.0  # --split skips the remaining timings after this long, so the table still prints
 # Source edits tried on the best-guess settings of the timed shapes: (name, old, new).
 VARIANTS = [("no-proxy-fence", r'asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");', "")]
@@ -125,6 +129,9 @@ def settings(prob: Problem, top: int | None = None) -> list[dict]:
                 plain.append(extra)
         pairs = [with_update(Sm90WgmmaParams(**p), {"cluster_m": 2}) for p in plain]
         return plain + [v.model_dump() for v in pairs if v is not None]
+    if SWAP:
+        unswapped = [p for p in space if not p["swap_ab"]]
+        return [p for p in space if p["swap_ab"]] + unswapped[:top]
     if EPILOGUE_ONLY:
         from templates.sm90_wgmma.space import Sm90WgmmaParams, with_update
 
@@ -168,6 +175,7 @@ def short(params: dict, variant: str = "") -> str:
             + (f" G{p['k_groups']}" if p.get("k_groups", 1) > 1 else "")
             + (f" MC{p['cluster_m']}" if p.get("cluster_m", 1) > 1 else "")
             + (" TMA" if p.get("loader") == "tma" else "")
+            + (" SWAP" if p.get("swap_ab") else "")
             + (f" [{variant}]" if variant else ""))
 
 
@@ -343,13 +351,15 @@ def main() -> None:
     global CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES
     if SPLIT_ONLY:
         CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES = SPLIT_CHECK_SHAPES, list(SPLIT_SHAPES), SPLIT_SHAPES, []
-    if TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID or GROUPS or MULTICAST:
+    if TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID or GROUPS or MULTICAST or SWAP:
         CHECK_SHAPES = ["1_8_8", "17_24_40", "257_136_520", "1000_3000_2000", "100_264_1000"]
         SPACE_SHAPES, VARIANT_SHAPES = [], []
         TIMED = (TMA_SHAPES if TMA_ONLY else EPILOGUE_SHAPES if EPILOGUE_ONLY else SPLIT_MID_SHAPES if SPLIT_MID
-                 else GROUPS_SHAPES if GROUPS else MULTICAST_SHAPES)
+                 else GROUPS_SHAPES if GROUPS else SWAP_SHAPES if SWAP else MULTICAST_SHAPES)
         if GROUPS:  # the long-K shapes themselves too: many K groups, and counters reused across shapes
             CHECK_SHAPES += ["64_1024_16384", "256_128_16384", "1_8_8"]
+        if SWAP:  # the timed shapes' own K splits, and an A box of 16 rows for 9
+            CHECK_SHAPES += ["16_4096_4096", "9_136_72", "16_14336_4096"]
     if os.environ.get("SWEEP_SHAPES"):  # time only these (comma-separated M_N_K) of the mode's shapes
         TIMED = {s: n for s, n in TIMED.items() if s in os.environ["SWEEP_SHAPES"].split(",")}
     # (params json, layout, variant) -> params: every space() setting of every SPACE_SHAPE, the timed settings, and
@@ -411,7 +421,7 @@ def main() -> None:
             print(f"  {layout}: worst rel err / torch's own: {max(errs):.2f}")
 
     rows = []
-    short_mode = SPLIT_ONLY or TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID or GROUPS or MULTICAST
+    short_mode = SPLIT_ONLY or TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID or GROUPS or MULTICAST or SWAP
     for mnk, top in TIMED.items():
         for layout in ("kn", "nk"):
             prob = problem(mnk, layout)

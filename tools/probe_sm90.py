@@ -83,7 +83,7 @@ VARIANTS = {
                 "            tma_load(s_b + 64 * 128, tm_b, bar, kt * BK, n0 + 64);\n")],
     # kn's loads with nk's (K-major) B descriptors: wrong results, timing only; the transposed wgmma is not the cost
     "kdesc": [("p, 1, 1, 0, 1;", "p, 1, 1, 0, 0;"),
-              ("const u64 db = B_KN ? smem_desc(s_b + kk * 2048, B_PANEL, 1024) :", "const u64 db = false ? 0 :")],
+              ("return B_KN ? smem_desc(tile + kk * 2048, B_PANEL, 1024) :", "return false ? 0 :")],
 }
 
 

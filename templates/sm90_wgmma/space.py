@@ -30,11 +30,12 @@ CONSUMER_OVERHEAD = 32
 
 
 class Sm90WgmmaParams(Params):
-    block_m: Literal[64, 128, 192, 256] = Field(128, description="rows of C per thread block")
+    block_m: Literal[16, 32, 48, 64, 128, 192, 256] = Field(
+        128, description="rows of C per thread block (16-48 only with swap_ab)")
     block_n: int = Field(256, ge=16, le=256, multiple_of=16,
                          description="columns of C per block = the wgmma N (kn layout: a multiple of 64)")
     block_k: Literal[64] = Field(64, description="K slice per stage: 64 fp16 = one 128-byte swizzle row")
-    stages: int = Field(4, ge=2, le=8, description="depth of the shared-memory ring")
+    stages: int = Field(4, ge=2, le=12, description="depth of the shared-memory ring")
     consumers: Literal[1, 2, 3, 4] = Field(2, description="consumer warpgroups; each owns block_m/consumers rows")
     raster_group: int = Field(8, ge=1, le=64, description="tile-rows a block group walks before moving across N")
     min_blocks: Literal[1, 2] = Field(1, description="blocks resident per SM (__launch_bounds__); caps registers")
@@ -64,6 +65,21 @@ class Sm90WgmmaParams(Params):
         1, description="CTAs of a thread-block cluster on vertically adjacent C tiles: each loads 1/cluster_m of "
         "every B tile and TMA-multicasts it to all of them (B read from L2 once per cluster); a stage is refilled "
         "once every CTA's consumers released it. TMA loader, one tile per CTA; 1 = no cluster")
+
+    swap_ab: bool = Field(
+        False, description="for tiny M: wgmma computes C^T = B^T A^T, the B tile (block_n rows, 64 per m64 wgmma) "
+        "as wgmma's A operand and the A tile as its B operand (wgmma N = block_m, from 16), so a 16-row A is not "
+        "padded to 64 wgmma rows; the accumulators hold C transposed, written back through shared memory (smem "
+        "epilogue or the split-K exchange tile). One consumer warpgroup, no multicast")
+
+    @property
+    def wgmma_m(self) -> int:
+        """The tile's extent along wgmma's M (rows of the accumulators): block_m, or block_n where swapped."""
+        return self.block_n if self.swap_ab else self.block_m
+
+    @property
+    def wgmma_n(self) -> int:
+        return self.block_m if self.swap_ab else self.block_n
 
     @property
     def threads(self) -> int:
@@ -125,11 +141,18 @@ class Sm90WgmmaParams(Params):
     @property
     def accumulators(self) -> int:
         """fp32 accumulator registers per consumer thread."""
-        return self.block_m // self.consumers // 64 * self.block_n // 2
+        return self.wgmma_m // self.consumers // 64 * self.wgmma_n // 2
 
     @model_validator(mode="after")
     def _feasible(self) -> Sm90WgmmaParams:
-        if self.block_m % (64 * self.consumers):
+        if self.swap_ab and (self.block_n % 64 or self.consumers != 1 or self.epilogue != "smem"
+                             or self.cluster_m != 1):
+            raise ValueError(f"swap_ab: block_n={self.block_n} must be a multiple of 64 (the m64 wgmma rows), with "
+                             f"consumers=1 (not {self.consumers}), epilogue=smem (not {self.epilogue}: C is "
+                             f"transposed through shared memory) and cluster_m=1 (not {self.cluster_m})")
+        if not self.swap_ab and self.block_m < 64:
+            raise ValueError(f"block_m={self.block_m}: tiles under 64 rows need swap_ab (wgmma is m64)")
+        if self.wgmma_m % (64 * self.consumers):
             raise ValueError(f"block_m={self.block_m} must split into consumers={self.consumers} warpgroups of "
                              "a multiple of 64 rows each (wgmma is m64)")
         if self.epilogue == "tma" and (self.block_n % 64 or self.reduces):
@@ -154,8 +177,8 @@ class Sm90WgmmaParams(Params):
         if self.min_blocks * (self.smem_bytes + SMEM_RESERVED_PER_BLOCK) > SMEM_PER_SM:
             raise ValueError(f"min_blocks={self.min_blocks} blocks of {self.smem_bytes} B shared memory do not fit "
                              f"one SM ({SMEM_PER_SM} B)")
-        if self.block_n // 2 + WGMMA_EXTRA > self.entry_regs:
-            raise ValueError(f"one m64n{self.block_n} wgmma needs {self.block_n // 2 + WGMMA_EXTRA} registers within "
+        if self.wgmma_n // 2 + WGMMA_EXTRA > self.entry_regs:
+            raise ValueError(f"one m64n{self.wgmma_n} wgmma needs {self.wgmma_n // 2 + WGMMA_EXTRA} registers within "
                              f"the entry cap of {self.entry_regs} ({self.threads} threads x min_blocks="
                              f"{self.min_blocks}): use a smaller block_n or fewer threads")
         if self.accumulators + CONSUMER_OVERHEAD > self.consumer_regs:
@@ -264,6 +287,35 @@ def _group_settings(problem: Problem) -> list[Sm90WgmmaParams]:
     return found
 
 
+def _swap_settings(problem: Problem) -> list[Sm90WgmmaParams]:
+    """Swapped-role settings for tiny M (at most 48 rows: block_m = M rounded up to 16), block_n 64, 128, 256, the
+    deepest ring that fits (up to 12 stages: the tiles are small; two CTAs an SM where the tiles outnumber the SMs).
+    Where the tiles fill fewer than half the SMs and K is long, each tile's K is split over as many CTAs as one wave
+    holds (at most 8, each CTA at least 16 k-tiles): in one cluster where that many clusters run at once, in K
+    groups, and in pairs of K groups; none for other problems."""
+    if problem.m > 48:
+        return []
+    k_tiles = -(-problem.k // 64)
+    bm = -(-problem.m // 16) * 16
+    found = []
+    for bn in (64, 128, 256):
+        tiles = -(-problem.n // bn)
+        if bn > -(-problem.n // 64) * 64:
+            continue
+        parts = min(8, SMS // tiles)
+        ways: list[dict[str, int]] = [{"min_blocks": 2}] if tiles > SMS else [{}]  # two CTAs an SM: one wave
+        if tiles < SMS // 2 and k_tiles // parts >= 16:
+            ways = [{"split_k": parts}] if tiles <= CLUSTERS_PER_SLOT.get(parts, 0) else []
+            ways += [{"k_groups": parts}] + ([{"split_k": 2, "k_groups": parts // 2}] if parts >= 4 else [])
+        elif tiles < SMS // 2 and bn > 64:
+            continue  # few tiles and K too short to split: only the smallest tile, the most CTAs
+        for way in ways:
+            v = deepest({"block_m": bm, "block_n": bn, "consumers": 1, "swap_ab": True, **way}, top=12)
+            if v is not None:
+                found.append(v)
+    return found
+
+
 def deepest(fields: dict[str, Any], top: int = 8) -> Sm90WgmmaParams | None:
     """The setting `fields` describes with the deepest ring (at most `top` stages) that fits; None if none does."""
     for stages in range(top, 1, -1):
@@ -296,7 +348,8 @@ class Sm90Wgmma(Family):
     def derived(self, params: Params) -> dict[str, Any]:
         assert isinstance(params, Sm90WgmmaParams)
         return {"threads": params.threads, "smem_bytes": params.smem_bytes, "set_maxnreg": params.set_maxnreg,
-                "producer_regs": params.producer_regs, "consumer_regs": params.consumer_regs}
+                "producer_regs": params.producer_regs, "consumer_regs": params.consumer_regs,
+                "wgmma_n": params.wgmma_n}
 
     def check_for_problem(self, params: Params, problem: Problem) -> None:
         assert isinstance(params, Sm90WgmmaParams)
@@ -325,7 +378,9 @@ class Sm90Wgmma(Family):
                                       strides=(n * 2, 128))
             else:  # one copy per panel: a panel view would read past the last row's end
                 b_map = TensorMapSpec("B", (n, k), (64, p.block_k))
-            maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, p.block_m)), b_map)
+            # where M fits one tile, the A box is only M rounded up to 8 rows (the kernel's a_box_rows)
+            a_rows = min(p.block_m, -(-problem.m // 8) * 8)
+            maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, a_rows)), b_map)
         if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels
             maps += (TensorMapSpec("C", (problem.n, problem.m), (64, p.block_m // p.consumers)),)
         return LaunchSpec(grid=(grid, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
@@ -376,7 +431,7 @@ class Sm90Wgmma(Family):
         # Long-K problems with few tiles: split-K settings first, K groups after the two best (measured on par with
         # them on 64_1024_16384); skinny problems with few tiles: K groups first. Every other list is unchanged.
         split = _split_settings(problem)
-        ordered = split[:2] + _group_settings(problem) + split[2:] + picked
+        ordered = _swap_settings(problem) + split[:2] + _group_settings(problem) + split[2:] + picked
         # The cp.async producer of the two best guesses, eighth: it wins now and then where TMA barely loses.
         ordered[8:8] = [v for v in (with_update(p, {"loader": "cp_async"}) for p in ordered[:2]) if v is not None]
         # Clusters of 2 sharing B by TMA multicast, twelfth: measured 0.9-1.0x of the same tiles without (1.07-1.17x
