@@ -66,6 +66,7 @@ PROBES = [
 
 SETMAXNREG_DEC = ("        if (SET_MAXNREG) asm volatile(\"setmaxnreg.dec.sync.aligned.u32 %0;\\n\""
                   " ::\"n\"(PRODUCER_REGS));\n")
+NK_COPY = "            tma_load(s_b + rank * ROWS * 128, tm_b, bar, kt * BK, n0 + rank * ROWS, MASK);\n"
 VARIANTS = {
     # the two tensor maps' descriptors prefetched at entry (TMA loader only): no change measured
     "prefetch": [("    const u64 probe_t0 = gtime();\n",
@@ -78,9 +79,7 @@ VARIANTS = {
     # no fence after the barrier init: no change measured
     "nofence": [("        asm volatile(\"fence.mbarrier_init.release.cluster;\\n\" ::: \"memory\");\n", "")],
     # nk with its B tile as two 64-row copies (run with box (64, 64) for B): as slow as kn's two panel copies
-    "nk2box": [("            tma_load(s_b, tm_b, bar, kt * BK, n0);\n",
-                "            tma_load(s_b, tm_b, bar, kt * BK, n0);\n"
-                "            tma_load(s_b + 64 * 128, tm_b, bar, kt * BK, n0 + 64);\n")],
+    "nk2box": [(NK_COPY, NK_COPY + "            tma_load(s_b + 64 * 128, tm_b, bar, kt * BK, n0 + 64);\n")],
     # kn's loads with nk's (K-major) B descriptors: wrong results, timing only; the transposed wgmma is not the cost
     "kdesc": [("p, 1, 1, 0, 1;", "p, 1, 1, 0, 0;"),
               ("return B_KN ? smem_desc(tile + kk * 2048, B_PANEL, 1024) :", "return false ? 0 :")],
