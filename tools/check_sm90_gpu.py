@@ -68,7 +68,7 @@ EPILOGUES = ({}, {"epilogue": "tma"}, {"persistent": True, "epilogue": "direct"}
              {"persistent": True, "epilogue": "tma"})
 SPLIT_MID = "--split-mid" in sys.argv
 SPLIT_MID_SHAPES = {"64_4096_16384": 1, "128_8192_8192": 1, "2048_1024_12288": 1, "16_4096_4096": 1,
-                    "1024_1024_1024": 1, "2048_2048_2048": 1}
+                    "1024_1024_1024": 1, "2048_2048_2048": 1, "64_12288_4096": 1}
 GROUPS = "--groups" in sys.argv
 GROUPS_SHAPES = {"256_128_16384": 8, "64_1024_16384": 8, "64_4096_16384": 6, "16_4096_4096": 6,
                  "1024_1024_1024": 2}
@@ -104,15 +104,15 @@ def settings(prob: Problem, top: int | None = None) -> list[dict]:
     if TMA_ONLY:
         return [dict(p, loader=loader) for p in space[:top] for loader in ("cp_async", "tma")]
     if SPLIT_MID:
-        from templates.sm90_wgmma.space import Sm90WgmmaParams, with_update
+        from templates.sm90_wgmma.space import Sm90WgmmaParams, deepest
 
         base = space[:3]
-        for bm, bn, c in ((64, 128, 1), (128, 128, 2), (128, 256, 2), (64, 256, 1)):
+        for bm, bn, c in ((64, 128, 1), (128, 128, 2), (128, 256, 2), (64, 256, 1), (64, 192, 1)):
             if bm > max(64, prob.m):
                 continue
             for split in (2, 4):
                 tile = Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=c, stages=4)
-                v = with_update(tile, {"split_k": split, "stages": 6})
+                v = deepest({**tile.model_dump(), "split_k": split}, top=6)
                 if v is not None:
                     base.append(v.model_dump())
         return base
