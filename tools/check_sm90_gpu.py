@@ -18,7 +18,8 @@ Multicast (short):  python3 tools/check_sm90_gpu.py --multicast [out_dir]: for M
 non-persistent TMA settings with and without clusters of 2 CTAs sharing each B tile by TMA multicast.
 Swapped roles (short):  python3 tools/check_sm90_gpu.py --swap [out_dir]: for SWAP_SHAPES (M <= 48), every
 swap_ab setting space() proposes beside its first unswapped ones.
-SWEEP_SHAPES=M_N_K,... limits any of the short modes' timings to those of its shapes.
+SWEEP_SHAPES=M_N_K,... limits any of the short modes' timings to those of its shapes. SM90_TEMPLATE=PATH renders every
+setting from that template file instead of the family's (the same run on two template versions: a before/after).
 For ncu: ncu -k regex:"hgemm|nvjet" -s 2 -c 2 python3 tools/check_sm90_gpu.py --profile PARAMS_JSON LAYOUT M_N_K
 The parent process never touches the GPU: it compiles every setting (NVRTC, in parallel), disassembles one cubin
 (HGMMA present, no local memory), then feeds settings one at a time to a worker process that it kills and
@@ -136,7 +137,7 @@ def settings(prob: Problem, top: int | None = None) -> list[dict]:
         from templates.sm90_wgmma.space import Sm90WgmmaParams, with_update
 
         made = [with_update(Sm90WgmmaParams(**p), u) for p in space[:top] for u in EPILOGUES]
-        return [v.model_dump() for v in made if v is not None]
+        return list({key(v.model_dump()): v.model_dump() for v in made if v is not None}.values())
     if not SPLIT_ONLY:
         return space[:top]
     return [p for p in space if p["split_k"] > 1][:top] + [p for p in space if p["split_k"] == 1][:1]
@@ -183,7 +184,8 @@ def compile_one(job: tuple[tuple[str, str, str], str]) -> tuple[tuple[str, str, 
     from cupy_backends.cuda.libs import nvrtc
 
     (params_json, layout, variant), out_path = job
-    src = FAMILY.render(json.loads(params_json), problem("256_256_256", layout))
+    template = Path(os.environ["SM90_TEMPLATE"]).read_text() if os.environ.get("SM90_TEMPLATE") else None
+    src = FAMILY.render(json.loads(params_json), problem("256_256_256", layout), template=template)
     for name, old, new in VARIANTS:
         if name == variant:
             assert old in src, f"variant {name}: text not in the source"
