@@ -2,8 +2,9 @@
 
 One producer warpgroup fills a STAGES-deep ring of 128-byte-swizzled tiles with cp.async or TMA (mbarrier
 completion); CONSUMERS warpgroups each own block_m / consumers rows of the C tile and run wgmma.mma_async
-m64n{block_n}k16. With TMA the launch rule declares the tensor maps the host encodes; with K groups, the workspace
-and arrival counters the host passes after them.
+m64n{block_n}k16 (with swap_ab, for tiny M, one consumer owns the tile transposed: m64 per 64 columns, n{block_m}).
+With TMA the launch rule declares the tensor maps the host encodes; with K groups, the workspace and arrival counters
+the host passes after them.
 """
 
 from __future__ import annotations
@@ -340,9 +341,10 @@ class Sm90Wgmma(Family):
         "into a STAGES-deep ring of 128-byte-swizzled shared memory (mbarrier full/empty handshake); 1-4 consumer "
         "warpgroups issue wgmma.mma_async m64nNk16 from shared-memory descriptors (B MN-major via the transpose "
         "bit for kn), setmaxnreg moves registers to the consumers; grouped rasterisation; persistent blocks; "
-        "direct, smem-staged or TMA-store epilogue; split-K in thread-block clusters (fp32 partial tiles summed "
-        "through distributed shared memory) and in K groups (partials through a global workspace, summed by the "
-        "last CTA to arrive); clusters of 2 CTAs sharing each B tile by TMA multicast."
+        "direct, smem-staged or TMA-store (stmatrix) epilogue; split-K in thread-block clusters (fp32 partial "
+        "tiles summed through distributed shared memory) and in K groups (partials through a global workspace, "
+        "summed by the last CTA to arrive); clusters of 2 CTAs sharing each B tile by TMA multicast; swapped A and "
+        "B roles for M <= 48 (C^T = B^T A^T, so a 16-row A is not padded to 64 wgmma rows)."
     )
 
     def derived(self, params: Params) -> dict[str, Any]:
