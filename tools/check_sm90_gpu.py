@@ -79,6 +79,10 @@ MULTICAST_SHAPES = {"2048_2048_2048": 3, "512_8192_1024": 3, "2048_1024_12288": 
                     "2048_14336_4096": 2}
 SWAP = "--swap" in sys.argv
 SWAP_SHAPES = {"16_4096_4096": 4, "16_14336_4096": 4}
+# The short modes other than --split: each times its own shapes after checking the same small odd ones.
+SHORT_MODES = {"--tma": TMA_SHAPES, "--epilogue": EPILOGUE_SHAPES, "--split-mid": SPLIT_MID_SHAPES,
+               "--groups": GROUPS_SHAPES, "--multicast": MULTICAST_SHAPES, "--swap": SWAP_SHAPES}
+MODE = next((flag for flag in SHORT_MODES if flag in sys.argv), None)
 SPLIT_TIMING_DEADLINE_S = 150.0  # --split skips the remaining timings after this long, so the table still prints
 # Source edits tried on the best-guess settings of the timed shapes: (name, old, new).
 VARIANTS = [("no-proxy-fence", r'asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");', "")]
@@ -353,11 +357,9 @@ def main() -> None:
     global CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES
     if SPLIT_ONLY:
         CHECK_SHAPES, SPACE_SHAPES, TIMED, VARIANT_SHAPES = SPLIT_CHECK_SHAPES, list(SPLIT_SHAPES), SPLIT_SHAPES, []
-    if TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID or GROUPS or MULTICAST or SWAP:
+    if MODE:
         CHECK_SHAPES = ["1_8_8", "17_24_40", "257_136_520", "1000_3000_2000", "100_264_1000"]
-        SPACE_SHAPES, VARIANT_SHAPES = [], []
-        TIMED = (TMA_SHAPES if TMA_ONLY else EPILOGUE_SHAPES if EPILOGUE_ONLY else SPLIT_MID_SHAPES if SPLIT_MID
-                 else GROUPS_SHAPES if GROUPS else SWAP_SHAPES if SWAP else MULTICAST_SHAPES)
+        SPACE_SHAPES, VARIANT_SHAPES, TIMED = [], [], SHORT_MODES[MODE]
         if GROUPS:  # the long-K shapes themselves too: many K groups, and counters reused across shapes
             CHECK_SHAPES += ["64_1024_16384", "256_128_16384", "1_8_8"]
         if SWAP:  # the timed shapes' own K splits, and an A box of 16 rows for 9
@@ -423,7 +425,7 @@ def main() -> None:
             print(f"  {layout}: worst rel err / torch's own: {max(errs):.2f}")
 
     rows = []
-    short_mode = SPLIT_ONLY or TMA_ONLY or EPILOGUE_ONLY or SPLIT_MID or GROUPS or MULTICAST or SWAP
+    short_mode = SPLIT_ONLY or MODE is not None
     for mnk, top in TIMED.items():
         for layout in ("kn", "nk"):
             prob = problem(mnk, layout)
