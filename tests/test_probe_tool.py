@@ -23,6 +23,8 @@ CASES = [
     ({**PLAIN, "block_n": 64, "stages": 8, "split_k": 8}, "nk", ""),
     ({**PLAIN, "block_n": 64, "stages": 8, "k_groups": 2}, "kn", ""),
     ({**PLAIN, "cluster_m": 2}, "kn", ""),
+    ({"block_m": 16, "block_n": 64, "consumers": 1, "stages": 12, "split_k": 2, "swap_ab": True, "epilogue": "smem"},
+     "kn", ""),
     ({"block_m": 128, "block_n": 256, "consumers": 2, "stages": 3, "persistent": True, "epilogue": "tma"}, "kn", ""),
 ]
 

@@ -83,6 +83,8 @@ SWAP_SHAPES = {"16_4096_4096": 4, "16_14336_4096": 4}
 SHORT_MODES = {"--tma": TMA_SHAPES, "--epilogue": EPILOGUE_SHAPES, "--split-mid": SPLIT_MID_SHAPES,
                "--groups": GROUPS_SHAPES, "--multicast": MULTICAST_SHAPES, "--swap": SWAP_SHAPES}
 MODE = next((flag for flag in SHORT_MODES if flag in sys.argv), None)
+# SM90_TEMPLATE: the template text every setting renders from instead of the family's (None: the family's)
+TEMPLATE = Path(os.environ["SM90_TEMPLATE"]).read_text() if os.environ.get("SM90_TEMPLATE") else None
 SPLIT_TIMING_DEADLINE_S = 150.0  # --split skips the remaining timings after this long, so the table still prints
 # Source edits tried on the best-guess settings of the timed shapes: (name, old, new).
 VARIANTS = [("no-proxy-fence", r'asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");', "")]
@@ -188,8 +190,7 @@ def compile_one(job: tuple[tuple[str, str, str], str]) -> tuple[tuple[str, str, 
     from cupy_backends.cuda.libs import nvrtc
 
     (params_json, layout, variant), out_path = job
-    template = Path(os.environ["SM90_TEMPLATE"]).read_text() if os.environ.get("SM90_TEMPLATE") else None
-    src = FAMILY.render(json.loads(params_json), problem("256_256_256", layout), template=template)
+    src = FAMILY.render(json.loads(params_json), problem("256_256_256", layout), template=TEMPLATE)
     for name, old, new in VARIANTS:
         if name == variant:
             assert old in src, f"variant {name}: text not in the source"
