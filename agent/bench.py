@@ -14,8 +14,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from agent.records import BaselineJob, EvalJob, EvalResult, Problem, Status
 from agent.store import RunStore
+from core.records import BaselineJob, EvalJob, EvalResult, Problem, Status
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,11 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.live import Live
 
-from agent.config import LlmSettings, RunConfig, validation_message
-from agent.records import B_LAYOUTS
+from agent.config import LlmSettings, RunConfig
 from agent.shapes import ShapeError, parse_shape_list, read_shapes_file
 from agent.store import RunStore, StoreError, list_runs, new_run_id
+from core.records import B_LAYOUTS
+from core.validation import validation_message
 
 console = Console() if sys.stdout.isatty() else Console(width=160)  # files and pipes get whole tables
 EXIT_BAD_INPUT = 2

@@ -6,7 +6,7 @@ import os
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Proposer = Literal["builtin", "llm", "mixed"]
 
@@ -58,10 +58,3 @@ class RunConfig(BaseModel):
     seed: int = 0
     profile: bool = True  # profile each shape's top candidates with Nsight Compute, where it is installed
     llm: LlmSettings = LlmSettings()
-
-
-def validation_message(e: ValidationError) -> str:
-    """The first problem pydantic found, as one line: `field: message`."""
-    err = e.errors()[0]
-    where = ".".join(str(x) for x in err["loc"]) or "value"
-    return f"{where}: {err['msg']}"

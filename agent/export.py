@@ -11,8 +11,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from agent.records import Problem
 from agent.store import RunStore
+from core.records import Problem
 from templates import get_family
 
 RUNTIME = Path(__file__).with_name("export_runtime.py")

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from agent.bandit import ThompsonBandit, successive_halving
 from agent.config import RunConfig
 from agent.proposers.base import Proposer, SearchState, arm_of
-from agent.records import BuildResult, Candidate, EvalJob, EvalResult, Problem, ProfileResult, Status
 from agent.store import RunStore
+from core.records import BuildResult, Candidate, EvalJob, EvalResult, Problem, ProfileResult, Status
 from sandbox.build import compile_cuda
 from sandbox.profile import NCU_MISSING, NO_COUNTERS
 from templates import get_family

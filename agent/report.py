@@ -12,8 +12,8 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from agent.records import EvalResult, Problem, Status
 from agent.store import RunStore
+from core.records import EvalResult, Problem, Status
 
 
 def fmt_us(t: float | None) -> str:

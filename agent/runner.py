@@ -10,9 +10,9 @@ from collections.abc import Callable
 from agent.config import RunConfig
 from agent.loop import SearchLoop
 from agent.proposers import make_proposer
-from agent.records import Problem
 from agent.report import LiveView, show_run
 from agent.store import RunStore
+from core.records import Problem
 from sandbox.build import NvrtcUnavailable, nvrtc_version
 from sandbox.profile import profile_candidate
 

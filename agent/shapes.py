@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from agent.records import Problem
+from core.records import Problem
 
 _SHAPE = re.compile(r"^(\d+)_(\d+)_(\d+)$")
 

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from agent.records import BuildResult, Candidate, EvalResult, Problem, ProfileResult, Status
+from core.records import BuildResult, Candidate, EvalResult, Problem, ProfileResult, Status
 
 MARKER = "hgemm-agent run store v1"
 DB_NAME = "run.sqlite"

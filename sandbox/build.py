@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agent.records import BuildResult
+from core.records import BuildResult
 
 ARCHES = ("sm_90a", "sm_80")
 BASE_OPTIONS = ("--ptxas-options=-v", "-std=c++17")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agent.records import Problem
+from core.records import Problem
 
 ERR_FACTOR = 2.0
 POISON = 0x7E00  # fp16 quiet NaN

@@ -16,7 +16,7 @@ import cupy
 import numpy as np
 import torch
 
-from agent.records import LaunchSpec
+from core.records import LaunchSpec
 from sandbox import driver
 
 # CuPy 14 deprecates ExternalStream in favour of Stream.from_external; the old name still wraps torch's stream
@@ -45,7 +45,7 @@ class Kernel:
     @classmethod
     def for_family(cls, cubin: bytes, family: str, params: dict, b_layout: str, dtype: str = "f16") -> Kernel:
         """A kernel launched by its family's trusted rule, for whatever M, N, K it is called with."""
-        from agent.records import Problem
+        from core.records import Problem
         from templates import get_family
 
         fam = get_family(family)

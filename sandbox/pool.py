@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent.records import EvalJob, EvalResult, Status
+from core.records import EvalJob, EvalResult, Status
 
 STARTUP_TIMEOUT_S = 180.0
 

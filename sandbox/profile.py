@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from agent.records import Problem, ProfileResult
+from core.records import Problem, ProfileResult
 
 NCU_ENV = "HGEMM_AGENT_NCU"  # path of the ncu to use (tests point it at a fake)
 NCU_MISSING = "Nsight Compute (ncu) not found"

@@ -17,7 +17,7 @@ LAUNCHES = 3
 def main(argv: list[str]) -> int:
     import torch
 
-    from agent.records import Problem
+    from core.records import Problem
     from sandbox.launch import Kernel
 
     job = json.loads(Path(argv[0]).read_text())

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from agent.records import Timing
+from core.records import Timing
 
 TARGET_MS = 1.0
 MAX_LAUNCHES = 4096

@@ -12,7 +12,7 @@ import secrets
 import time
 from typing import Any
 
-from agent.records import BaselineJob, EvalJob, EvalResult, Problem, Status
+from core.records import BaselineJob, EvalJob, EvalResult, Problem, Status
 
 PEAK_FLOPS_PER_US = 1.0e9  # 1000 TFLOP/s: above any Hopper's dense fp16 rate, so a faster "kernel" is cheating
 

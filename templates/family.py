@@ -20,8 +20,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from agent.config import validation_message
-from agent.records import LaunchSpec, Problem
+from core.records import LaunchSpec, Problem
+from core.validation import validation_message
 
 SMEM_PER_BLOCK_MAX = 227 * 1024  # sm_90 opt-in maximum of dynamic shared memory per block
 SMEM_PER_BLOCK_MAX_SM80 = 163 * 1024

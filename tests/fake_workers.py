@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from agent.records import EvalResult, Status, Timing
+from core.records import EvalResult, Status, Timing
 
 
 def _hello(conn, index):

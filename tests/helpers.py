@@ -5,8 +5,8 @@ from __future__ import annotations
 from agent.config import RunConfig
 from agent.loop import SearchLoop
 from agent.proposers.builtin import BuiltinProposer
-from agent.records import EvalJob, EvalResult, Problem, Status, Timing
 from agent.store import RunStore
+from core.records import EvalJob, EvalResult, Problem, Status, Timing
 
 
 def fake_evaluate(job: EvalJob) -> EvalResult:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from agent.bench import bench_offline, best_across, geomean, write_outputs
-from agent.records import BaselineJob, EvalResult, Problem, Status, Timing
+from core.records import BaselineJob, EvalResult, Problem, Status, Timing
 from tests.helpers import fake_evaluate, populated_run
 
 WIN, LOSE = Problem(1000, 3000, 2000), Problem(64, 64, 64, "nk")  # the fake timings beat cuBLAS only on WIN

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agent.export import export_run, recheck
-from agent.records import EvalJob, Problem, Timing
+from core.records import EvalJob, Problem, Timing
 from tests.conftest import HAS_GPU
 from tests.helpers import fake_evaluate, populated_run
 

@@ -19,8 +19,8 @@ from agent.loop import SearchLoop
 from agent.proposers.base import SearchState, arm_of
 from agent.proposers.builtin import BuiltinProposer
 from agent.proposers.llm import LlmProposer, MixedProposer, check_template, make_llm_proposer
-from agent.records import BuildResult, Candidate, EvalResult, Problem, Status, Timing
 from agent.store import RunStore
+from core.records import BuildResult, Candidate, EvalResult, Problem, Status, Timing
 from templates import FAMILIES, get_family
 from tests.chat_server import ChatServer, Error, Reply, proposals
 

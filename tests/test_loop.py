@@ -7,8 +7,8 @@ import pytest
 from agent.config import RunConfig
 from agent.loop import SearchLoop
 from agent.proposers.builtin import BuiltinProposer, RandomProposer
-from agent.records import Candidate, Problem, Status
 from agent.store import RunStore
+from core.records import Candidate, Problem, Status
 from tests.helpers import fake_evaluate, populated_run
 
 P = Problem(1000, 3000, 2000)

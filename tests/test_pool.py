@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from agent.records import EvalJob, Problem, Status
+from core.records import EvalJob, Problem, Status
 from sandbox.pool import GpuWorker, WorkerUnavailable
 from tests import fake_workers
 

@@ -21,9 +21,9 @@ from agent.loop import SearchLoop
 from agent.proposers.builtin import BuiltinProposer
 from agent.proposers.context import build_context
 from agent.proposers.llm import PROMPTS
-from agent.records import Problem, ProfileResult, Status
 from agent.report import show_run
 from agent.store import RunStore
+from core.records import Problem, ProfileResult, Status
 from sandbox import profile as prof
 from tests.helpers import fake_evaluate, populated_run
 

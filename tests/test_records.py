@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from agent.records import Candidate, EvalResult, Problem, Status, Timing
+from core.records import Candidate, EvalResult, Problem, Status, Timing
 
 
 def test_problem_floor_and_key():

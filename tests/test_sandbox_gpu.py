@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from agent.records import Candidate, EvalJob, Problem, Status
+from core.records import Candidate, EvalJob, Problem, Status
 from sandbox.build import compile_cuda
 from templates import get_family
 

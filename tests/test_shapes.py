@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.records import Problem
 from agent.shapes import ShapeError, parse_shape, parse_shape_list, read_shapes_file
+from core.records import Problem
 
 
 def test_parse_good_shapes():

@@ -9,7 +9,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from agent.records import Problem
+from core.records import Problem
 from templates.family import SMEM_PER_BLOCK_MAX_SM80
 from templates.sm80_mma.space import Sm80Mma, Sm80MmaParams
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from agent.records import Problem
+from core.records import Problem
 from sandbox import driver
 from sandbox.build import compile_cuda
 from templates.sm90_wgmma.space import Sm90Wgmma, Sm90WgmmaParams

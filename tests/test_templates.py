@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.records import Problem
+from core.records import Problem
 from sandbox.build import compile_cuda
 from templates import FAMILIES, families_for_arch, get_family
 

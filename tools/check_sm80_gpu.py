@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.records import Problem  # noqa: E402
+from core.records import Problem  # noqa: E402
 from templates.sm80_mma.space import Sm80Mma  # noqa: E402
 
 FAMILY = Sm80Mma()

@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agent.records import Problem  # noqa: E402
+from core.records import Problem  # noqa: E402
 from templates.sm90_wgmma.space import Sm90Wgmma  # noqa: E402
 
 FAMILY = Sm90Wgmma()

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent.config import RunConfig  # noqa: E402
 from agent.loop import SearchLoop  # noqa: E402
 from agent.proposers.builtin import BuiltinProposer, RandomProposer  # noqa: E402
-from agent.records import EvalResult, Status  # noqa: E402
 from agent.store import RunStore  # noqa: E402
+from core.records import EvalResult, Status  # noqa: E402
 
 
 def needed(store: RunStore, problem, oracle: dict[str, EvalResult], make, seed: int, target: float) -> int:

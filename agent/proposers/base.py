@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from agent.bandit import ThompsonBandit
-from agent.records import BuildResult, Candidate, EvalResult, Problem
+from core.records import BuildResult, Candidate, EvalResult, Problem
 
 
 @dataclass

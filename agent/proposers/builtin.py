@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from agent.proposers.base import Proposer, SearchState, arm_of
-from agent.records import Candidate
+from core.records import Candidate
 from templates import families_for_arch
 
 

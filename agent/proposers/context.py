@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from agent.proposers.base import SearchState, arm_of
-from agent.records import BuildResult, Candidate, EvalResult, Status
+from core.records import BuildResult, Candidate, EvalResult, Status
 from templates import FAMILIES
 from templates.family import Family
 

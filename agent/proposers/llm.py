@@ -26,7 +26,7 @@ from agent.config import LlmSettings, RunConfig
 from agent.proposers.base import Proposer, SearchState
 from agent.proposers.builtin import BuiltinProposer
 from agent.proposers.context import build_context
-from agent.records import Candidate, Problem
+from core.records import Candidate, Problem
 from sandbox.build import reads_host_files
 from templates import get_family
 from templates.family import Family, Params

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from agent.records import LaunchSpec, Problem
+from core.records import LaunchSpec, Problem
 from templates.family import Family, Params
 
 

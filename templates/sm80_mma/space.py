@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from agent.records import LaunchSpec, Problem
+from core.records import LaunchSpec, Problem
 from templates.family import SMEM_PER_BLOCK_MAX_SM80, Family, Params
 
 SMS, SMEM_PER_SM_H200 = 132, 228 * 1024  # the ranking models the H200 we measure on; validity stays Ampere's

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from agent.records import LaunchSpec, Problem, TensorMapSpec
+from core.records import LaunchSpec, Problem, TensorMapSpec
 from templates.family import SMEM_PER_BLOCK_MAX, Family, Params
 
 SMS = 132  # H200; the ranking only needs a rough wave count

@@ -27,8 +27,8 @@ import pytest
 from agent.config import RunConfig
 from agent.loop import SearchLoop
 from agent.proposers.base import Proposer, SearchState
-from agent.records import Candidate, EvalJob, Problem, Status
 from agent.store import RunStore
+from core.records import Candidate, EvalJob, Problem, Status
 from sandbox.build import ARCHES, compile_cuda
 from templates import get_family
 
