@@ -39,8 +39,8 @@ def best_across(stores: list[RunStore], problem: Problem) -> tuple[RunStore, str
     """The run and candidate with the highest median speed-up for this problem, if any beat cuBLAS."""
     found = []
     for s in stores:
-        if problem.key in {p.key for p in s.problems()} and (best := s.best(problem)):
-            found.append((s, best[0].id, statistics.median(s.speedups(best[0].id))))
+        if problem.key in {p.key for p in s.problems()} and (win := s.winner(problem)):
+            found.append((s, win.candidate.id, win.speedup))
     top = max(found, key=lambda x: x[2], default=None)
     return top if top and top[2] > 1.0 else None
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -31,14 +30,13 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
     manifest: dict = {"run": store.run_id, "kernels": {}, "cublas": []}
     lines = []
     for p in store.problems():
-        best = store.best(p)
-        ratio = statistics.median(store.speedups(best[0].id)) if best else None
-        if best is None or ratio is None or ratio <= 1.0:
+        win = store.winner(p)
+        if win is None or win.speedup <= 1.0:
             manifest["cublas"].append(p.key.rsplit(":", 1)[0])
-            why = "no candidate passed the checks" if best is None else f"best was {ratio:.3f}x of cuBLAS"
+            why = "no candidate passed the checks" if win is None else f"best was {win.speedup:.3f}x of cuBLAS"
             lines.append(ExportLine(p, None, f"cuBLAS ({why})"))
             continue
-        cand, result = best
+        cand, result, ratio = win.candidate, win.result, win.speedup
         build = store.build(cand.id)
         spec = get_family(cand.family).launch(cand.params, p)
         stem = f"hgemm_{p.mnk}_{p.b_layout}"

@@ -7,7 +7,6 @@ a result are loaded back (into the bandit and the proposer's view) instead of be
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 from agent.bandit import ThompsonBandit, successive_halving
 from agent.config import RunConfig
 from agent.proposers.base import Proposer, SearchState, arm_of
-from agent.store import RunStore
+from agent.store import RunStore, Winner
 from core.records import BuildResult, Candidate, EvalJob, EvalResult, Problem, ProfileResult, Status
 from sandbox.build import compile_cuda
 from sandbox.profile import NCU_MISSING, NO_COUNTERS
@@ -32,7 +31,7 @@ class ShapeSummary:
     problem: Problem
     tried: int
     failures: dict[str, int]
-    best: tuple[Candidate, EvalResult] | None
+    winner: Winner | None
 
 
 class SearchLoop:
@@ -82,7 +81,8 @@ class SearchLoop:
         if self.evaluate is not None and time.monotonic() < deadline + 60:
             self.remeasure(problem)
             self.profile_leaders(problem, state, PROFILE_TOP)
-        return ShapeSummary(problem, len(state.tried), self.store.failure_counts(problem), self.store.best(problem))
+        return ShapeSummary(problem, len(state.tried), self.store.failure_counts(problem),
+                            self.store.winner(problem))
 
     def process(self, cand: Candidate) -> tuple[BuildResult | None, EvalResult]:
         """One candidate through render, build and evaluate; every outcome is recorded, none raises."""
@@ -112,9 +112,7 @@ class SearchLoop:
 
     def remeasure(self, problem: Problem) -> None:
         """Successive halving over the leaders, so that one lucky timing does not decide the winner."""
-        ok = [(c, r) for c, r in self.store.results(problem) if r.status is Status.OK]
-        ok.sort(key=lambda cr: -(cr[1].speedup or 0))
-        leaders = {c.id: c for c, _ in ok[:REMEASURE_TOP]}
+        leaders = {c.id: c for c, _ in self.store.leaders(problem)[:REMEASURE_TOP]}
         if len(leaders) < 2:
             return
         scores = {cid: self.store.speedups(cid) for cid in leaders}
@@ -134,13 +132,13 @@ class SearchLoop:
             return 1 / r.speedup
 
         winner = successive_halving(list(leaders), measure, scores)
+        if winner is not None:
+            self.store.set_winner(problem, winner)
         self.store.event("remeasure", f"{problem.key}: winner after re-measurement {winner}")
 
     def profile_leaders(self, problem: Problem, state: SearchState, top: int) -> None:
         """Nsight Compute's view of the shape's leaders (by median speed-up), kept for `show` and the prompts."""
-        ok = [c for c, r in self.store.results(problem) if r.status is Status.OK]
-        ok.sort(key=lambda c: -statistics.median(self.store.speedups(c.id) or [0.0]))
-        for c in ok[:top]:
+        for c, _ in self.store.leaders(problem)[:top]:
             if self.profiler is None:
                 return
             if self.store.profile(c.id) is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import statistics
 from collections import Counter
 
 from rich.console import Group
@@ -81,12 +80,11 @@ def show_run(store: RunStore) -> Group:
     for p in store.problems():
         counts = store.failure_counts(p)
         fails = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k not in ("ok", "skipped")) or "-"
-        best = store.best(p)
-        if best is None:
+        win = store.winner(p)
+        if win is None:
             t.add_row(p.mnk, p.b_layout, str(sum(counts.values())), fails, "-", "-", "-", "-", "-", "-", "-")
             continue
-        c, r = best
-        ratio = statistics.median(store.speedups(c.id) or [0.0])
+        c, r, ratio = win.candidate, win.result, win.speedup
         cold = r.cublas_cold.median_us / r.cold.median_us if r.cold and r.cublas_cold else None
         floor = 100 * p.floor_us() / r.time_us
         if (prof := store.profile(c.id)) is not None:
@@ -112,10 +110,10 @@ def resolve_candidate(store: RunStore, ref: str, problem: Problem | None = None)
         if len(problems) != 1:
             raise ValueError(f"'{ref}' needs one shape; this run has {len(problems)}: pass --shape")
         if ref == "best":
-            best = store.best(problems[0])
-            if best is None:
+            win = store.winner(problems[0])
+            if win is None:
                 raise ValueError(f"no candidate passed its checks for {problems[0].key}")
-            return best[0].id
+            return win.candidate.id
         cands = store.candidates(problems[0])
         if not cands:
             raise ValueError(f"no candidate for {problems[0].key}")

@@ -11,7 +11,7 @@ import secrets
 import sqlite3
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +20,13 @@ from core.records import BuildResult, Candidate, EvalResult, Problem, ProfileRes
 MARKER = "hgemm-agent run store v1"
 DB_NAME = "run.sqlite"
 
+WINNERS_TABLE = "CREATE TABLE IF NOT EXISTS winners (problem_key TEXT PRIMARY KEY, candidate_id TEXT);"
 PROFILES_TABLE = """CREATE TABLE IF NOT EXISTS profiles (candidate_id TEXT PRIMARY KEY, ok INT, metrics TEXT,
     summary TEXT, error TEXT);"""
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS problems (key TEXT PRIMARY KEY, m INT, n INT, k INT, b_layout TEXT, dtype TEXT,
-                                     position INT);
+                                     position INT, bias INT DEFAULT 0);
 CREATE TABLE IF NOT EXISTS candidates (id TEXT PRIMARY KEY, seq INTEGER, problem_key TEXT, family TEXT,
     params TEXT, origin TEXT, rationale TEXT, template_override TEXT, created REAL);
 CREATE TABLE IF NOT EXISTS builds (candidate_id TEXT PRIMARY KEY, arch TEXT, ok INT, source TEXT, cubin BLOB,
@@ -36,7 +37,17 @@ CREATE TABLE IF NOT EXISTS results (candidate_id TEXT PRIMARY KEY, status TEXT, 
 CREATE TABLE IF NOT EXISTS measurements (candidate_id TEXT, time_us REAL, cublas_us REAL, speedup REAL,
     created REAL);
 CREATE TABLE IF NOT EXISTS events (ts REAL, kind TEXT, message TEXT);
-""" + PROFILES_TABLE
+""" + PROFILES_TABLE + WINNERS_TABLE
+
+
+@dataclass(frozen=True)
+class Winner:
+    """A shape's leader: a candidate that passed every check, its latest result, and its median speed-up over
+    cuBLAS across all its measurements (> 1 means faster than cuBLAS)."""
+
+    candidate: Candidate
+    result: EvalResult
+    speedup: float
 
 
 class StoreError(ValueError):
@@ -65,8 +76,17 @@ class RunStore:
                 self.set_meta("marker", MARKER)
             elif self.get_meta("marker") != MARKER:
                 raise StoreError(f"{db} is not a run store of this tool")
+            else:
+                self._upgrade()
         except sqlite3.DatabaseError as e:
             raise StoreError(f"{db} is corrupt or not a run store ({e})") from None
+
+    def _upgrade(self) -> None:
+        """Runs from before a table or column existed gain it (nothing else changes)."""
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(problems)")}
+        if "bias" not in columns:
+            self.db.execute("ALTER TABLE problems ADD COLUMN bias INT DEFAULT 0")
+        self.db.executescript(PROFILES_TABLE + WINNERS_TABLE)
 
     @property
     def run_id(self) -> str:
@@ -88,12 +108,12 @@ class RunStore:
 
     def add_problems(self, problems: list[Problem]) -> None:
         for i, p in enumerate(problems):
-            self.db.execute("INSERT OR IGNORE INTO problems VALUES (?, ?, ?, ?, ?, ?, ?)",
-                            (p.key, p.m, p.n, p.k, p.b_layout, p.dtype, i))
+            self.db.execute("INSERT OR IGNORE INTO problems VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                            (p.key, p.m, p.n, p.k, p.b_layout, p.dtype, i, int(p.bias)))
 
     def problems(self) -> list[Problem]:
-        rows = self.db.execute("SELECT m, n, k, b_layout, dtype FROM problems ORDER BY position").fetchall()
-        return [Problem(*r) for r in rows]
+        rows = self.db.execute("SELECT m, n, k, b_layout, dtype, bias FROM problems ORDER BY position").fetchall()
+        return [Problem(*r[:5], bool(r[5])) for r in rows]
 
     # candidates and their records
     def add_candidate(self, c: Candidate) -> None:
@@ -126,12 +146,12 @@ class RunStore:
         self.db.execute("INSERT INTO events VALUES (?, ?, ?)", (time.time(), kind, message))
 
     def candidate(self, cid: str) -> Candidate:
-        row = self.db.execute("SELECT c.id, p.m, p.n, p.k, p.b_layout, p.dtype, c.family, c.params, c.origin, "
-                              "c.rationale, c.template_override FROM candidates c JOIN problems p "
+        row = self.db.execute("SELECT c.id, p.m, p.n, p.k, p.b_layout, p.dtype, p.bias, c.family, c.params, "
+                              "c.origin, c.rationale, c.template_override FROM candidates c JOIN problems p "
                               "ON c.problem_key = p.key WHERE c.id = ?", (cid,)).fetchone()
         if row is None:
             raise StoreError(f"no candidate {cid!r} in run {self.run_id}")
-        return Candidate(Problem(*row[1:6]), row[6], json.loads(row[7]), row[8], row[9], row[10])
+        return Candidate(Problem(*row[1:6], bool(row[6])), row[7], json.loads(row[8]), row[9], row[10], row[11])
 
     def candidates(self, problem: Problem | None = None) -> list[Candidate]:
         q = "SELECT id FROM candidates" + (" WHERE problem_key = ?" if problem else "") + " ORDER BY seq"
@@ -150,28 +170,43 @@ class RunStore:
     def results(self, problem: Problem) -> list[tuple[Candidate, EvalResult]]:
         return [(c, r) for c in self.candidates(problem) if (r := self.result(c.id)) is not None]
 
-    def best(self, problem: Problem) -> tuple[Candidate, EvalResult] | None:
-        """The candidate with the highest median speed-up over all its measurements (cuBLAS timed alongside)."""
+    def median_speedup(self, cid: str) -> float:
+        """A candidate's median speed-up over cuBLAS across all its measurements (0 if it has none)."""
+        return statistics.median(self.speedups(cid) or [0.0])
+
+    def leaders(self, problem: Problem) -> list[tuple[Candidate, EvalResult]]:
+        """The candidates that passed every check, highest median speed-up first."""
         ok = [(c, r) for c, r in self.results(problem) if r.status is Status.OK]
-        return max(ok, key=lambda cr: statistics.median(self.speedups(cr[0].id) or [0.0]), default=None)
+        return sorted(ok, key=lambda cr: -self.median_speedup(cr[0].id))
+
+    def set_winner(self, problem: Problem, cid: str) -> None:
+        """Record the re-measurement's (successive halving's) verdict for the shape."""
+        self.db.execute("INSERT OR REPLACE INTO winners VALUES (?, ?)", (problem.key, cid))
+
+    def winner(self, problem: Problem) -> Winner | None:
+        """The shape's leader, defined once for the loop, the report, export and bench: the candidate the
+        re-measurement picked where it ran and that candidate still stands (no later failure), else the one with the
+        highest median speed-up over all its measurements (cuBLAS timed alongside)."""
+        leaders = self.leaders(problem)
+        row = self.db.execute("SELECT candidate_id FROM winners WHERE problem_key = ?", (problem.key,)).fetchone()
+        picked = next((cr for cr in leaders if row and cr[0].id == row[0]), leaders[0] if leaders else None)
+        if picked is None:
+            return None
+        return Winner(picked[0], picked[1], self.median_speedup(picked[0].id))
 
     def failure_counts(self, problem: Problem | None = None) -> dict[str, int]:
         q = ("SELECT r.status, COUNT(*) FROM results r JOIN candidates c ON c.id = r.candidate_id "
              + ("WHERE c.problem_key = ? " if problem else "") + "GROUP BY r.status")
         return dict(self.db.execute(q, (problem.key,) if problem else ()).fetchall())
 
-    # Nsight Compute profiles (the table is created on first use, so runs from before it gain one on resume)
+    # Nsight Compute profiles
     def add_profile(self, cid: str, p: ProfileResult) -> None:
-        self.db.execute(PROFILES_TABLE)
         self.db.execute("INSERT OR REPLACE INTO profiles VALUES (?, ?, ?, ?, ?)",
                         (cid, int(p.ok), json.dumps(p.metrics), p.summary, p.error))
 
     def profile(self, cid: str) -> ProfileResult | None:
-        try:
-            row = self.db.execute("SELECT ok, metrics, summary, error FROM profiles WHERE candidate_id = ?",
-                                  (cid,)).fetchone()
-        except sqlite3.OperationalError:  # a run from before profiles were kept
-            return None
+        row = self.db.execute("SELECT ok, metrics, summary, error FROM profiles WHERE candidate_id = ?",
+                              (cid,)).fetchone()
         return ProfileResult(bool(row[0]), json.loads(row[1]), row[2], row[3]) if row else None
 
     def events(self) -> list[tuple[float, str, str]]:

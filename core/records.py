@@ -13,25 +13,34 @@ from enum import StrEnum
 from typing import Any, Literal
 
 B_LAYOUTS = ("kn", "nk")  # kn: B is K x N row-major (torch.matmul); nk: N x K row-major (nn.Linear weight)
+DTYPES = ("f16", "bf16")  # inputs and output; accumulation is fp32 in both
+INT32_MAX = 2**31 - 1  # kernels take M, N, K as 32-bit ints, and so do their element offsets in places
 
 
 @dataclass(frozen=True)
 class Problem:
-    """C[M,N] = A[M,K] @ B with fp16 inputs, fp32 accumulation and fp16 output."""
+    """C[M,N] = A[M,K] @ B (+ bias[N] when `bias`), 16-bit inputs and output (`dtype`), fp32 accumulation."""
 
     m: int
     n: int
     k: int
     b_layout: str = "kn"
     dtype: str = "f16"
+    bias: bool = False
 
     def __post_init__(self) -> None:
         if min(self.m, self.n, self.k) < 1:
             raise ValueError(f"M, N and K must be positive, got {self.mnk}")
         if self.n % 8 or self.k % 8:
             raise ValueError(f"N and K must be multiples of 8 (16-byte rows), got {self.mnk}")
+        for name, elements in (("A", self.m * self.k), ("B", self.k * self.n), ("C", self.m * self.n)):
+            if elements > INT32_MAX:
+                raise ValueError(f"{self.mnk}: {name} has {elements:.3g} elements; the kernels index operands "
+                                 f"with 32-bit ints, so each may have at most {INT32_MAX} (2^31 - 1)")
         if self.b_layout not in B_LAYOUTS:
             raise ValueError(f"unknown B layout {self.b_layout!r}: use one of {', '.join(B_LAYOUTS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
 
     @property
     def mnk(self) -> str:
@@ -39,15 +48,21 @@ class Problem:
 
     @property
     def key(self) -> str:
-        return f"{self.mnk}:{self.b_layout}:{self.dtype}"
+        """M_N_K:layout:dtype, and :bias where a bias is added: how shapes files and tables name a problem."""
+        return f"{self.mnk}:{self.b_layout}:{self.dtype}" + (":bias" if self.bias else "")
 
     @property
     def flops(self) -> float:
         return 2.0 * self.m * self.n * self.k
 
     @property
+    def operand_bytes(self) -> int:
+        """A, B and C (and the bias), each element 2 bytes."""
+        return 2 * (self.m * self.k + self.k * self.n + self.m * self.n + (self.n if self.bias else 0))
+
+    @property
     def min_bytes(self) -> float:
-        return 2.0 * (self.m * self.k + self.k * self.n + self.m * self.n)
+        return float(self.operand_bytes)
 
     def floor_us(self, peak_tflops: float = 800.0, peak_tbps: float = 4.3) -> float:
         """Roofline floor: the larger of the arithmetic and memory times, launch latency excluded."""

@@ -20,8 +20,9 @@ def test_loop_records_every_candidate_and_picks_the_fastest(tmp_path):
     assert len(results) == 8 == len({c.id for c, _ in results})
     assert all(store.build(c.id).ok for c, _ in results)
     ok = [(c, r) for c, r in results if r.status is Status.OK]
-    best = store.best(P)
-    assert best is not None and best[1].time_us == min(r.time_us for _, r in ok)
+    best = store.winner(P)
+    assert best is not None and best.result.time_us == min(r.time_us for _, r in ok)
+    assert best.speedup == max(store.median_speedup(c.id) for c, _ in ok)
 
 
 def test_failures_are_data(tmp_path):
@@ -81,7 +82,7 @@ def test_budget_stops_the_search(tmp_path):
 
 def test_remeasure_records_extra_measurements(tmp_path):
     store = populated_run(tmp_path / "r", problems=(P,), n=6)
-    best = store.best(P)[0]
+    best = store.winner(P).candidate
     assert len(store.speedups(best.id)) >= 2  # measured, then re-measured by successive halving
 
 

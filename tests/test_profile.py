@@ -23,7 +23,7 @@ from agent.proposers.context import build_context
 from agent.proposers.llm import PROMPTS
 from agent.report import show_run
 from agent.store import RunStore
-from core.records import Problem, ProfileResult, Status
+from core.records import Problem, ProfileResult
 from sandbox import profile as prof
 from tests.helpers import fake_evaluate, populated_run
 
@@ -218,19 +218,22 @@ def test_store_round_trip(tmp_path):
     assert again.profile("abc") == good and again.profile("def").error == "ncu timed out after 120 s"
 
 
-def test_store_from_before_profiles(tmp_path):
+def test_store_from_before_profiles_winners_and_bias(tmp_path):
     store = RunStore(tmp_path / "r", create=True)
-    store.db.execute("DROP TABLE profiles")
-    assert store.profile("abc") is None
-    store.add_profile("abc", ProfileResult(True, {}, "x"))
-    assert store.profile("abc").summary == "x"
+    store.add_problems([Problem(64, 64, 64)])
+    for table in ("profiles", "winners"):
+        store.db.execute(f"DROP TABLE {table}")
+    store.db.execute("ALTER TABLE problems DROP COLUMN bias")
+    store.close()
+    again = RunStore(tmp_path / "r")  # an older run gains what it lacks when opened
+    assert again.profile("abc") is None and again.winner(Problem(64, 64, 64)) is None
+    assert again.problems() == [Problem(64, 64, 64)]
+    again.add_profile("abc", ProfileResult(True, {}, "x"))
+    assert again.profile("abc").summary == "x"
 
 
 def _leaders(store: RunStore, problem: Problem, n: int) -> list[str]:
-    import statistics
-
-    ok = [c.id for c, r in store.results(problem) if r.status is Status.OK]
-    return sorted(ok, key=lambda cid: -statistics.median(store.speedups(cid)))[:n]
+    return [c.id for c, _ in store.leaders(problem)[:n]]
 
 
 def test_loop_profiles_the_leaders_and_prompts_see_them(tmp_path):
@@ -268,7 +271,7 @@ def test_loop_with_the_fake_ncu_and_show(tmp_path, fake_ncu, capsys):
     store.set_meta("config", RunConfig(max_candidates=4).model_dump(mode="json"))
     SearchLoop(store, RunConfig(max_candidates=4), BuiltinProposer(), "sm_90a", fake_evaluate,
                profiler=prof.profile_candidate).run([P])
-    best = store.best(P)[0]
+    best = store.winner(P).candidate
     assert store.profile(best.id).summary.startswith("L2 hit 62%, DRAM 85% busy")
     console = Console(record=True, width=200)
     console.print(show_run(store))

@@ -280,8 +280,8 @@ def test_search_loop_rejects_every_cheat_and_keeps_the_control(pool, tmp_path):
             if err:
                 errors.append(err)
         assert not errors, "\n".join(errors)
-        best = store.best(problem)
-        assert best is not None and best[0].id in {c.id for c in controls}, best
+        best = store.winner(problem)
+        assert best is not None and best.candidate.id in {c.id for c in controls}, best
         counts = store.failure_counts(problem)
         assert counts.get("ok") == len(controls)
         assert sum(counts.values()) == len(candidates)
