@@ -208,8 +208,8 @@ def cmd_bench(args) -> int:
         rows = bench.bench_offline(pool.evaluate, stores, problems, progress=lambda s: console.print(s))
     finally:
         pool.close()
-    console.print(bench.rows_table(rows, f"bench on {device.get('name')} (device time, same process)"))
-    for path in bench.write_outputs(rows, folder, device):
+    console.print(bench.rows_table(rows, f"bench on {device.name} (device time, same process)"))
+    for path in bench.write_outputs(rows, folder, device.to_dict()):
         console.print(f"wrote {path}")
     return 0
 

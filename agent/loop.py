@@ -15,6 +15,7 @@ from agent.bandit import ThompsonBandit, successive_halving
 from agent.config import RunConfig
 from agent.proposers.base import Proposer, SearchState, arm_of
 from agent.store import RunStore, Winner
+from core.device import H200, DeviceFacts
 from core.records import BuildResult, Candidate, EvalJob, EvalResult, Problem, ProfileResult, Status
 from sandbox.build import compile_cuda
 from sandbox.profile import NCU_MISSING, NO_COUNTERS
@@ -37,8 +38,8 @@ class ShapeSummary:
 class SearchLoop:
     def __init__(self, store: RunStore, config: RunConfig, proposer: Proposer, arch: str,
                  evaluate: Callable[[EvalJob], EvalResult] | None, observer: Observer | None = None,
-                 profiler: Profiler | None = None):
-        self.store, self.config, self.proposer, self.arch = store, config, proposer, arch
+                 profiler: Profiler | None = None, device: DeviceFacts = H200):
+        self.store, self.config, self.proposer, self.arch, self.device = store, config, proposer, arch, device
         self.evaluate = evaluate  # None: compile only
         self.observe = observer or (lambda kind, data: None)
         # None, compile-only or --no-profile: no profiles; switched off for the run when ncu cannot profile
@@ -54,7 +55,7 @@ class SearchLoop:
         return summaries
 
     def restore(self, problem: Problem) -> SearchState:
-        state = SearchState(problem, self.arch, ThompsonBandit(seed=self.config.seed))
+        state = SearchState(problem, self.arch, ThompsonBandit(seed=self.config.seed), device=self.device)
         for c, r in self.store.results(problem):
             state.tried.append((c, self.store.build(c.id), r))
             state.bandit.update(arm_of(c), _reward(r))

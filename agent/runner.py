@@ -12,6 +12,7 @@ from agent.loop import SearchLoop
 from agent.proposers import make_proposer
 from agent.report import LiveView, show_run
 from agent.store import RunStore
+from core.device import H200
 from core.records import Problem
 from sandbox.build import NvrtcUnavailable, nvrtc_version
 from sandbox.profile import profile_candidate
@@ -24,19 +25,20 @@ class SetupError(ValueError):
 
 
 def start_pool(arch: str | None):
-    """A started GPU worker pool and its device facts, or a SetupError saying why there is none."""
+    """A started GPU worker pool and its DeviceFacts, or a SetupError saying why there is none."""
     from sandbox.pool import WorkerPool, WorkerUnavailable
 
     pool = WorkerPool()
     try:
-        device = pool.start()
+        pool.start()
     except WorkerUnavailable as e:
         pool.close()
         raise SetupError(f"no usable GPU ({e}); --compile-only renders and compiles without one") from None
-    if arch and arch != device["arch"]:
+    facts = pool.facts
+    if arch and arch != facts.arch:
         pool.close()
-        raise SetupError(f"--arch {arch} does not match the GPU ({device['name']}, {device['arch']})")
-    return pool, device
+        raise SetupError(f"--arch {arch} does not match the GPU ({facts.name}, {facts.arch})")
+    return pool, facts
 
 
 def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore | None,
@@ -50,9 +52,10 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
         nvrtc_version()
     except NvrtcUnavailable as e:
         raise SetupError(str(e)) from None
-    pool, device = (None, {}) if config.compile_only else start_pool(config.arch)
-    arch = config.arch or device.get("arch", "sm_90a")
-    proposer = make_proposer(config, device or None)
+    pool, device = (None, None) if config.compile_only else start_pool(config.arch)
+    arch = config.arch or (device.arch if device else "sm_90a")
+    facts = device or H200  # compile only: the search orders settings for the GPU we measure on
+    proposer = make_proposer(config)
     try:
         if store is None:
             store = make_store()
@@ -60,11 +63,12 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
             store.set_meta("config", config.model_dump(mode="json"))
         store.set_meta("arch", arch)
         if device:
-            store.set_meta("device", device)
+            store.set_meta("device", device.to_dict())
         store.set_meta("state", "running")
         view = LiveView(f"run {store.run_id}: {config.proposer} proposer, {arch}"
-                        + (", compile only" if config.compile_only else f", {device.get('name')}"))
-        loop = SearchLoop(store, config, proposer, arch, pool.evaluate if pool else None, view, profile_candidate)
+                        + (", compile only" if config.compile_only else f", {facts.name}"))
+        loop = SearchLoop(store, config, proposer, arch, pool.evaluate if pool else None, view, profile_candidate,
+                          device=facts)
         with live_cls(view, console=console, refresh_per_second=4, transient=False):
             loop.run(problems)
         store.set_meta("state", "done")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from core.records import BuildResult
+from core.source import NO_FILES, reads_host_files
 
 ARCHES = ("sm_90a", "sm_80")
 BASE_OPTIONS = ("--ptxas-options=-v", "-std=c++17")
@@ -69,18 +70,6 @@ def _compile(source: str, arch: str, options: tuple[str, ...]) -> tuple[bool, by
         nvrtc.destroyProgram(prog)
 
 
-# NVRTC reads host files named by these directives, and its log (which reaches prompts) would carry them back
-_FILE_DIRECTIVE = re.compile(r"(#|%:)\s*(include|include_next|import|embed)\b|__has_include")
-
-
-def reads_host_files(source: str) -> bool:
-    """True when the source has a directive that makes the compiler read a file (comments and line splices seen
-    through)."""
-    text = re.sub(r"\\[ \t]*\r?\n", "", source)
-    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
-    return bool(_FILE_DIRECTIVE.search(text))
-
-
 def compile_cuda(
     source: str,
     arch: str = "sm_90a",
@@ -94,8 +83,7 @@ def compile_cuda(
     if arch not in ARCHES:
         return BuildResult(candidate_id, False, arch, source, error=f"unknown arch {arch!r}")
     if reads_host_files(source):
-        return BuildResult(candidate_id, False, arch, source,
-                           error="#include and other file-reading directives are not allowed (self-contained sources)")
+        return BuildResult(candidate_id, False, arch, source, error=NO_FILES)
     try:
         version = nvrtc_version()
     except NvrtcUnavailable as e:

@@ -7,6 +7,7 @@ Kernels are launched through the driver (`sandbox.driver`) on `torch.cuda.curren
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import warnings
@@ -16,7 +17,8 @@ import cupy
 import numpy as np
 import torch
 
-from core.records import LaunchSpec
+from core.device import H200, DeviceFacts
+from core.records import LaunchSpec, Problem
 from sandbox import driver
 
 # CuPy 14 deprecates ExternalStream in favour of Stream.from_external; the old name still wraps torch's stream
@@ -43,13 +45,14 @@ class Kernel:
         self._smem_raised = 0
 
     @classmethod
-    def for_family(cls, cubin: bytes, family: str, params: dict, b_layout: str, dtype: str = "f16") -> Kernel:
-        """A kernel launched by its family's trusted rule, for whatever M, N, K it is called with."""
-        from core.records import Problem
+    def for_family(cls, cubin: bytes, family: str, params: dict, problem: Problem,
+                   device: DeviceFacts = H200) -> Kernel:
+        """A kernel launched by its family's trusted rule, for whatever M, N, K it is called with (the problem's
+        layout, dtype and bias)."""
         from templates import get_family
 
         fam = get_family(family)
-        return cls(cubin, lambda m, n, k: fam.launch(params, Problem(m, n, k, b_layout, dtype)))
+        return cls(cubin, lambda m, n, k: fam.launch(params, dataclasses.replace(problem, m=m, n=n, k=k), device))
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, m: int, n: int, k: int) -> None:
         spec = self.launch_rule(m, n, k)

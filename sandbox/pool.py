@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from core.device import DeviceFacts
 from core.records import EvalJob, EvalResult, Status
 
 STARTUP_TIMEOUT_S = 180.0
@@ -134,6 +135,10 @@ class WorkerPool:
     @property
     def info(self) -> dict[str, Any]:
         return self.workers[0].info
+
+    @property
+    def facts(self) -> DeviceFacts:
+        return DeviceFacts.from_dict(self.info)
 
     def evaluate(self, job: EvalJob) -> EvalResult:
         return self.workers[0].evaluate(job)

@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
 
     job = json.loads(Path(argv[0]).read_text())
     p = Problem(**job["problem"])
-    kernel = Kernel.for_family(Path(job["cubin"]).read_bytes(), job["family"], job["params"], p.b_layout, p.dtype)
+    kernel = Kernel.for_family(Path(job["cubin"]).read_bytes(), job["family"], job["params"], p)
     a = torch.randn(p.m, p.k, device="cuda").half()
     b = torch.randn(*((p.k, p.n) if p.b_layout == "kn" else (p.n, p.k)), device="cuda").half()
     c = torch.empty(p.m, p.n, dtype=torch.float16, device="cuda")

@@ -1,9 +1,9 @@
 """The GPU worker process: owns one device's CUDA context, checks and times candidates, reports records.
 
-It talks to the agent over a pipe: it sends ("hello", device_info) once, then for each EvalJob it receives any
-number of ("deadline", seconds) messages (how long the phase about to start may take before the agent kills it)
-and one ("result", EvalResult). After a CUDA error it sends the result and exits: a faulted context is poisoned,
-so the agent starts a fresh worker.
+It talks to the agent over a pipe: it sends ("hello", its DeviceFacts as a dict) once, then for each EvalJob it
+receives any number of ("deadline", seconds) messages (how long the phase about to start may take before the agent
+kills it) and one ("result", EvalResult). After a CUDA error it sends the result and exits: a faulted context is
+poisoned, so the agent starts a fresh worker.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ import secrets
 import time
 from typing import Any
 
+from core.device import TENSOR_FLOPS_PER_CLOCK, DeviceFacts
 from core.records import BaselineJob, EvalJob, EvalResult, Problem, Status
-
-PEAK_FLOPS_PER_US = 1.0e9  # 1000 TFLOP/s: above any Hopper's dense fp16 rate, so a faster "kernel" is cheating
 
 
 class GpuContext:
@@ -30,7 +29,8 @@ class GpuContext:
         torch.manual_seed(secrets.randbits(48))  # timing inputs differ from process to process
         self.device_index = device_index
         self.props = torch.cuda.get_device_properties(device_index)
-        self.info = device_info(device_index)
+        self.facts = device_facts(device_index)
+        self.info = self.facts.to_dict()
         self.scrub = SmemScrubber(self.props.shared_memory_per_block_optin, self.props.multi_processor_count)
         self.flush = L2Flush(self.props.L2_cache_size)
         self._warm_up()
@@ -93,7 +93,7 @@ class GpuContext:
         from templates import get_family
 
         family, p = get_family(job.family), job.problem
-        kernel = Kernel.for_family(job.cubin, job.family, job.params, p.b_layout, p.dtype)
+        kernel = Kernel.for_family(job.cubin, job.family, job.params, p, self.facts)
         a, b, cublas = self._operands(p)
         expected_s = estimate_us(cublas) * 1e-6
 
@@ -116,7 +116,7 @@ class GpuContext:
         warm = measure({"candidate": cand, "cublas": cublas}, None)
         cold = measure({"candidate": cand, "cublas": cublas}, self.flush)
         self._after_timing(checker, kernel_graph=capture(cand, 1), a=a, b=b, c=c, inputs=(a_before, b_before))
-        if warm["candidate"].median_us < p.flops / PEAK_FLOPS_PER_US:
+        if warm["candidate"].median_us < p.flops / (self.facts.tensor_tflops * 1e6):
             raise CheckFailed(f"timed faster than the GPU's peak arithmetic rate ({warm['candidate'].median_us:.2f} "
                               f"us for {p.flops:.3g} flop): the timed launches cannot be doing the work")
         return dict(extra, warm=warm["candidate"], cold=cold["candidate"],
@@ -145,31 +145,35 @@ class GpuContext:
         checker.verify(c.tensor.clone(), a, b, shape, what="after timing, the captured launch gave a wrong result")
 
 
-def device_info(index: int = 0) -> dict[str, Any]:
+def device_facts(index: int = 0) -> DeviceFacts:
+    """The device's facts from torch's properties and NVML (clocks, memory bus); software versions recorded too."""
     import cupy
     import torch
 
     props = torch.cuda.get_device_properties(index)
-    info: dict[str, Any] = {
-        "name": props.name, "cc": f"{props.major}.{props.minor}", "sms": props.multi_processor_count,
-        "l2_bytes": props.L2_cache_size, "smem_optin": props.shared_memory_per_block_optin,
-        "arch": "sm_90a" if props.major == 9 else "sm_80",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "cupy": cupy.__version__,
-        "cublas": torch.backends.cuda.preferred_blas_library().name if hasattr(torch.backends.cuda,
-                                                                               "preferred_blas_library") else "",
-    }
+    software = {"torch": torch.__version__, "cuda": torch.version.cuda, "cupy": cupy.__version__}
+    sm_clock_mhz, hbm_tbps = 1980.0, 4.9  # the H200's, where NVML cannot say
     try:
         import pynvml
 
         pynvml.nvmlInit()
         h = pynvml.nvmlDeviceGetHandleByIndex(index)
-        info["driver"] = pynvml.nvmlSystemGetDriverVersion()
-        info["sm_clock_mhz"] = pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
-        info["sm_clock_max_mhz"] = pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)
-        info["mem_clock_mhz"] = pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)
+        software["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        software["sm_clock_mhz"] = pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
+        sm_clock_mhz = software["sm_clock_max_mhz"] = pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)
+        mem_mhz = software["mem_clock_mhz"] = pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM)
+        hbm_tbps = mem_mhz * 1e6 * 2 * pynvml.nvmlDeviceGetMemoryBusWidth(h) / 8 / 1e12
     except Exception as e:  # NVML is optional: the record says why it is missing
-        info["nvml"] = f"unavailable: {e}"
-    return info
+        software["nvml"] = f"unavailable: {e}"
+    per_clock = TENSOR_FLOPS_PER_CLOCK.get(props.major, 2048)
+    return DeviceFacts(
+        name=props.name, arch="sm_90a" if props.major == 9 else "sm_80", cc=f"{props.major}.{props.minor}",
+        sms=props.multi_processor_count, l2_bytes=props.L2_cache_size,
+        smem_per_block=props.shared_memory_per_block_optin,
+        smem_per_sm=getattr(props, "shared_memory_per_multiprocessor", props.shared_memory_per_block_optin + 1024),
+        memory_bytes=props.total_memory,
+        tensor_tflops=props.multi_processor_count * sm_clock_mhz * 1e6 * per_clock / 1e12, hbm_tbps=hbm_tbps,
+        software=software)
 
 
 def worker_main(conn, device_index: int = 0) -> None:

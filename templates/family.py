@@ -20,7 +20,9 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from core.device import H200, DeviceFacts
 from core.records import LaunchSpec, Problem
+from core.source import source_problem
 from core.validation import validation_message
 
 SMEM_PER_BLOCK_MAX = 227 * 1024  # sm_90 opt-in maximum of dynamic shared memory per block
@@ -62,23 +64,37 @@ class Family(ABC):
         """Reject combinations that are fine in general but not for this problem."""
 
     def render(self, params: dict[str, Any], problem: Problem, template: str | None = None) -> str:
+        """The kernel source for these parameters and this problem, from the family's template or an edited one;
+        ValueError says what is wrong (invalid parameters, a template that does not render in Jinja's sandbox, a
+        source that reads host files or lacks the entry point)."""
         p = self.parse(params, problem)
         # a sandboxed environment: an edited template from an LLM is untrusted text, and must not reach Python
         env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-        text = env.from_string(template if template is not None else self.template_source())
-        return text.render(**p.model_dump(), **self.derived(p), b_layout=problem.b_layout)
+        try:
+            text = env.from_string(template if template is not None else self.template_source())
+            source = text.render(**p.model_dump(), **self.derived(p), **self.problem_variables(problem))
+        except Exception as e:  # syntax, undefined names, sandbox refusals, errors in template expressions
+            raise ValueError(f"the template does not render: {type(e).__name__}: {e}") from None
+        if (why := source_problem(source)) is not None:
+            raise ValueError(why)
+        return source
+
+    @staticmethod
+    def problem_variables(problem: Problem) -> dict[str, Any]:
+        """What a template knows of the problem beyond its parameters (M, N, K are kernel arguments)."""
+        return {"b_layout": problem.b_layout}
 
     def derived(self, params: Params) -> dict[str, Any]:
         """Extra template variables computed from the parameters (threads, warp counts, ...)."""
         return {}
 
     @abstractmethod
-    def launch(self, params: dict[str, Any], problem: Problem) -> LaunchSpec:
-        """Grid, block and dynamic shared memory for these parameters and this problem's M, N, K."""
+    def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
+        """Grid, block and dynamic shared memory for these parameters, this problem's M, N, K and this GPU."""
 
     @abstractmethod
-    def space(self, problem: Problem) -> list[dict[str, Any]]:
-        """The valid parameter settings worth trying for this problem, best guesses first."""
+    def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
+        """The valid parameter settings worth trying for this problem on this GPU, best guesses first."""
 
     def describe_space(self) -> dict[str, Any]:
         """The parameter schema, as a prompt shows it."""

@@ -16,12 +16,15 @@ from agent.bandit import ThompsonBandit
 from agent.cli import main
 from agent.config import LlmSettings, RunConfig
 from agent.loop import SearchLoop
+from agent.proposers import make_proposer
 from agent.proposers.base import SearchState, arm_of
 from agent.proposers.builtin import BuiltinProposer
-from agent.proposers.llm import LlmProposer, MixedProposer, check_template, make_llm_proposer
+from agent.proposers.llm import LlmProposer
+from agent.proposers.mixed import MixedProposer
 from agent.store import RunStore
+from core.device import DeviceFacts
 from core.records import BuildResult, Candidate, EvalResult, Problem, Status, Timing
-from templates import FAMILIES, get_family
+from templates import get_family
 from tests.chat_server import ChatServer, Error, Reply, proposals
 
 P = Problem(256, 256, 256)
@@ -51,9 +54,9 @@ def server():
         yield s
 
 
-def make(server, device=None, per_call=4, **settings) -> LlmProposer:
+def make(server, per_call=4, **settings) -> LlmProposer:
     values = {"base_url": server.base_url, "model": "scripted", "timeout_s": 5.0, "retries": 2, **settings}
-    return LlmProposer(LlmSettings(**values), device, backoff_s=0.01, per_call=per_call)
+    return LlmProposer(LlmSettings(**values), backoff_s=0.01, per_call=per_call)
 
 
 def fresh_state(arch: str = "sm_90a") -> SearchState:
@@ -103,12 +106,6 @@ def test_bad_json_then_good_on_the_resend_is_accepted(server):
     assert llm.stats()["resent"] == 1 and llm.stats()["dropped"] == 0
 
 
-SECURITY = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
-
-
-NO_FILES = "file-reading directives are not allowed"
-
-
 @pytest.mark.parametrize("bad, error", [
     ("Sure! Here are some kernels.", "not valid JSON"),
     (json.dumps({"proposals": [{"kind": "params", "params": {}}]}), "proposals.0.params.family: Field required"),
@@ -117,13 +114,7 @@ NO_FILES = "file-reading directives are not allowed"
     (proposals({**GOOD, "family": "cutlass_magic"}), "unknown template family 'cutlass_magic'"),
     (proposals(params_proposal(warps_m=3)), "warps_m"),
     (proposals(params_proposal(bogus=1)), "bogus"),
-    (proposals({**EDIT, "template": "{{ nope }}"}), "'nope' is undefined"),
-    (proposals({**EDIT, "template": SECURITY + EDITED}), "SecurityError"),
-    (proposals({**EDIT, "template": '#include "/etc/passwd"\n' + EDITED}), NO_FILES),
-    (proposals({**EDIT, "template": '%:/**/include "/root/.ssh/id_rsa"\n' + EDITED}), NO_FILES),
-    (proposals({**EDIT, "template": '#inc\\\nlude "/etc/shadow"\n' + EDITED}), NO_FILES),
-    (proposals({**EDIT, "template": '#if __has_include("/etc/hosts")\n#endif\n' + EDITED}), NO_FILES),
-    (proposals({**EDIT, "template": "__global__ void other() {}"}), 'extern "C"'),
+    (proposals({**EDIT, "params": {"block_x": 7}}), "block_x"),
 ])
 def test_a_bad_reply_is_sent_back_once_then_dropped_and_counted(server, bad, error):
     server.push(Reply(bad), Reply(bad))
@@ -134,13 +125,6 @@ def test_a_bad_reply_is_sent_back_once_then_dropped_and_counted(server, bad, err
     server.push(Reply(proposals(GOOD)))  # the proposer is still usable afterwards
     assert len(llm.propose(fresh_state())) == 1
     assert "dropped" in server.requests[2].text  # and the next prompt says what went wrong
-
-
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_every_family_template_passes_the_edit_checks(name):
-    family = get_family(name)  # an edit starts from these: the checks must not refuse them
-    params = family.parse(family.space(P)[0], P)
-    assert "hgemm" in check_template(family, params, P, family.template_source())
 
 
 def test_valid_proposals_survive_invalid_neighbours(server):
@@ -239,8 +223,9 @@ def test_tokens_are_estimated_where_the_server_reports_no_usage(server):
 
 
 def test_prompt_holds_hardware_problem_best_candidates_failures_and_ranking(server):
-    device = {"name": "Test GPU X", "sms": 77, "l2_bytes": 50 * 2**20, "smem_optin": 100 * 1024, "arch": "sm_90a"}
-    state = fresh_state()
+    device = DeviceFacts.from_dict({"name": "Test GPU X", "sms": 77, "l2_bytes": 50 * 2**20,
+                                    "smem_per_block": 100 * 1024, "arch": "sm_90a"})
+    state = SearchState(P, "sm_90a", ThompsonBandit(), device=device)
     fast = Candidate(P, "sm80_mma", get_family("sm80_mma").space(P)[0], "builtin")
     t, cublas = Timing(8.0, 7.9, 8.1, 100), Timing(12.0, 11.9, 12.1, 100)
     record(state, fast, EvalResult(fast.id, Status.OK, warm=t, cold=t, cublas_warm=cublas, cublas_cold=cublas),
@@ -252,7 +237,7 @@ def test_prompt_holds_hardware_problem_best_candidates_failures_and_ranking(serv
     wrong = Candidate(P, "sm80_mma", get_family("sm80_mma").space(P)[1], "builtin")
     record(state, wrong, EvalResult(wrong.id, Status.WRONG, "relative error 3e-1 vs cuBLAS 2e-4"))
     server.push(Reply(proposals(GOOD)))
-    make(server, device).propose(state)
+    make(server).propose(state)
     prompt = server.requests[0].text
     for fact in ("Test GPU X", "sms: 77", "l2_mib: 50.0", "smem_per_block_optin_kib: 100.0", "sm_90a",
                  "M=256, N=256, K=256", "cuBLAS takes 12.0 us"):
@@ -296,7 +281,7 @@ def test_loop_with_llm_and_mixed_proposers_records_llm_candidates(server, tmp_pa
         config = RunConfig(proposer=kind, max_candidates=4, compile_only=True, llm=settings)
         store = RunStore(tmp_path / kind, create=True)
         store.add_problems([P])
-        proposer = make_llm_proposer(config)
+        proposer = make_proposer(config)
         SearchLoop(store, config, proposer, "sm_90a", None).run([P])
         proposer.close()
         results = store.results(P)

@@ -9,9 +9,13 @@ from agent.loop import SearchLoop
 from agent.proposers.builtin import BuiltinProposer, RandomProposer
 from agent.store import RunStore
 from core.records import Candidate, Problem, Status
+from core.source import NO_FILES
+from templates import get_family
 from tests.helpers import fake_evaluate, populated_run
 
 P = Problem(1000, 3000, 2000)
+ENTRY = 'extern "C" __global__ void hgemm(const unsigned short* A, const unsigned short* B, unsigned short* C, ' \
+        "int M, int N, int K)"
 
 
 def test_loop_records_every_candidate_and_picks_the_fastest(tmp_path):
@@ -31,11 +35,31 @@ def test_failures_are_data(tmp_path):
     loop = SearchLoop(store, RunConfig(), BuiltinProposer(), "sm_90a", fake_evaluate)
     bad_params = loop.process(Candidate(P, "sm80_mma", {"block_m": 128, "warps_m": 3}))
     assert bad_params[1].status is Status.INVALID and "warps_m" in bad_params[1].reason
-    bad_source = loop.process(Candidate(P, "sm80_mma", {}, template_override="this is not CUDA {{ block_m }}"))
+    bad_source = loop.process(Candidate(P, "sm80_mma", {}, template_override=ENTRY + "{ not CUDA {{ block_m }} }"))
     assert bad_source[1].status is Status.COMPILE_ERROR and bad_source[0].log
     bad_jinja = loop.process(Candidate(P, "sm80_mma", {}, template_override="{{ nope }}"))
     assert bad_jinja[1].status is Status.INVALID and "nope" in bad_jinja[1].reason
     assert store.failure_counts(P) == {"invalid": 2, "compile_error": 1}
+
+
+NAIVE = get_family("naive").template_source()
+
+
+@pytest.mark.parametrize("template, reason", [
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}" + NAIVE, "SecurityError"),
+    ('#include "/etc/passwd"\n' + NAIVE, NO_FILES),
+    ('%:/**/include "/root/.ssh/id_rsa"\n' + NAIVE, NO_FILES),
+    ('#inc\\\nlude "/etc/shadow"\n' + NAIVE, NO_FILES),
+    ('#if __has_include("/etc/hosts")\n#endif\n' + NAIVE, NO_FILES),
+    ("__global__ void other() {}", 'extern "C"'),
+])
+def test_an_edited_template_is_rendered_once_in_the_loop_and_refused_there(tmp_path, template, reason):
+    """Edits reach Python only through Jinja's sandbox, and a source that would read host files never compiles."""
+    store = RunStore(tmp_path / "r", create=True)
+    store.add_problems([P])
+    loop = SearchLoop(store, RunConfig(), BuiltinProposer(), "sm_90a", fake_evaluate)
+    build, result = loop.process(Candidate(P, "naive", {}, template_override=template))
+    assert build is None and result.status is Status.INVALID and reason in result.reason
 
 
 def test_compile_only_skips_evaluation(tmp_path):

@@ -256,7 +256,7 @@ def test_loop_profiles_the_leaders_and_prompts_see_them(tmp_path):
 
     state = loop.restore(P)  # a resumed search, and the prompts it makes, see the summaries
     assert set(state.profiles) == set(profiled)
-    context = build_context(state, None, n=2)
+    context = build_context(state, n=2)
     shown = [b["profile"] for b in context["best"] if b["profile"]]
     assert shown and all(s.startswith("fake profile") for s in shown)
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(PROMPTS), undefined=jinja2.StrictUndefined,

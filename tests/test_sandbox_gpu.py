@@ -110,7 +110,7 @@ def test_timing_agrees_with_cupti(mnk):
     p = Problem(m, n, k)
     fam = get_family("sm80_mma")
     params = fam.space(p)[0]
-    kernel = Kernel.for_family(compile_cuda(fam.render(params, p), "sm_90a").cubin, "sm80_mma", params, "kn")
+    kernel = Kernel.for_family(compile_cuda(fam.render(params, p), "sm_90a").cubin, "sm80_mma", params, p)
     a = torch.randn(m, k, device="cuda").half()
     b = torch.randn(k, n, device="cuda").half()
     c = torch.empty(m, n, device="cuda", dtype=torch.float16)

@@ -10,7 +10,8 @@ import pytest
 from core.records import Problem
 from sandbox import driver
 from sandbox.build import compile_cuda
-from templates.sm90_wgmma.space import Sm90Wgmma, Sm90WgmmaParams
+from templates.sm90_wgmma.params import Sm90WgmmaParams
+from templates.sm90_wgmma.space import Sm90Wgmma
 
 FAMILY = Sm90Wgmma()
 PROBLEMS = [Problem(128, 256, 64, "kn"), Problem(1000, 3000, 2000, "nk"), Problem(4096, 4096, 4096, "kn")]

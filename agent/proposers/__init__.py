@@ -6,11 +6,16 @@ from agent.config import RunConfig
 from agent.proposers.base import Proposer
 
 
-def make_proposer(config: RunConfig, device: dict | None = None) -> Proposer:
+def make_proposer(config: RunConfig) -> Proposer:
+    """--proposer builtin; mixed: the LLM every other call; llm: the LLM every call, built-in only where it has none."""
     from agent.proposers.builtin import BuiltinProposer
 
     if config.proposer == "builtin":
         return BuiltinProposer()
-    from agent.proposers.llm import make_llm_proposer  # the LLM proposers (llm, mixed)
+    from agent.proposers.llm import LlmProposer
+    from agent.proposers.mixed import MixedProposer
 
-    return make_llm_proposer(config, device)
+    llm = LlmProposer(config.llm)
+    if config.proposer == "mixed":
+        return MixedProposer(llm, BuiltinProposer(), llm_every=2)
+    return MixedProposer(llm, BuiltinProposer(), llm_every=1, name="llm")

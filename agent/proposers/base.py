@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from agent.bandit import ThompsonBandit
+from core.device import H200, DeviceFacts
 from core.records import BuildResult, Candidate, EvalResult, Problem
 
 
@@ -17,6 +18,7 @@ class SearchState:
     arch: str
     bandit: ThompsonBandit
     tried: list[tuple[Candidate, BuildResult | None, EvalResult]] = field(default_factory=list)
+    device: DeviceFacts = H200  # the GPU the candidates run on (the H200 stand-in when compiling only)
     profiles: dict[str, str] = field(default_factory=dict)  # candidate id -> Nsight Compute summary line
 
     @property

@@ -21,7 +21,7 @@ class BuiltinProposer(Proposer):
         tried = state.tried_ids
         out = []
         for family in families_for_arch(state.arch):
-            for params in family.space(state.problem):
+            for params in family.space(state.problem, state.device):
                 c = Candidate(state.problem, family.name, params, origin=self.name)
                 if c.id not in tried:
                     out.append(c)

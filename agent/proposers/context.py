@@ -12,13 +12,10 @@ import math
 from typing import Any
 
 from agent.proposers.base import SearchState, arm_of
-from core.records import BuildResult, Candidate, EvalResult, Status
+from core.device import DeviceFacts
+from core.records import BuildResult, Candidate, EvalResult, Problem, Status
 from templates import FAMILIES
 from templates.family import Family
-
-# What the runner reports for the GPU we measure on; used until it passes the real device's facts.
-H200 = {"name": "NVIDIA H200", "cc": "9.0", "arch": "sm_90a", "sms": 132, "l2_bytes": 60 * 2**20,
-        "smem_optin": 227 * 1024}
 
 MAX_EXAMPLES = 6
 TOP_ARMS = 3  # each of these arms' best candidate is shown, whatever its rank overall
@@ -35,7 +32,7 @@ def families_for_prompt(arch: str) -> list[Family]:
     return [f for f in FAMILIES.values() if arch in f.arches]
 
 
-def build_context(state: SearchState, device: dict[str, Any] | None, n: int, *, edits: bool = True,
+def build_context(state: SearchState, n: int, *, edits: bool = True,
                   rejected: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """The variables of prompts/propose.j2."""
     ranks = {row[0]: i for i, row in enumerate(state.bandit.ranking())}
@@ -43,7 +40,7 @@ def build_context(state: SearchState, device: dict[str, Any] | None, n: int, *, 
     for _, _, r in state.tried:
         counts[r.status.value] = counts.get(r.status.value, 0) + 1
     return {
-        "device": hardware_facts(device or H200, state.arch),
+        "device": hardware_facts(state.device, state.arch),
         "problem": problem_view(state),
         "families": [family_view(f, edits and f.name == edit_family(state)) for f in families_for_prompt(state.arch)],
         "best": [example_view(c, b, r, ranks, state.profiles.get(c.id)) for c, b, r in best_examples(state, ranks)],
@@ -66,20 +63,12 @@ def edit_family(state: SearchState) -> str:
     return searched[0] if searched else ""
 
 
-def hardware_facts(device: dict[str, Any], arch: str) -> dict[str, Any]:
-    facts = {"name": device.get("name", "unknown GPU"), "target_arch": arch}
-    if device.get("cc"):
-        facts["compute_capability"] = device["cc"]
-    if device.get("sms"):
-        facts["sms"] = device["sms"]
-    if device.get("l2_bytes"):
-        facts["l2_mib"] = round(device["l2_bytes"] / 2**20, 1)
-    if device.get("smem_optin"):
-        facts["smem_per_block_optin_kib"] = round(device["smem_optin"] / 1024, 1)
-    for key in ("sm_clock_max_mhz", "mem_clock_mhz"):
-        if device.get(key):
-            facts[key] = device[key]
-    return facts
+def hardware_facts(device: DeviceFacts, arch: str) -> dict[str, Any]:
+    return {"name": device.name, "target_arch": arch, "compute_capability": device.cc, "sms": device.sms,
+            "l2_mib": round(device.l2_bytes / 2**20, 1),
+            "smem_per_block_optin_kib": round(device.smem_per_block / 1024, 1),
+            "smem_per_sm_kib": round(device.smem_per_sm / 1024, 1),
+            "dense_fp16_tflops": round(device.tensor_tflops), "memory_tbps": round(device.hbm_tbps, 2)}
 
 
 def problem_view(state: SearchState) -> dict[str, Any]:
@@ -112,13 +101,13 @@ def family_view(family: Family, edits: bool) -> dict[str, Any]:
 
 
 def template_variables(family: Family) -> list[str]:
-    """The names a template of this family may use: its parameters, its derived values, and b_layout."""
+    """The names a template of this family may use: its parameters, its derived values, and the problem's."""
     names = list(family.params_model.model_fields)
     try:
         names += list(family.derived(family.params_model()))
     except Exception:  # a family whose defaults are not a valid setting: its derived names stay unlisted
         pass
-    return names + ["b_layout"]
+    return names + list(family.problem_variables(Problem(64, 64, 64)))
 
 
 def best_examples(state: SearchState, ranks: dict[str, int]) -> list[tuple[Candidate, BuildResult | None,

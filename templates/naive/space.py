@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
+from core.device import H200, DeviceFacts
 from core.records import LaunchSpec, Problem
 from templates.family import Family, Params
 
@@ -21,10 +22,10 @@ class Naive(Family):
     searched: ClassVar[bool] = False
     description = "one thread per output element, fp32 accumulation; slow but obviously right"
 
-    def launch(self, params: dict[str, Any], problem: Problem) -> LaunchSpec:
+    def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
         p = self.parse(params, problem)
         grid = (-(-problem.n // p.block_x), -(-problem.m // p.block_y), 1)
         return LaunchSpec(grid, (p.block_x, p.block_y, 1), 0)
 
-    def space(self, problem: Problem) -> list[dict[str, Any]]:
+    def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
         return [{"block_x": 16, "block_y": 16}, {"block_x": 32, "block_y": 8}]

@@ -7,10 +7,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from core.device import H200, DeviceFacts
 from core.records import LaunchSpec, Problem
 from templates.family import SMEM_PER_BLOCK_MAX_SM80, Family, Params
 
-SMS, SMEM_PER_SM_H200 = 132, 228 * 1024  # the ranking models the H200 we measure on; validity stays Ampere's
 SMEM_PER_SM_SM80 = 164 * 1024
 REGS_PER_SM = 65536
 # Registers beyond accumulators, fragments and copy state (indices, loop state). With the 2-per-copied-chunk term
@@ -94,17 +94,17 @@ TILES = [
 PIPELINES = [(64, 3), (64, 4), (32, 4), (32, 5), (64, 6), (32, 3), (64, 2), (32, 2)]
 
 
-def _blocks_per_sm(p: Sm80MmaParams) -> int:
+def _blocks_per_sm(p: Sm80MmaParams, device: DeviceFacts) -> int:
     by_regs = REGS_PER_SM // (p.threads * min(p.register_cap, p.register_estimate + 16))
-    return max(1, min(by_regs, SMEM_PER_SM_H200 // (p.smem_bytes + 1024), 2048 // p.threads))
+    return max(1, min(by_regs, device.smem_per_sm // (p.smem_bytes + 1024), 2048 // p.threads))
 
 
-def _cost(p: Sm80MmaParams, problem: Problem) -> float:
+def _cost(p: Sm80MmaParams, problem: Problem, device: DeviceFacts) -> float:
     """Relative time: waves of resident blocks times the work of a wave, inflated by the tile's memory traffic."""
     tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
-    resident = _blocks_per_sm(p)
-    waves = -(-tiles // (SMS * resident))
-    per_sm = min(resident, -(-tiles // SMS))
+    resident = _blocks_per_sm(p, device)
+    waves = -(-tiles // (device.sms * resident))
+    per_sm = min(resident, -(-tiles // device.sms))
     traffic = 1 + 48 / p.block_m + 48 / p.block_n
     # Few warps per SM cannot hide mma and shared-memory latency; K groups pay a reduction and thinner mma runs.
     latency = 1 + 4 / (per_sm * p.threads // 32)
@@ -127,13 +127,13 @@ class Sm80Mma(Family):
         assert isinstance(params, Sm80MmaParams)
         return {"threads": params.threads, "smem_bytes": params.smem_bytes}
 
-    def launch(self, params: dict[str, Any], problem: Problem) -> LaunchSpec:
+    def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
         p = self.parse(params, problem)
         assert isinstance(p, Sm80MmaParams)
         tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
         return LaunchSpec(grid=(tiles, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes)
 
-    def space(self, problem: Problem) -> list[dict[str, Any]]:
+    def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
         shapes: list[tuple[float, list[Sm80MmaParams]]] = []
         for (bm, bn, wm, wn), wk in itertools.product(TILES, (1, 2, 4)):
             variants = []
@@ -144,7 +144,7 @@ class Sm80Mma(Family):
                 if params:
                     variants.append(params)
             if variants:
-                shapes.append((_cost(variants[0], problem), variants))
+                shapes.append((_cost(variants[0], problem, device), variants))
         shapes.sort(key=lambda item: item[0])
         # The best shapes get more pipeline variants; the rest keep the search broad.
         picked = [p for rank, (_, v) in enumerate(shapes[:10]) for p in v[: 3 if rank < 3 else 2 if rank < 6 else 1]]
