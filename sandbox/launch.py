@@ -54,7 +54,8 @@ class Kernel:
         fam = get_family(family)
         return cls(cubin, lambda m, n, k: fam.launch(params, dataclasses.replace(problem, m=m, n=n, k=k), device))
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, m: int, n: int, k: int) -> None:
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, m: int, n: int, k: int,
+                 bias: torch.Tensor | None = None) -> None:
         spec = self.launch_rule(m, n, k)
         if spec.smem_bytes > self._smem_raised:
             self.function.max_dynamic_shared_size_bytes = spec.smem_bytes
@@ -62,7 +63,7 @@ class Kernel:
         driver.launch(self.function.kernel.ptr, spec.grid, spec.block, spec.smem_bytes,
                       torch.cuda.current_stream().cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()),
                       (m, n, k), [(t.operand, t.dims, t.box, t.swizzle, t.strides) for t in spec.tensor_maps],
-                      spec.workspace_bytes, spec.counters)
+                      spec.workspace_bytes, spec.counters, None if bias is None else bias.data_ptr())
 
 
 SCRUB_SOURCE = r"""

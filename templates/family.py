@@ -4,10 +4,13 @@ A family is trusted host code (parameter checks, launch geometry); the Jinja tem
 part a proposer may edit. Every kernel takes the same arguments, whatever the family:
 
     extern "C" __global__ void hgemm(const unsigned short* A, const unsigned short* B,
-                                     unsigned short* C, int M, int N, int K)
+                                     unsigned short* C, int M, int N, int K[, const unsigned short* bias])
 
 A is M x K row-major; B is K x N row-major (layout "kn") or N x K row-major ("nk"); C is M x N row-major;
-elements are fp16 bit patterns. M >= 1 is arbitrary, N and K are multiples of 8.
+elements are 16-bit patterns of the problem's dtype (fp16 or bf16), accumulated in fp32. Where the problem has a
+bias, `bias` (N elements of the same dtype) follows K and C = A B + bias, the bias added in fp32 before the one
+rounding to the output dtype. Tensor maps, then workspace and counters, come after these (the launch rule says
+which). M >= 1 is arbitrary, N and K are multiples of 8. Templates see the problem's `b_layout`, `dtype` and `bias`.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Family(ABC):
 
     def parse(self, params: dict[str, Any], problem: Problem) -> Params:
         """Validate parameters for a problem; raises ValueError naming what is impossible."""
+        self.check_problem(problem)
         try:
             p = self.params_model(**params)
         except ValidationError as e:
@@ -60,8 +64,17 @@ class Family(ABC):
         self.check_for_problem(p, problem)
         return p
 
+    supports: ClassVar[tuple[tuple[str, bool], ...]] = (("f16", False), ("f16", True), ("bf16", False),
+                                                         ("bf16", True))  # (dtype, bias) the template handles
+
     def check_for_problem(self, params: Params, problem: Problem) -> None:  # noqa: B027 - optional hook
         """Reject combinations that are fine in general but not for this problem."""
+
+    def check_problem(self, problem: Problem) -> None:
+        """ValueError where the template cannot compute this problem's dtype or bias at all."""
+        if (problem.dtype, problem.bias) not in self.supports:
+            what = problem.dtype + (" with a bias" if problem.bias else "")
+            raise ValueError(f"family {self.name} does not handle {what} yet")
 
     def render(self, params: dict[str, Any], problem: Problem, template: str | None = None) -> str:
         """The kernel source for these parameters and this problem, from the family's template or an edited one;
@@ -82,7 +95,7 @@ class Family(ABC):
     @staticmethod
     def problem_variables(problem: Problem) -> dict[str, Any]:
         """What a template knows of the problem beyond its parameters (M, N, K are kernel arguments)."""
-        return {"b_layout": problem.b_layout}
+        return {"b_layout": problem.b_layout, "dtype": problem.dtype, "bias": problem.bias}
 
     def derived(self, params: Params) -> dict[str, Any]:
         """Extra template variables computed from the parameters (threads, warp counts, ...)."""
