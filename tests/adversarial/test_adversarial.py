@@ -5,7 +5,8 @@ Every `*.cu.j2` here is a template rendered by the naive family (block 16 x 16).
     // expect: wrong: <substring of the reason>[|<another accepted substring>...]
     // expect: timeout[: <substring>]      // expect: fault[: <substring>]      (controls/: // expect: ok)
 
-optionally followed by `// layouts: kn nk` (the B layouts to test, default kn) and `// known-hole: <why>` for a
+optionally followed by `// layouts: kn nk` (the B layouts to test, default kn), `// problem: bf16 bias` (the dtype,
+f16 by default, and whether the problem adds a bias) and `// known-hole: <why>` for a
 cheat the sandbox does not catch yet: its GPU test is a strict xfail that expects exactly "the cheat was accepted"
 (it turns red once the hole is closed, so that the marker gets removed; any other outcome is a plain failure).
 
@@ -51,9 +52,14 @@ class Fixture:
     reasons: tuple[str, ...]  # the reason must contain one of them; empty: the status alone is checked
     layouts: tuple[str, ...]
     hole: str  # non-empty: a cheat the sandbox does not catch yet, and why
+    dtype: str = "f16"
+    bias: bool = False
+
+    def problem(self, layout: str) -> Problem:
+        return Problem(*SHAPE, layout, self.dtype, self.bias)
 
     def candidate(self, layout: str) -> Candidate:
-        return Candidate(Problem(*SHAPE, layout), "naive", dict(PARAMS), origin="adversarial",
+        return Candidate(self.problem(layout), "naive", dict(PARAMS), origin="adversarial",
                          rationale=self.name, template_override=self.text)
 
 
@@ -67,7 +73,7 @@ def parse(path: Path) -> Fixture:
     reasons = tuple(r.strip() for r in m.group(2).split("|")) if m.group(2) else ()
     if any(not r for r in reasons):
         raise ValueError(f"{path.name}: an empty alternative in the expected reason")
-    layouts, hole = ("kn",), ""
+    layouts, hole, dtype, bias = ("kn",), "", "f16", False
     for line in lines[1:]:
         if not line.startswith("// "):
             break
@@ -75,9 +81,14 @@ def parse(path: Path) -> Fixture:
             layouts = tuple(line.split(":", 1)[1].split())
         elif line.startswith("// known-hole:"):
             hole = line.split(":", 1)[1].strip()
+        elif line.startswith("// problem:"):
+            words = line.split(":", 1)[1].split()
+            if not set(words) <= {"f16", "bf16", "bias"} or ("f16" in words and "bf16" in words):
+                raise ValueError(f"{path.name}: bad problem line {line!r}: a dtype (f16 or bf16) and/or 'bias'")
+            dtype, bias = ("bf16" if "bf16" in words else "f16"), "bias" in words
     if not layouts or any(lay not in ("kn", "nk") for lay in layouts):
         raise ValueError(f"{path.name}: bad layouts {layouts}")
-    return Fixture(path.name.removesuffix(".cu.j2"), text, STATUSES[m.group(1)], reasons, layouts, hole)
+    return Fixture(path.name.removesuffix(".cu.j2"), text, STATUSES[m.group(1)], reasons, layouts, hole, dtype, bias)
 
 
 FIXTURES = [parse(p) for p in sorted(HERE.glob("*.cu.j2"))]
@@ -133,7 +144,8 @@ def test_fixtures_declare_a_verdict_the_sandbox_can_give():
 
 def test_parse_rejects_a_malformed_header(tmp_path):
     for bad in ("// expects: wrong: x\n", "// nothing\n// expect: wrong: x\n", "// expect: slow\n",
-                "// expect: wrong: a||b\n", "// expect: wrong: x\n// layouts: kn mn\n"):
+                "// expect: wrong: a||b\n", "// expect: wrong: x\n// layouts: kn mn\n",
+                "// expect: wrong: x\n// problem: f16 bf16\n", "// expect: wrong: x\n// problem: fp8\n"):
         (tmp_path / "bad.cu.j2").write_text(bad)
         with pytest.raises(ValueError):
             parse(tmp_path / "bad.cu.j2")
@@ -145,7 +157,7 @@ def test_fixture_renders_and_compiles_for_every_arch(fx, cache_dir):
     for layout in ("kn", "nk"):
         source = render(fx, layout)
         assert "{{" not in source and "{%" not in source
-        assert source != naive.render(PARAMS, Problem(*SHAPE, layout)), "identical to the naive template"
+        assert source != naive.render(PARAMS, fx.problem(layout)), "identical to the naive template"
         for arch in ARCHES:
             build = compile_cuda(source, arch, cache_dir=cache_dir)
             assert build.ok, f"{fx.name} [{layout}, {arch}]: {build.error}\n{build.log}"
@@ -252,7 +264,8 @@ class FixtureProposer(Proposer):
 @pytest.mark.gpu
 def test_search_loop_rejects_every_cheat_and_keeps_the_control(pool, tmp_path):
     problem = Problem(*SHAPE, "kn")
-    cheats = [f for f in FIXTURES if not f.hole and "kn" in f.layouts]  # known holes would pass (and win)
+    # known holes would pass (and win); the others share one problem: fp16 without bias, kn
+    cheats = [f for f in FIXTURES if not f.hole and "kn" in f.layouts and (f.dtype, f.bias) == ("f16", False)]
     naive_control = Candidate(problem, "naive", dict(PARAMS), origin="control")
     controls = [naive_control] + [c.candidate("kn") for c in CONTROLS]
     # controls first and last: the worker must still judge correct kernels right after timeouts and faults
