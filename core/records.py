@@ -175,6 +175,9 @@ class EvalResult:
     cold: Timing | None = None
     cublas_warm: Timing | None = None
     cublas_cold: Timing | None = None
+    # the re-check of a candidate whose warm time looked too good next to its cold one: each launch on new inputs
+    fresh: Timing | None = None
+    cublas_fresh: Timing | None = None
     max_rel_err: float | None = None
     cublas_rel_err: float | None = None
     device: dict[str, Any] = field(default_factory=dict)
@@ -184,6 +187,11 @@ class EvalResult:
     def time_us(self) -> float:
         """The score: warm device time, inf for anything that failed."""
         return self.warm.median_us if self.status is Status.OK and self.warm else math.inf
+
+    @property
+    def cold_over_warm(self) -> float | None:
+        """How much slower the candidate ran with a cold L2 than a warm one (cuBLAS's own is beside it)."""
+        return self.cold.median_us / self.warm.median_us if self.cold and self.warm and self.warm.median_us else None
 
     @property
     def speedup(self) -> float | None:
@@ -201,7 +209,7 @@ class EvalResult:
     def from_json(cls, text: str) -> EvalResult:
         d = json.loads(text)
         d["status"] = Status(d["status"])
-        for key in ("warm", "cold", "cublas_warm", "cublas_cold"):
+        for key in ("warm", "cold", "cublas_warm", "cublas_cold", "fresh", "cublas_fresh"):
             if d.get(key):
                 d[key] = Timing(**d[key])
         return cls(**d)

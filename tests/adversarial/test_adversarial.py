@@ -131,13 +131,15 @@ def test_fixtures_declare_a_verdict_the_sandbox_can_give():
     caught = [f for f in FIXTURES if not f.hole]
     assert len(caught) >= MIN_FIXTURES - 1
     assert {Status.WRONG, Status.TIMEOUT, Status.FAULT} <= {f.status for f in caught}
-    sandbox = {name: (ROOT / "sandbox" / name).read_text() for name in ("check.py", "worker.py", "pool.py")}
+    sandbox = {name: (ROOT / "sandbox" / name).read_text() for name in ("check.py", "timed.py", "worker.py",
+                                                                         "pool.py")}
     for f in FIXTURES:
         if f.status is Status.WRONG:
             assert f.reasons or f.hole, f"{f.name}: a WRONG verdict needs the reason it must give"
-            for r in f.reasons:  # the literal head of each reason must be text that check.py / worker.py raises
+            for r in f.reasons:  # the literal head of each reason must be text the checks raise
                 head = literal_prefix(r)
-                assert len(head) >= 8 and any(head in sandbox[n] for n in ("check.py", "worker.py")), (f.name, r)
+                assert len(head) >= 8 and any(head in sandbox[n] for n in ("check.py", "timed.py", "worker.py")), \
+                    (f.name, r)
         if f.status is Status.TIMEOUT:
             assert all(literal_prefix(r) in sandbox["pool.py"] for r in f.reasons), f.name
 
