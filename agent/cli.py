@@ -95,10 +95,18 @@ def _join_negative_values(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
+        runs_dir(args.runs_dir)
         return VERBS[args.verb](args)
     except (UsageError, ShapeError, StoreError, ValueError) as e:  # SetupError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def runs_dir(path: Path) -> Path:
+    """The folder runs live in; UsageError where it cannot be one (a file, say)."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--runs-dir {path} is a file, not a folder")
+    return path
 
 
 def open_run(args) -> RunStore:
@@ -126,11 +134,13 @@ def cmd_run(args) -> int:
                            llm=llm)
     except ValidationError as e:
         raise UsageError(validation_message(e)) from None
+    if config.proposer != "builtin" and (missing := llm.missing()):
+        raise UsageError(missing)
     store = open_run(argparse.Namespace(run=args.resume, runs_dir=args.runs_dir)) if args.resume else None
     if store is not None and store.get_meta("state") == "done":
         console.print(f"run {store.run_id} had finished; continuing it with the new budget")
     return execute(config, problems, store, lambda: RunStore(args.runs_dir / new_run_id(), create=True), console,
-                   Live)
+                   Live if console.is_terminal else None)
 
 
 def cmd_runs(args) -> int:
@@ -168,8 +178,12 @@ def cmd_diff(args) -> int:
 
 def cmd_export(args) -> int:
     from agent.export import export_run, recheck
+    from agent.report import compile_only
 
     store = open_run(args)
+    if compile_only(store):
+        raise UsageError(f"run {store.run_id} is a compile-only run: nothing was checked or timed, so there is "
+                         "nothing to export; run the shapes on a GPU")
     out = args.out or store.folder / "export"
     for line in export_run(store, out):
         console.print(f"{line.problem.key}: {line.kernel_file or 'cuBLAS'} - {line.note}")
@@ -192,6 +206,8 @@ def cmd_bench(args) -> int:
     if args.mode == "server":
         if len(stores) != 1:
             raise UsageError("--mode server benches one run's exported op: give exactly one RUN")
+        pool, _ = start_pool(None)  # no GPU: one line, before anything is written
+        pool.close()
         out = stores[0].folder / "export"
         export_run(stores[0], out)
         report = bench.bench_server(out, args.target_qps, args.seconds)

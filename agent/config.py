@@ -20,7 +20,7 @@ class LlmSettings(BaseModel):
     model: str = "gpt-4o-mini"
     max_calls: int = Field(20, ge=0)
     max_tokens: int = Field(200_000, ge=0)
-    timeout_s: float = Field(30.0, gt=0)
+    timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)
     retries: int = Field(2, ge=0)
 
     @field_validator("base_url")
@@ -44,17 +44,25 @@ class LlmSettings(BaseModel):
     def api_key() -> str:
         return os.environ.get("OPENAI_API_KEY", "")
 
+    def missing(self) -> str | None:
+        """What stops a call to the endpoint before it is made, or None: the public endpoint needs a key, a local
+        one an address."""
+        if self.base_url is None and not self.api_key():
+            return ("--proposer llm/mixed needs an endpoint: set OPENAI_API_KEY (OpenAI), or OPENAI_BASE_URL / "
+                    "--llm-base-url (an OpenAI-compatible server such as vLLM or Ollama)")
+        return None
+
 
 class RunConfig(BaseModel):
     model_config = ConfigDict(frozen=True)
 
-    budget_minutes: float = Field(5.0, gt=0)
+    budget_minutes: float = Field(5.0, gt=0, allow_inf_nan=False)
     max_candidates: int = Field(16, ge=1, description="per shape")
     proposer: Proposer = "builtin"
     arch: Literal["sm_90a", "sm_80"] | None = None  # None: from the GPU, or sm_90a when compiling only
     compile_only: bool = False
-    kernel_timeout_s: float = Field(5.0, gt=0, description="slack beyond a phase's expected time")
-    compile_timeout_s: float = Field(60.0, gt=0)
+    kernel_timeout_s: float = Field(5.0, gt=0, allow_inf_nan=False, description="slack beyond a phase's expected time")
+    compile_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
     seed: int = 0
     profile: bool = True  # profile each shape's top candidates with Nsight Compute, where it is installed
     llm: LlmSettings = LlmSettings()

@@ -58,54 +58,97 @@ class LiveView:
         return t
 
 
+class LineView(LiveView):
+    """The same progress as whole lines, one a candidate, for pipes and files (no redrawn table)."""
+
+    def __init__(self, title: str, console):
+        super().__init__(title)
+        self.console = console
+        console.print(title, soft_wrap=True)
+
+    def __call__(self, kind: str, data: dict) -> None:
+        super().__call__(kind, data)
+        if kind in ("result", "profile"):
+            self.console.print(f"{data['problem'].key}: {self.last}", soft_wrap=True, markup=False)
+
+
+def compile_only(store: RunStore) -> bool:
+    return bool((store.get_meta("config") or {}).get("compile_only"))
+
+
 def runs_table(stores: list[RunStore]) -> Table:
     t = Table(title="runs")
-    for col in ("run", "shapes", "candidates", "ok", "arch", "state"):
+    for col in ("run", "shapes", "candidates", "passed checks", "arch", "state"):
         t.add_column(col)
     for s in stores:
         counts = s.failure_counts()
-        t.add_row(s.run_id, str(len(s.problems())), str(sum(counts.values())), str(counts.get("ok", 0)),
+        passed = f"- (compile only: {counts.get('skipped', 0)} compiled)" if compile_only(s) else \
+            str(counts.get("ok", 0))
+        t.add_row(s.run_id, str(len(s.problems())), str(sum(counts.values())), passed,
                   str(s.get_meta("arch", "?")), str(s.get_meta("state", "?")))
     return t
+
+
+def next_steps(store: RunStore) -> str:
+    """The commands that work for this run next."""
+    r = store.run_id
+    if compile_only(store):
+        return (f"run {r} compiled its candidates and ran nothing: no kernel was checked or timed. "
+                f"python -m agent show {r} | diff {r} A B (candidate ids from show); on a GPU machine, "
+                "run the shapes without --compile-only")
+    if not any(store.winner(p) for p in store.problems()):
+        return f"run {r}: no candidate passed the checks. python -m agent show {r} (failures by kind)"
+    return f"run {r}: python -m agent show {r} | diff {r} baseline best | export {r}"
 
 
 def show_run(store: RunStore) -> Group:
     cfg = store.get_meta("config", {})
     t = Table(title=f"run {store.run_id} ({store.get_meta('state', '?')}, arch {store.get_meta('arch', '?')}, "
                     f"proposer {cfg.get('proposer', '?')})")
-    for col in ("shape", "B", "tried", "failures", "best", "family", "µs", "cuBLAS µs", "ratio (median)",
-                "cold ratio", "% floor"):
+    for col in ("shape", "B", "dtype", "tried", "failures", "best", "family", "µs", "cuBLAS µs", "ratio (median)",
+                "cold ratio", "cold÷warm ours/cuBLAS", "% floor"):
         t.add_column(col)
     profiles = []
     for p in store.problems():
         counts = store.failure_counts(p)
         fails = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k not in ("ok", "skipped")) or "-"
         win = store.winner(p)
+        dtype = p.dtype + (" +bias" if p.bias else "")
         if win is None:
-            t.add_row(p.mnk, p.b_layout, str(sum(counts.values())), fails, "-", "-", "-", "-", "-", "-", "-")
+            t.add_row(p.mnk, p.b_layout, dtype, str(sum(counts.values())), fails, *["-"] * 8)
             continue
         c, r, ratio = win.candidate, win.result, win.speedup
         cold = r.cublas_cold.median_us / r.cold.median_us if r.cold and r.cublas_cold else None
+        cub_cw = r.cublas_cold.median_us / r.cublas_warm.median_us if r.cublas_cold and r.cublas_warm else None
+        cold_warm = f"{r.cold_over_warm:.2f}/{cub_cw:.2f}" if r.cold_over_warm and cub_cw else "-"
+        if r.fresh:
+            cold_warm += " (re-checked)"
         floor = 100 * p.floor_us() / r.time_us
         if (prof := store.profile(c.id)) is not None:
             text = prof.summary if prof.ok else f"profiling failed: {(prof.error.splitlines() or ['?'])[-1][:120]}"
             profiles.append(Text(f"profile {p.mnk} {p.b_layout} {c.id}: {text}"))  # Text: no markup in ncu's words
-        t.add_row(p.mnk, p.b_layout, str(sum(counts.values())), fails, c.id, c.family, fmt_us(r.time_us),
-                  fmt_us(r.cublas_warm.median_us), fmt_ratio(ratio), fmt_ratio(cold), f"{floor:.0f}%")
+        t.add_row(p.mnk, p.b_layout, dtype, str(sum(counts.values())), fails, c.id, c.family, fmt_us(r.time_us),
+                  fmt_us(r.cublas_warm.median_us), fmt_ratio(ratio), fmt_ratio(cold), cold_warm, f"{floor:.0f}%")
     device = store.get_meta("device")
     parts = [t, *profiles]
+    if compile_only(store):
+        parts.append("compile-only run: candidates were rendered and compiled, not run; nothing was checked or timed")
     stats = store.get_meta("proposer_stats") or {}
     if stats:
         parts.append("proposer: " + ", ".join(f"{k} {json.dumps(v)}" for k, v in stats.items() if v not in ({}, None)))
     if device:
-        parts.append(f"device: {device.get('name')} (driver {device.get('driver', '?')}, torch {device.get('torch')}"
-                     f", SM clock {device.get('sm_clock_mhz', '?')} MHz)")
+        sw = device.get("software", device)  # runs from before DeviceFacts kept versions at the top level
+        parts.append(f"device: {device.get('name')} (driver {sw.get('driver', '?')}, torch {sw.get('torch')}"
+                     f", SM clock {sw.get('sm_clock_mhz', '?')} MHz)")
     return Group(*parts)
 
 
 def resolve_candidate(store: RunStore, ref: str, problem: Problem | None = None) -> str:
     """A candidate id from an id (or unique prefix), 'best' or 'baseline' (the first one tried)."""
     problems = [problem] if problem else store.problems()
+    if ref == "best" and compile_only(store):
+        raise ValueError(f"run {store.run_id} is compile-only: nothing was checked, so there is no best; name "
+                         "candidate ids (python -m agent show lists them)")
     if ref in ("best", "baseline"):
         if len(problems) != 1:
             raise ValueError(f"'{ref}' needs one shape; this run has {len(problems)}: pass --shape")

@@ -10,14 +10,15 @@ from collections.abc import Callable
 from agent.config import RunConfig
 from agent.loop import SearchLoop
 from agent.proposers import make_proposer
-from agent.report import LiveView, show_run
+from agent.report import LineView, LiveView, next_steps, show_run
 from agent.store import RunStore
-from core.device import H200
+from core.device import H200, DeviceFacts
 from core.records import Problem
 from sandbox.build import NvrtcUnavailable, nvrtc_version
 from sandbox.profile import profile_candidate
 
 EXIT_INTERRUPTED = 130
+TIMING_COPIES = 8  # operand footprints a problem needs at once: check buffers, two timed sets a subject, references
 
 
 class SetupError(ValueError):
@@ -53,6 +54,9 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
     except NvrtcUnavailable as e:
         raise SetupError(str(e)) from None
     pool, device = (None, None) if config.compile_only else start_pool(config.arch)
+    if device is not None and (why := too_big(problems, device)):
+        pool.close()
+        raise SetupError(why)
     arch = config.arch or (device.arch if device else "sm_90a")
     facts = device or H200  # compile only: the search orders settings for the GPU we measure on
     proposer = make_proposer(config)
@@ -65,11 +69,15 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
         if device:
             store.set_meta("device", device.to_dict())
         store.set_meta("state", "running")
-        view = LiveView(f"run {store.run_id}: {config.proposer} proposer, {arch}"
-                        + (", compile only" if config.compile_only else f", {facts.name}"))
+        title = (f"run {store.run_id}: {config.proposer} proposer, {arch}"
+                 + (", compile only" if config.compile_only else f", {facts.name}"))
+        view = LiveView(title) if live_cls else LineView(title, console)
         loop = SearchLoop(store, config, proposer, arch, pool.evaluate if pool else None, view, profile_candidate,
                           device=facts)
-        with live_cls(view, console=console, refresh_per_second=4, transient=False):
+        if live_cls:
+            with live_cls(view, console=console, refresh_per_second=4, transient=False):
+                loop.run(problems)
+        else:  # pipes and files: whole lines as the run goes, no redrawn table
             loop.run(problems)
         store.set_meta("state", "done")
     except KeyboardInterrupt:
@@ -82,6 +90,16 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
         if pool is not None:
             pool.close()
     console.print(show_run(store))
-    console.print(f"run {store.run_id}: python -m agent show {store.run_id} | diff {store.run_id} baseline best "
-                  f"| export {store.run_id}")
+    console.print(next_steps(store), soft_wrap=True)
     return 0
+
+
+def too_big(problems: list[Problem], device: DeviceFacts) -> str | None:
+    """Why a problem cannot be checked and timed on this GPU (its operands, the checks' copies and the timing sets
+    would not fit in its memory), or None."""
+    for p in problems:
+        need = TIMING_COPIES * p.operand_bytes
+        if need > device.memory_bytes:
+            return (f"{p.mnk} needs about {need / 2**30:.0f} GiB of GPU memory for its operands, the checks' copies "
+                    f"and the timing sets; {device.name} has {device.memory_bytes / 2**30:.0f} GiB")
+    return None

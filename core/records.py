@@ -35,8 +35,8 @@ class Problem:
             raise ValueError(f"N and K must be multiples of 8 (16-byte rows), got {self.mnk}")
         for name, elements in (("A", self.m * self.k), ("B", self.k * self.n), ("C", self.m * self.n)):
             if elements > INT32_MAX:
-                raise ValueError(f"{self.mnk}: {name} has {elements:.3g} elements; the kernels index operands "
-                                 f"with 32-bit ints, so each may have at most {INT32_MAX} (2^31 - 1)")
+                raise ValueError(f"{name} would have {elements:.3g} elements; the kernels index operands with 32-bit "
+                                 f"ints, so each may have at most {INT32_MAX} (2^31 - 1)")
         if self.b_layout not in B_LAYOUTS:
             raise ValueError(f"unknown B layout {self.b_layout!r}: use one of {', '.join(B_LAYOUTS)}")
         if self.dtype not in DTYPES:

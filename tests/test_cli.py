@@ -25,6 +25,9 @@ def run_cli(capsys, *argv):
     (["run", "--compile-only"], "give the shapes"),
     (["run", "--mnk", "64_64_64", "--budget-minutes", "0", "--compile-only"], "budget_minutes"),
     (["run", "--mnk", "64_64_64", "--budget-minutes", "x"], "invalid float value"),
+    (["run", "--mnk", "64_64_64", "--budget-minutes", "inf", "--compile-only"], "finite"),
+    (["run", "--mnk", "99999999999999999999_8_8", "--compile-only"], "32-bit"),
+    (["run", "--mnk", "65536_65536_8", "--compile-only"], "32-bit"),
     (["run", "--resume", "nope"], "no run 'nope'"),
     (["show", "nope"], "no run 'nope'"),
     (["export", "../etc"], "bad run id"),
@@ -35,6 +38,62 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, argv, me
     assert code == 2
     assert message in err and err.count("\n") == 1 and err.startswith("error: ")
     assert not (tmp_path / "runs").exists()
+
+
+def test_runs_dir_naming_a_file(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    for argv in (["run", "--mnk", "64_64_64", "--compile-only"], ["runs"], ["show", "x"]):
+        code, _, err = run_cli(capsys, *argv, "--runs-dir", tmp_path / "afile")
+        assert code == 2 and "is a file, not a folder" in err and err.count("\n") == 1
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.parametrize("proposer", ["llm", "mixed"])
+def test_llm_proposer_without_an_endpoint_stops_at_once(tmp_path, capsys, monkeypatch, proposer):
+    for name in ("OPENAI_API_KEY", "OPENAI_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    code, _, err = run_cli(capsys, "run", "--mnk", "64_64_64", "--compile-only", "--proposer", proposer,
+                           "--runs-dir", tmp_path / "runs")
+    assert code == 2 and "OPENAI_API_KEY" in err and "OPENAI_BASE_URL" in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_compile_only_runs_say_nothing_was_checked(tmp_path, capsys):
+    code, out, _ = run_cli(capsys, "run", "--mnk", "64_64_64", "--compile-only", "--max-candidates", "2",
+                           "--runs-dir", tmp_path / "runs")
+    assert code == 0 and "nothing was checked" in out and "export" not in out.splitlines()[-1]
+    assert "no candidate passed" not in out
+    run = next((tmp_path / "runs").iterdir()).name
+    code, out, _ = run_cli(capsys, "runs", "--runs-dir", tmp_path / "runs")
+    assert "compile only: 2 compiled" in out
+    code, out, _ = run_cli(capsys, "show", run, "--runs-dir", tmp_path / "runs")
+    assert "nothing was checked or timed" in out
+    code, _, err = run_cli(capsys, "export", run, "--runs-dir", tmp_path / "runs")
+    assert code == 2 and "compile-only" in err and not (tmp_path / "runs" / run / "export").exists()
+    code, _, err = run_cli(capsys, "diff", run, "baseline", "best", "--runs-dir", tmp_path / "runs")
+    assert code == 2 and "compile-only" in err
+
+
+def test_piped_progress_is_whole_lines(tmp_path, capsys):
+    code, out, _ = run_cli(capsys, "run", "--mnk", "64_64_64,128_128_128", "--compile-only", "--max-candidates", "2",
+                           "--runs-dir", tmp_path / "runs")
+    lines = out.splitlines()
+    assert code == 0 and sum("compile only" in line and ":kn:f16:" in line for line in lines) == 4
+    progress = [line for line in lines if ":kn:f16: " in line]
+    assert progress and all(line.rstrip().endswith("compile only") for line in progress)
+    titles = [line.strip() for line in lines if "(done, arch" in line]
+    assert len(titles) == 1 and titles[0].startswith("run ")  # the summary's title on a line of its own
+
+
+def test_a_problem_too_big_for_the_gpu_is_refused():
+    from agent.runner import too_big
+    from core.device import DeviceFacts
+    from core.records import Problem
+
+    small_gpu = DeviceFacts.from_dict({"name": "Small GPU", "memory_bytes": 8 * 2**30})
+    assert too_big([Problem(64, 64, 64)], small_gpu) is None
+    why = too_big([Problem(64, 64, 64), Problem(16384, 16384, 16384)], small_gpu)
+    assert "16384_16384_16384" in why and "Small GPU has 8 GiB" in why
 
 
 def test_shapes_file_junk_line(tmp_path, capsys):
@@ -51,6 +110,16 @@ def test_folder_that_is_not_ours(tmp_path, capsys):
     (tmp_path / "runs" / "x" / "run.sqlite").write_bytes(b"garbage that is not sqlite" * 100)
     code, _, err = run_cli(capsys, "show", "x", "--runs-dir", tmp_path / "runs")
     assert code == 2 and ("corrupt" in err or "not a run store" in err)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU message")
+def test_server_bench_without_gpu_says_so_and_writes_nothing(tmp_path, capsys):
+    store = populated_run(tmp_path / "runs" / "r1")
+    store.close()
+    code, _, err = run_cli(capsys, "bench", "r1", "--mode", "server", "--runs-dir", tmp_path / "runs")
+    assert code == 2 and "no usable GPU" in err and err.count("\n") == 1
+    written = {p.name for p in (tmp_path / "runs" / "r1").iterdir()} - {"run.sqlite-wal", "run.sqlite-shm"}
+    assert written == {"run.sqlite"}  # no export, no report
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU message")

@@ -1,0 +1,1 @@
+"""hgemm-agent: searches fast half-precision matrix-multiply CUDA kernels and proves them against cuBLAS."""

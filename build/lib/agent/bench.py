@@ -1,0 +1,151 @@
+"""`bench`: per shape, the best kernel the given runs found (or cuBLAS where none beat it), re-checked and re-timed
+now next to cuBLAS in one worker: warm and cold ratios, TFLOP/s, % of the roofline floor. Table, JSON, PNG.
+
+`--mode server` instead calls the exported op the way a serving process does: one call at a time at random
+(exponential) intervals, latency per call from issue to completion, percentiles for ours and cuBLAS side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from agent.store import RunStore
+from core.records import BaselineJob, EvalJob, EvalResult, Problem, Status
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    shape: str
+    b_layout: str
+    kernel: str  # "<run>/<candidate>" or "cuBLAS"
+    ours_warm_us: float
+    cublas_warm_us: float
+    ours_cold_us: float
+    cublas_cold_us: float
+    ratio_warm: float
+    ratio_cold: float
+    tflops: float
+    floor_pct: float
+    ratio_cupti: float | None = None  # the same ratio from CUPTI kernel durations (no launch gaps)
+    note: str = ""
+
+
+def best_across(stores: list[RunStore], problem: Problem) -> tuple[RunStore, str, float] | None:
+    """The run and candidate with the highest median speed-up for this problem, if any beat cuBLAS."""
+    found = []
+    for s in stores:
+        if problem.key in {p.key for p in s.problems()} and (win := s.winner(problem)):
+            found.append((s, win.candidate.id, win.speedup))
+    top = max(found, key=lambda x: x[2], default=None)
+    return top if top and top[2] > 1.0 else None
+
+
+def row_from(problem: Problem, kernel: str, r: EvalResult, note: str = "") -> BenchRow:
+    ours_w, ours_c = (r.warm, r.cold) if r.warm else (r.cublas_warm, r.cublas_cold)
+    w, c = ours_w.median_us, ours_c.median_us
+    cupti = (r.cublas_warm.cupti_us / ours_w.cupti_us) if r.cublas_warm.cupti_us and ours_w.cupti_us else None
+    return BenchRow(problem.mnk, problem.b_layout, kernel, w, r.cublas_warm.median_us, c, r.cublas_cold.median_us,
+                    r.cublas_warm.median_us / w, r.cublas_cold.median_us / c if c > 0 else float("nan"),
+                    problem.flops / w / 1e6, 100 * problem.floor_us() / w, cupti, note)
+
+
+def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], progress=print) -> list[BenchRow]:
+    rows = []
+    for p in problems:
+        pick = best_across(stores, p)
+        note = ""
+        if pick is not None:
+            store, cid, _ = pick
+            cand, build = store.candidate(cid), store.build(cid)
+            r = evaluate(EvalJob(cid, p, cand.family, cand.params, build.cubin))
+            if r.status is Status.OK and r.speedup and r.speedup > 1.0:
+                rows.append(row_from(p, f"{store.run_id}/{cid}", r))
+                progress(f"{p.key}: {rows[-1].ratio_warm:.3f}x")
+                continue
+            note = f"{cid} now {r.status.value} {r.speedup or ''}: cuBLAS kept".strip()
+        r = evaluate(BaselineJob(p))
+        if r.status is not Status.OK:
+            progress(f"{p.key}: cuBLAS timing failed: {r.reason}")
+            continue
+        rows.append(row_from(p, "cuBLAS", r, note))
+        progress(f"{p.key}: cuBLAS")
+    return rows
+
+
+def geomean(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x and x > 0]
+    return statistics.geometric_mean(xs) if xs else float("nan")
+
+
+def write_outputs(rows: list[BenchRow], folder: Path, device: dict) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {"device": device, "rows": [asdict(r) for r in rows],
+            "geomean_warm": geomean([r.ratio_warm for r in rows]),
+            "geomean_cold": geomean([r.ratio_cold for r in rows])}
+    out = [folder / "bench.json"]
+    out[0].write_text(json.dumps(data, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return out
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(rows)), 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r.ratio_warm for r in rows], 0.4, label="warm L2")
+    ax.bar([x + 0.2 for x in xs], [r.ratio_cold for r in rows], 0.4, label="cold L2")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(list(xs), [f"{r.shape}:{r.b_layout}" for r in rows], rotation=70, fontsize=7)
+    ax.set_ylabel("t_cuBLAS / t_ours")
+    ax.set_title(f"{device.get('name', 'GPU')}: speed-up over cuBLAS (device time)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "bench.png", dpi=120)
+    out.append(folder / "bench.png")
+    return out
+
+
+def bench_server(export_dir: Path, qps: float, seconds: float, timeout_s: float = 900) -> dict:
+    """Runs sandbox.serve_bench in a fresh process on the exported op; returns its JSON report."""
+    cmd = [sys.executable, "-m", "sandbox.serve_bench", str(export_dir), str(qps), str(seconds)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                          cwd=Path(__file__).resolve().parents[1])
+    if proc.returncode != 0:
+        raise RuntimeError((proc.stderr or proc.stdout).strip().splitlines()[-1] if (proc.stderr or proc.stdout)
+                           else f"serve bench exited {proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def rows_table(rows: list[BenchRow], title: str):
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("shape", "B", "kernel", "ours µs", "cuBLAS µs", "ratio warm", "ratio cold", "ratio CUPTI", "TFLOP/s",
+                "% floor"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r.shape, r.b_layout, r.kernel, f"{r.ours_warm_us:,.2f}", f"{r.cublas_warm_us:,.2f}",
+                  f"{r.ratio_warm:.3f}x", f"{r.ratio_cold:.3f}x", f"{r.ratio_cupti:.3f}x" if r.ratio_cupti else "-",
+                  f"{r.tflops:.0f}", f"{r.floor_pct:.0f}%")
+    t.caption = (f"geomean ratio: warm {geomean([r.ratio_warm for r in rows]):.3f}x, "
+                 f"cold {geomean([r.ratio_cold for r in rows]):.3f}x")
+    return t
+
+
+def server_table(report: dict, qps: float):
+    from rich.table import Table
+
+    t = Table(title=f"server mode: single calls at {qps:g}/s (exponential gaps), latency µs incl. launch")
+    for col in ("shape", "op", "ours p50", "p90", "p99", "cuBLAS p50", "p90", "p99"):
+        t.add_column(col)
+    for key, r in report.items():
+        o, c = r["ours"], r["cublas"]
+        t.add_row(key, "kernel" if r["kernel"] else "cuBLAS", *(f"{o[q]:.1f}" for q in ("p50", "p90", "p99")),
+                  *(f"{c[q]:.1f}" for q in ("p50", "p90", "p99")))
+    return t

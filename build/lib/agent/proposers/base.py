@@ -1,0 +1,47 @@
+"""The proposer interface and what a proposer sees of the search so far."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from agent.bandit import ThompsonBandit
+from core.device import H200, DeviceFacts
+from core.records import BuildResult, Candidate, EvalResult, Problem
+
+
+@dataclass
+class SearchState:
+    """Everything tried for one problem so far, in order, with the bandit that scores the arms."""
+
+    problem: Problem
+    arch: str
+    bandit: ThompsonBandit
+    tried: list[tuple[Candidate, BuildResult | None, EvalResult]] = field(default_factory=list)
+    device: DeviceFacts = H200  # the GPU the candidates run on (the H200 stand-in when compiling only)
+    profiles: dict[str, str] = field(default_factory=dict)  # candidate id -> Nsight Compute summary line
+
+    @property
+    def tried_ids(self) -> set[str]:
+        return {c.id for c, _, _ in self.tried}
+
+
+def arm_of(c: Candidate) -> str:
+    """The bandit arm a candidate belongs to: its proposer and family. (Arms per tile-shape region were tried too:
+    replayed on a measured sweep of three shapes they needed as many or more candidates; see BENCHMARKS.md.)"""
+    return c.arm
+
+
+class Proposer(ABC):
+    name: str
+
+    @abstractmethod
+    def propose(self, state: SearchState, n: int = 1) -> list[Candidate]:
+        """Up to n new candidates (none already tried); an empty list means this proposer has nothing left."""
+
+    def stats(self) -> dict:
+        """Counters worth keeping with the run (calls, tokens, dropped responses); never secrets."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the proposer holds (connections)."""

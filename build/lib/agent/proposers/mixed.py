@@ -1,0 +1,51 @@
+"""The mixed proposer: an LLM's proposals and the built-in ones in turn, so that the run never waits on the model.
+
+The built-in proposer fills every gap the LLM leaves, and takes over for good when the LLM stops (endpoint down,
+budget spent): --proposer mixed asks the LLM every other call, --proposer llm every call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent.proposers.base import Proposer, SearchState
+from agent.proposers.llm import LlmProposer
+from core.records import Candidate
+
+
+class MixedProposer(Proposer):
+    """LLM and built-in proposals in turn; the built-in one fills every gap the LLM leaves, for good if it stops.
+
+    llm_every=2 asks the LLM on every other call (--proposer mixed); llm_every=1 asks it on every call and uses the
+    built-in proposer only when the LLM has nothing (--proposer llm: the run goes on if the endpoint is down).
+    """
+
+    def __init__(self, llm: LlmProposer, builtin: Proposer, llm_every: int = 2, name: str = "mixed"):
+        self.llm, self.builtin, self.llm_every, self.name = llm, builtin, max(1, llm_every), name
+        self.turn = 0
+        self.handed = {"llm": 0, "builtin": 0}
+
+    def propose(self, state: SearchState, n: int = 1) -> list[Candidate]:
+        self.turn += 1
+        llm_turn = self.turn % self.llm_every == 0
+        order = [("llm", self.llm), ("builtin", self.builtin)] if llm_turn else [("builtin", self.builtin),
+                                                                                ("llm", self.llm)]
+        out: list[Candidate] = []
+        for label, source in order:
+            if len(out) >= n:
+                break
+            seen = state.tried_ids | {c.id for c in out}
+            got = [c for c in source.propose(state, n - len(out)) if c.id not in seen]
+            self.handed[label] += len(got)
+            out += got
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        stopped = self.llm.stopped
+        return {"proposer": self.name, "candidates_from": dict(self.handed),
+                "fallback": f"the LLM stopped ({stopped}); the built-in proposer goes on" if stopped else None,
+                "llm": self.llm.stats(), "builtin": self.builtin.stats()}
+
+    def close(self) -> None:
+        self.llm.close()
+        self.builtin.close()

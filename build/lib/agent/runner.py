@@ -1,0 +1,105 @@
+"""Set up and drive one run: pick the arch, start the GPU worker, open the store, show progress, stop cleanly.
+
+Everything that can fail on bad input or a missing GPU fails here, before the run folder is created.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from agent.config import RunConfig
+from agent.loop import SearchLoop
+from agent.proposers import make_proposer
+from agent.report import LineView, LiveView, next_steps, show_run
+from agent.store import RunStore
+from core.device import H200, DeviceFacts
+from core.records import Problem
+from sandbox.build import NvrtcUnavailable, nvrtc_version
+from sandbox.profile import profile_candidate
+
+EXIT_INTERRUPTED = 130
+TIMING_COPIES = 8  # operand footprints a problem needs at once: check buffers, two timed sets a subject, references
+
+
+class SetupError(ValueError):
+    pass
+
+
+def start_pool(arch: str | None):
+    """A started GPU worker pool and its DeviceFacts, or a SetupError saying why there is none."""
+    from sandbox.pool import WorkerPool, WorkerUnavailable
+
+    pool = WorkerPool()
+    try:
+        pool.start()
+    except WorkerUnavailable as e:
+        pool.close()
+        raise SetupError(f"no usable GPU ({e}); --compile-only renders and compiles without one") from None
+    facts = pool.facts
+    if arch and arch != facts.arch:
+        pool.close()
+        raise SetupError(f"--arch {arch} does not match the GPU ({facts.name}, {facts.arch})")
+    return pool, facts
+
+
+def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore | None,
+            make_store: Callable[[], RunStore], console, live_cls) -> int:
+    if store is not None:  # resume: the run's own shapes, its proposer, its arch
+        problems = store.problems()
+        saved = RunConfig(**store.get_meta("config"))
+        config = config.model_copy(update={"proposer": saved.proposer, "arch": store.get_meta("arch"),
+                                           "compile_only": saved.compile_only, "seed": saved.seed})
+    try:
+        nvrtc_version()
+    except NvrtcUnavailable as e:
+        raise SetupError(str(e)) from None
+    pool, device = (None, None) if config.compile_only else start_pool(config.arch)
+    if device is not None and (why := too_big(problems, device)):
+        pool.close()
+        raise SetupError(why)
+    arch = config.arch or (device.arch if device else "sm_90a")
+    facts = device or H200  # compile only: the search orders settings for the GPU we measure on
+    proposer = make_proposer(config)
+    try:
+        if store is None:
+            store = make_store()
+            store.add_problems(problems)
+            store.set_meta("config", config.model_dump(mode="json"))
+        store.set_meta("arch", arch)
+        if device:
+            store.set_meta("device", device.to_dict())
+        store.set_meta("state", "running")
+        title = (f"run {store.run_id}: {config.proposer} proposer, {arch}"
+                 + (", compile only" if config.compile_only else f", {facts.name}"))
+        view = LiveView(title) if live_cls else LineView(title, console)
+        loop = SearchLoop(store, config, proposer, arch, pool.evaluate if pool else None, view, profile_candidate,
+                          device=facts)
+        if live_cls:
+            with live_cls(view, console=console, refresh_per_second=4, transient=False):
+                loop.run(problems)
+        else:  # pipes and files: whole lines as the run goes, no redrawn table
+            loop.run(problems)
+        store.set_meta("state", "done")
+    except KeyboardInterrupt:
+        if store is not None:
+            store.set_meta("state", "interrupted")
+            console.print(f"interrupted: python -m agent run --resume {store.run_id} continues it")
+        return EXIT_INTERRUPTED
+    finally:
+        proposer.close()
+        if pool is not None:
+            pool.close()
+    console.print(show_run(store))
+    console.print(next_steps(store), soft_wrap=True)
+    return 0
+
+
+def too_big(problems: list[Problem], device: DeviceFacts) -> str | None:
+    """Why a problem cannot be checked and timed on this GPU (its operands, the checks' copies and the timing sets
+    would not fit in its memory), or None."""
+    for p in problems:
+        need = TIMING_COPIES * p.operand_bytes
+        if need > device.memory_bytes:
+            return (f"{p.mnk} needs about {need / 2**30:.0f} GiB of GPU memory for its operands, the checks' copies "
+                    f"and the timing sets; {device.name} has {device.memory_bytes / 2**30:.0f} GiB")
+    return None

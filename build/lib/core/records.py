@@ -1,0 +1,248 @@
+"""Typed, immutable records passed between the pipeline's stages.
+
+A failure is data in a record (with its log), never an exception that crosses a stage boundary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+B_LAYOUTS = ("kn", "nk")  # kn: B is K x N row-major (torch.matmul); nk: N x K row-major (nn.Linear weight)
+DTYPES = ("f16", "bf16")  # inputs and output; accumulation is fp32 in both
+INT32_MAX = 2**31 - 1  # kernels take M, N, K as 32-bit ints, and so do their element offsets in places
+
+
+@dataclass(frozen=True)
+class Problem:
+    """C[M,N] = A[M,K] @ B (+ bias[N] when `bias`), 16-bit inputs and output (`dtype`), fp32 accumulation."""
+
+    m: int
+    n: int
+    k: int
+    b_layout: str = "kn"
+    dtype: str = "f16"
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.m, self.n, self.k) < 1:
+            raise ValueError(f"M, N and K must be positive, got {self.mnk}")
+        if self.n % 8 or self.k % 8:
+            raise ValueError(f"N and K must be multiples of 8 (16-byte rows), got {self.mnk}")
+        for name, elements in (("A", self.m * self.k), ("B", self.k * self.n), ("C", self.m * self.n)):
+            if elements > INT32_MAX:
+                raise ValueError(f"{name} would have {elements:.3g} elements; the kernels index operands with 32-bit "
+                                 f"ints, so each may have at most {INT32_MAX} (2^31 - 1)")
+        if self.b_layout not in B_LAYOUTS:
+            raise ValueError(f"unknown B layout {self.b_layout!r}: use one of {', '.join(B_LAYOUTS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
+
+    @property
+    def mnk(self) -> str:
+        return f"{self.m}_{self.n}_{self.k}"
+
+    @property
+    def key(self) -> str:
+        """M_N_K:layout:dtype, and :bias where a bias is added: how shapes files and tables name a problem."""
+        return f"{self.mnk}:{self.b_layout}:{self.dtype}" + (":bias" if self.bias else "")
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k
+
+    @property
+    def operand_bytes(self) -> int:
+        """A, B and C (and the bias), each element 2 bytes."""
+        return 2 * (self.m * self.k + self.k * self.n + self.m * self.n + (self.n if self.bias else 0))
+
+    @property
+    def min_bytes(self) -> float:
+        return float(self.operand_bytes)
+
+    def floor_us(self, peak_tflops: float = 800.0, peak_tbps: float = 4.3) -> float:
+        """Roofline floor: the larger of the arithmetic and memory times, launch latency excluded."""
+        return max(self.flops / (peak_tflops * 1e6), self.min_bytes / (peak_tbps * 1e6))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One kernel proposal: a template family, its parameters, and optionally an edited template source."""
+
+    problem: Problem
+    family: str
+    params: dict[str, Any]
+    origin: str = "builtin"  # which proposer made it; part of the bandit arm
+    rationale: str = ""
+    template_override: str | None = None  # an edited template (from an LLM) replacing the family's own
+
+    @property
+    def id(self) -> str:
+        """Content id: the same proposal for the same problem always gets the same id."""
+        blob = json.dumps(
+            [self.problem.key, self.family, self.params, self.template_override], sort_keys=True
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    @property
+    def arm(self) -> str:
+        return f"{self.origin}:{self.family}"
+
+
+@dataclass(frozen=True)
+class TensorMapSpec:
+    """A TMA tensor map the host encodes for each launch over operand A, B or C (packed fp16, rows contiguous) and
+    passes by value after the six fixed arguments."""
+
+    operand: Literal["A", "B", "C"]
+    dims: tuple[int, ...]  # elements per dimension, innermost first
+    box: tuple[int, ...]  # the tile one TMA copy moves, innermost first
+    swizzle: int = 128  # bytes: 0, 32, 64 or 128
+    # byte strides of dims[1:], in any order (a view such as B's 64-column panels as a third dimension); empty: the
+    # packed tensor (rows contiguous). The family keeps every address such a view reaches inside the operand.
+    strides: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How the trusted host side launches a rendered kernel (never supplied by a proposer)."""
+
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int
+    kernel_name: str = "hgemm"
+    tensor_maps: tuple[TensorMapSpec, ...] = ()
+    # > 0 (either): the kernel takes two more pointers, a scratch buffer of at least workspace_bytes (split-K partial
+    # tiles) and a zeroed array of at least `counters` 32-bit counters that it leaves zeroed; sandbox.driver keeps
+    # one of each per GPU
+    workspace_bytes: int = 0
+    counters: int = 0
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    candidate_id: str
+    ok: bool
+    arch: str
+    source: str
+    cubin: bytes | None = None
+    log: str = ""
+    registers: int | None = None
+    smem_static: int | None = None
+    spill_bytes: int | None = None
+    stack_bytes: int | None = None
+    compile_s: float = 0.0
+    cached: bool = False
+    error: str = ""
+
+
+class Status(StrEnum):
+    OK = "ok"
+    INVALID = "invalid"  # parameters rejected by the family's space before compiling
+    COMPILE_ERROR = "compile_error"
+    WRONG = "wrong"  # ran, but failed a correctness check
+    FAULT = "fault"  # CUDA error (illegal address, trap, ...) or worker crash
+    TIMEOUT = "timeout"
+    SKIPPED = "skipped"  # compile-only runs
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Device time per launch in microseconds: median and spread (min..max of graph replays), and the kernels' own
+    duration per launch as CUPTI reports it for one replay (no launch gaps; warm timings only)."""
+
+    median_us: float
+    min_us: float
+    max_us: float
+    launches: int
+    cupti_us: float | None = None
+
+    @property
+    def spread(self) -> float:
+        return (self.max_us - self.min_us) / self.median_us if self.median_us > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    candidate_id: str
+    status: Status
+    reason: str = ""
+    warm: Timing | None = None
+    cold: Timing | None = None
+    cublas_warm: Timing | None = None
+    cublas_cold: Timing | None = None
+    # the re-check of a candidate whose warm time looked too good next to its cold one: each launch on new inputs
+    fresh: Timing | None = None
+    cublas_fresh: Timing | None = None
+    max_rel_err: float | None = None
+    cublas_rel_err: float | None = None
+    device: dict[str, Any] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    @property
+    def time_us(self) -> float:
+        """The score: warm device time, inf for anything that failed."""
+        return self.warm.median_us if self.status is Status.OK and self.warm else math.inf
+
+    @property
+    def cold_over_warm(self) -> float | None:
+        """How much slower the candidate ran with a cold L2 than a warm one (cuBLAS's own is beside it)."""
+        return self.cold.median_us / self.warm.median_us if self.cold and self.warm and self.warm.median_us else None
+
+    @property
+    def speedup(self) -> float | None:
+        """t_cuBLAS / t_candidate, measured in the same process."""
+        if self.status is not Status.OK or not self.warm or not self.cublas_warm:
+            return None
+        return self.cublas_warm.median_us / self.warm.median_us
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["status"] = self.status.value
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> EvalResult:
+        d = json.loads(text)
+        d["status"] = Status(d["status"])
+        for key in ("warm", "cold", "cublas_warm", "cublas_cold", "fresh", "cublas_fresh"):
+            if d.get(key):
+                d[key] = Timing(**d[key])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    """What the agent sends a GPU worker: a compiled candidate and how to launch it (by family name)."""
+
+    candidate_id: str
+    problem: Problem
+    family: str
+    params: dict[str, Any]
+    cubin: bytes
+    timeout_s: float = 5.0  # slack beyond the expected time of each GPU phase before the worker is killed
+    time_it: bool = True
+    seed: int | None = None  # None: the worker draws fresh random inputs each time
+
+
+@dataclass(frozen=True)
+class BaselineJob:
+    """Time cuBLAS alone for a problem (shapes where no kernel beat it)."""
+
+    problem: Problem
+    timeout_s: float = 5.0
+    candidate_id: str = "cublas"
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """Nsight Compute's view of one candidate: named metrics (percentages, µs) and a one-line verdict."""
+
+    ok: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+    summary: str = ""  # e.g. "L2 hit 62%, DRAM 85% busy, SM 40%: memory-bound; top stalls long_scoreboard 41%"
+    error: str = ""

@@ -1,0 +1,1 @@
+"""Jinja prompt texts for the LLM proposer: data, shipped with the package (`prompts/*.j2`)."""

@@ -1,0 +1,256 @@
+"""Correctness checks that a fast-but-wrong kernel cannot pass (GPU worker only).
+
+Every candidate, before it is timed, on the target shape and on edge shapes:
+- fresh random normal inputs, an fp64 reference, and cuBLAS's own error on the same inputs. Accepted when the
+  candidate's relative Frobenius error is at most ERR_FACTOR x cuBLAS's (plus a tiny absolute slack), its largest
+  element error at most ERR_FACTOR x cuBLAS's largest plus one ulp of that element in the output dtype, and it
+  rounds as often to the correctly rounded reference as cuBLAS does (at most ERR_FACTOR x cuBLAS's share of elements
+  that differ from it, plus MISMATCH_SLACK). Why: with fp32 accumulation the error is dominated by the one final
+  rounding, the same for any summation order, so a correct kernel lands at about 1.0x; accumulating in 16 bits or
+  dropping a K slice lands far above 2x, and rounding twice (the sum first, then the sum plus the bias, or through
+  fp16 on the way to bf16) differs from the correctly rounded result in a quarter of the elements;
+- exact checks: inputs from {0, 1} and {-1, 0, 1} (and such a bias), so every dot product is an integer; where it is
+  representable in the dtype (|x| <= 2048 for fp16, 256 for bf16) the output must equal it exactly. They reuse the
+  random check's buffers, so a kernel that returns a result cached from a previous call is caught;
+- bf16 only: inputs scaled so that the outputs lie far outside fp16's range: a kernel computing or rounding through
+  fp16 overflows there;
+- the output poisoned with NaN before each launch (unwritten elements stay NaN), guard regions around inputs and
+  output (out-of-bounds writes), inputs compared bit for bit afterwards (a kernel must not write its inputs),
+  shared memory filled with NaN before each launch (reads of uninitialised shared memory),
+- the same inputs launched twice must give identical bits unless the family declares itself nondeterministic.
+`verify_rows` checks a random sample of rows the same way; the timing checks (sandbox/timed.py) use it on every
+output of every timed replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from core.records import Problem
+
+ERR_FACTOR = 2.0
+MISMATCH_SLACK = 0.02  # share of elements a correct kernel may round differently from cuBLAS beyond ERR_FACTOR x
+POISON = 0x7E00  # fp16 quiet NaN; as bf16 bits 0x7E00 is 2^125 (finite): the poison is found by its bits
+GUARD = 0x7E55  # a pattern no arithmetic produces in either dtype's outputs here
+EXACT_LIMIT = {"f16": 2048, "bf16": 256}  # largest integer range each dtype holds exactly
+TORCH_DTYPE = {"f16": torch.float16, "bf16": torch.bfloat16}
+MANTISSA_BITS = {"f16": 10, "bf16": 7}
+MIN_NORMAL_EXP = {"f16": -14, "bf16": -126}
+RANGE_SCALE = 2.0 ** 9  # bf16 range check: each input x 2^9, so |C| ~ 2^18 sqrt(K), above fp16's 65504
+
+# launch(A, B, C, M, N, K, bias): bias is None where the problem has none
+Launch = Callable[..., None]
+
+
+class CheckFailed(Exception):
+    """A correctness finding; its message is the reason recorded with the candidate."""
+
+
+@dataclass
+class GuardedStack:
+    """`count` 2-D tensors of one dtype (rows x cols each) in one allocation, each between margins holding a sentinel
+    pattern: out-of-bounds writes land in a margin. `count` 1 is a single guarded tensor."""
+
+    rows: int
+    cols: int
+    dtype: torch.dtype = torch.float16
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        self.margin = 256 * self.cols + 4096  # a whole tile-row overrun stays inside the margin
+        self.slot = self.rows * self.cols + self.margin
+        self.flat = torch.full((self.margin + self.count * self.slot,), GUARD, dtype=torch.int16, device="cuda")
+        slots = self.flat[self.margin:].view(self.count, self.slot)
+        self.bits = slots[:, : self.rows * self.cols]  # a strided view of every tensor's elements
+        self.all = self.bits.view(self.dtype).view(self.count, self.rows, self.cols)
+        self.tensor = self.all[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.all[i]
+
+    def guards_intact(self) -> bool:
+        tails = self.flat[self.margin:].view(self.count, self.slot)[:, self.rows * self.cols:]
+        return bool((self.flat[: self.margin] == GUARD).all() and (tails == GUARD).all())
+
+    def poison(self) -> None:
+        self.bits.fill_(POISON)
+
+    def poisoned(self) -> torch.Tensor:
+        """Per tensor: the flat index of its first element still holding the poison, or -1."""
+        hit = self.bits == POISON
+        first = hit.int().argmax(dim=1)
+        return torch.where(hit.any(dim=1), first, torch.full_like(first, -1))
+
+
+def guarded(rows: int, cols: int, dtype: str = "f16") -> GuardedStack:
+    return GuardedStack(rows, cols, TORCH_DTYPE[dtype])
+
+
+def edge_shapes(problem: Problem) -> list[tuple[int, int, int]]:
+    """The target, a tiny ragged shape, and shapes just off the target's tile multiples."""
+    m, n, k = problem.m, problem.n, problem.k
+    shapes = [(m, n, k), (17, 24, 40), (1, 8, 8)]
+    shapes.append((min(m, 300) + 13, min(n, 256) + 24, min(k, 512) + 8))
+    shapes.append((max(1, m - 1), max(8, n - 8), max(8, k - 8)))
+    return list(dict.fromkeys(shapes))
+
+
+def b_as_kn(b: torch.Tensor, b_layout: str) -> torch.Tensor:
+    return b if b_layout == "kn" else b.t()
+
+
+def reference(a: torch.Tensor, b_kn: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp64 product (plus bias) and cuBLAS's result in the inputs' dtype (bias fused, as F.linear does), as fp64."""
+    ref = a.double() @ b_kn.double()
+    if bias is None:
+        cublas = a @ b_kn
+    else:
+        ref += bias.double()
+        cublas = torch.addmm(bias, a, b_kn)
+    return ref, cublas.double()
+
+
+class Checker:
+    def __init__(self, launch: Launch, problem: Problem, *, deterministic: bool = True,
+                 scrub: Callable[[], None] | None = None, seed: int = 0):
+        self.launch, self.problem, self.deterministic = launch, problem, deterministic
+        self.dtype = problem.dtype
+        self.scrub = scrub or (lambda: None)
+        self.gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.rel_err = self.cublas_rel_err = 0.0
+
+    def buffers(self, m: int, n: int, k: int) -> tuple[GuardedStack, GuardedStack, GuardedStack, GuardedStack | None]:
+        b = guarded(k, n, self.dtype) if self.problem.b_layout == "kn" else guarded(n, k, self.dtype)
+        bias = guarded(1, n, self.dtype) if self.problem.bias else None
+        return guarded(m, k, self.dtype), b, guarded(m, n, self.dtype), bias
+
+    def b_as_kn(self, b: torch.Tensor) -> torch.Tensor:
+        return b_as_kn(b, self.problem.b_layout)
+
+    def run(self, a: GuardedStack, b: GuardedStack, c: GuardedStack, bias: GuardedStack | None = None,
+            garbage: bool = False) -> torch.Tensor:
+        """Poison (or fill with finite garbage), scrub, launch once; return the output after the memory checks.
+
+        A kernel that writes only where C holds the poison passes a poisoned launch; the garbage fill catches it."""
+        inputs = [t for t in (a, b, bias) if t is not None]
+        before = [t.tensor.clone() for t in inputs]
+        if garbage:
+            c.tensor.copy_(torch.rand(c.rows, c.cols, generator=self.gen, device="cuda") * 1000 - 500)
+        else:
+            c.poison()
+        self.scrub()
+        self.launch(a.tensor, b.tensor, c.tensor, c.rows, c.cols, a.cols, None if bias is None else bias.tensor[0])
+        torch.cuda.synchronize()  # a CUDA fault surfaces here, as an exception the worker reports
+        shape = self._shape(c, a)
+        if not all(t.guards_intact() for t in (*inputs, c)):
+            raise CheckFailed(f"out-of-bounds write: a guard region next to an operand changed ({shape})")
+        if not all(same_bits(t.tensor, old) for t, old in zip(inputs, before, strict=True)):
+            raise CheckFailed(f"the kernel modified its inputs ({shape})")
+        out = c.tensor.clone()
+        if (first := int(c.poisoned()[0])) >= 0:
+            raise CheckFailed(f"unwritten output: C[{first // c.cols},{first % c.cols}] still holds the poison "
+                              f"({shape})")
+        if not torch.isfinite(out).all():
+            raise CheckFailed(f"NaN or Inf in the output ({shape})")
+        return out
+
+    def randomise(self, *tensors: GuardedStack | None, scale: float = 1.0) -> None:
+        for t in tensors:
+            if t is not None:
+                t.tensor.copy_(torch.randn(t.rows, t.cols, generator=self.gen, device="cuda") * scale)
+
+    def check_random(self, a: GuardedStack, b: GuardedStack, c: GuardedStack, bias: GuardedStack | None,
+                     scale: float = 1.0) -> torch.Tensor:
+        self.randomise(a, b, scale=scale)
+        # a bias of the products' size: dropping it, or adding it after rounding, is plain in the error
+        self.randomise(bias, scale=scale * scale * a.cols ** 0.5)
+        out = self.run(a, b, c, bias)
+        self.verify(out, a.tensor, b.tensor, None if bias is None else bias.tensor[0], self._shape(c, a))
+        rerun = self.run(a, b, c, bias, garbage=True)
+        if self.deterministic and not same_bits(rerun, out):
+            raise CheckFailed(f"nondeterministic, or the output depends on what C held before the launch "
+                              f"({self._shape(c, a)})")
+        if not self.deterministic:
+            self.verify(rerun, a.tensor, b.tensor, None if bias is None else bias.tensor[0], self._shape(c, a))
+        return out
+
+    def verify(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: str,
+               what: str = "wrong result") -> None:
+        """The error bounds against the fp64 reference, relative to cuBLAS's own error on the same inputs."""
+        if not torch.isfinite(out).all():
+            raise CheckFailed(f"{what}: NaN or Inf in the output ({shape})")
+        ref, cublas = reference(a, self.b_as_kn(b), bias)
+        out = out.double()
+        err, cub_err = _rel_fro(out, ref), _rel_fro(cublas, ref)
+        diff, cub_diff = (out - ref).abs(), (cublas - ref).abs()
+        too_far = diff > ERR_FACTOR * cub_diff.max() + _ulp(ref, self.dtype)
+        if err > ERR_FACTOR * cub_err + 1e-6 or too_far.any():
+            where = too_far.nonzero()[0].tolist() if too_far.any() else "overall"
+            raise CheckFailed(f"{what}: relative error {err:.2e} vs cuBLAS {cub_err:.2e}, "
+                              f"first bad element {where} ({shape})")
+        rounded = ref.to(TORCH_DTYPE[self.dtype]).double()
+        share, cub_share = _share(out != rounded), _share(cublas != rounded)
+        if share > ERR_FACTOR * cub_share + MISMATCH_SLACK:
+            raise CheckFailed(f"{what}: {100 * share:.1f}% of the elements differ from the correctly rounded result "
+                              f"(cuBLAS {100 * cub_share:.1f}%): rounded twice or in another precision ({shape})")
+        self.rel_err, self.cublas_rel_err = max(self.rel_err, err), max(self.cublas_rel_err, cub_err)
+
+    def verify_rows(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                    what: str, samples: int = 64) -> None:
+        """`verify` on a random sample of the rows of one output (cheap: an fp64 product of those rows only)."""
+        rows = torch.randperm(out.shape[0], generator=self.gen, device="cuda")[:samples]
+        self.verify(out[rows], a[rows], b, bias, f"M={out.shape[0]} N={out.shape[1]} K={a.shape[1]}, "
+                    f"{len(rows)} sampled rows", what)
+
+    def check_exact(self, a: GuardedStack, b: GuardedStack, c: GuardedStack, bias: GuardedStack | None,
+                    low: int) -> None:
+        for t in (a, b, bias):
+            if t is not None:
+                t.tensor.copy_(torch.randint(low, 2, (t.rows, t.cols), generator=self.gen, device="cuda"))
+        out = self.run(a, b, c, bias).double()
+        ref = a.tensor.double() @ self.b_as_kn(b.tensor).double()
+        if bias is not None:
+            ref += bias.tensor[0].double()
+        exact = ref.abs() <= EXACT_LIMIT[self.dtype]
+        bad = exact & (out != ref)
+        if bad.any():
+            r, col = bad.nonzero()[0].tolist()
+            raise CheckFailed(f"wrong result on integer inputs {{{low}..1}}: C[{r},{col}] = {out[r, col].item():g}, "
+                              f"exact {ref[r, col].item():g} ({self._shape(c, a)})")
+
+    def check_all(self, problem: Problem) -> None:
+        """Raises CheckFailed with the first finding; returns quietly when every check passes."""
+        for i, (m, n, k) in enumerate(edge_shapes(problem)):
+            bufs = self.buffers(m, n, k)
+            self.check_random(*bufs)
+            if i in (0, 1):  # exact checks on the target and the tiny ragged shape, in the same buffers
+                self.check_exact(*bufs, low=0)
+                self.check_exact(*bufs, low=-1)
+            if i == 1 and self.dtype == "bf16":
+                self.check_random(*bufs, scale=RANGE_SCALE)
+            del bufs
+
+    @staticmethod
+    def _shape(c: GuardedStack, a: GuardedStack) -> str:
+        return f"M={c.rows} N={c.cols} K={a.cols}"
+
+
+def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return bool(torch.equal(x.view(torch.int16), y.view(torch.int16)))
+
+
+def _share(mask: torch.Tensor) -> float:
+    return float(mask.double().mean()) if mask.numel() else 0.0
+
+
+def _rel_fro(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(torch.linalg.norm(x - ref) / torch.linalg.norm(ref).clamp_min(1e-30))
+
+
+def _ulp(ref: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Spacing of the dtype's numbers at each reference value (subnormal spacing near zero)."""
+    exp = torch.floor(torch.log2(ref.abs().clamp_min(2.0 ** MIN_NORMAL_EXP[dtype])))
+    return torch.pow(2.0, exp - MANTISSA_BITS[dtype])

@@ -1,0 +1,90 @@
+"""Load a cubin with CuPy and launch it on PyTorch's current stream (GPU worker only).
+
+The launch geometry and any TMA tensor maps come from the family's trusted `launch()` rule, never from a proposer.
+Kernels are launched through the driver (`sandbox.driver`) on `torch.cuda.current_stream()`, so they land inside a
+`torch.cuda.graph` capture like any torch op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import warnings
+from collections.abc import Callable
+
+import cupy
+import numpy as np
+import torch
+
+from core.device import H200, DeviceFacts
+from core.records import LaunchSpec, Problem
+from sandbox import driver
+
+# CuPy 14 deprecates ExternalStream in favour of Stream.from_external; the old name still wraps torch's stream
+# handle exactly, on every CuPy this runs with.
+warnings.filterwarnings("ignore", "ExternalStream is deprecated", DeprecationWarning)
+
+LaunchRule = Callable[[int, int, int], LaunchSpec]
+
+
+class Kernel:
+    """A loaded kernel: call it with torch tensors A, B, C and the sizes M, N, K."""
+
+    def __init__(self, cubin: bytes, launch_rule: LaunchRule, name: str = "hgemm"):
+        fd, path = tempfile.mkstemp(suffix=".cubin")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(cubin)
+            self.module = cupy.RawModule(path=path)
+            self.function = self.module.get_function(name)
+            self.function.attributes  # forces the load now, so a bad cubin fails here  # noqa: B018
+        finally:
+            os.unlink(path)
+        self.launch_rule = launch_rule
+        self._smem_raised = 0
+
+    @classmethod
+    def for_family(cls, cubin: bytes, family: str, params: dict, problem: Problem,
+                   device: DeviceFacts = H200) -> Kernel:
+        """A kernel launched by its family's trusted rule, for whatever M, N, K it is called with (the problem's
+        layout, dtype and bias)."""
+        from templates import get_family
+
+        fam = get_family(family)
+        return cls(cubin, lambda m, n, k: fam.launch(params, dataclasses.replace(problem, m=m, n=n, k=k), device))
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, m: int, n: int, k: int,
+                 bias: torch.Tensor | None = None) -> None:
+        spec = self.launch_rule(m, n, k)
+        if spec.smem_bytes > self._smem_raised:
+            self.function.max_dynamic_shared_size_bytes = spec.smem_bytes
+            self._smem_raised = spec.smem_bytes
+        driver.launch(self.function.kernel.ptr, spec.grid, spec.block, spec.smem_bytes,
+                      torch.cuda.current_stream().cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()),
+                      (m, n, k), [(t.operand, t.dims, t.box, t.swizzle, t.strides) for t in spec.tensor_maps],
+                      spec.workspace_bytes, spec.counters, None if bias is None else bias.data_ptr())
+
+
+SCRUB_SOURCE = r"""
+extern "C" __global__ void scrub(int words) {
+    extern __shared__ unsigned int smem[];
+    for (int i = threadIdx.x; i < words; i += blockDim.x) smem[i] = 0xFFFFFFFFu;  // fp16 NaN pairs
+    __syncthreads();
+    if (smem[(threadIdx.x * 7) % words] == 0u) smem[0] = 0u;  // keeps the stores alive
+}
+"""
+
+
+class SmemScrubber:
+    """Fills every SM's shared memory with NaN so a kernel reading uninitialised shared memory shows it."""
+
+    def __init__(self, smem_bytes: int, sm_count: int):
+        self.kernel = cupy.RawKernel(SCRUB_SOURCE, "scrub")
+        self.kernel.max_dynamic_shared_size_bytes = smem_bytes
+        self.smem_bytes, self.blocks = smem_bytes, sm_count * 2
+
+    def __call__(self) -> None:
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        self.kernel((self.blocks,), (256,), (np.int32(self.smem_bytes // 4),),
+                    shared_mem=self.smem_bytes, stream=stream)

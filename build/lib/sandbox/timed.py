@@ -1,0 +1,201 @@
+"""What is timed is what is checked: the buffers of timed graph replays, poisoned before each replay and verified
+after it (GPU worker only).
+
+A kernel whose work depends on when or how often it ran (a clock, a launch count, a memo in device memory) computes
+honestly in the correctness checks; these buffers make that show in the timing itself:
+- warm: launch i of a replay reads operand set i % 2 (two sets of different random values) and writes an output of its
+  own (distinct outputs, up to a memory budget); values stay from replay to replay;
+- cold: an L2 flush before each launch; each launch reads a set of its own (up to the budget), and every set gets new
+  values before every replay, so nothing a kernel kept from an earlier launch matches: honest by construction;
+- fresh (the re-check of a suspect): each launch's A is refilled with new random values inside the graph just before
+  the launch (so it is in L2), B is shared; its time says what the warm time would be without any reuse.
+Before each replay every output is poisoned; after it: no guard region touched, no input changed, no poison left,
+the first output of each set verified on sampled rows against an fp64 reference and cuBLAS's error, the other
+outputs of the set equal to it bit for bit (deterministic kernels) or verified likewise. cuBLAS is timed the same way
+on sets of its own with other values: no buffer holds the product the candidate is timed on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from core.records import Problem, Timing
+from sandbox.check import TORCH_DTYPE, Checker, CheckFailed, GuardedStack, same_bits
+from sandbox.timing import L2Flush, Subject, graph_estimate_us, launches_for, measure
+
+MEMORY_BUDGET = 6 << 30  # bytes of timing buffers per subject; beyond it launches share sets and outputs
+FRESH_SLOTS = 64
+NONDETERMINISTIC_SAMPLE = 16
+Launch = Callable[..., None]  # launch(A, B, C, M, N, K, bias)
+
+
+def cublas_launch(problem: Problem) -> Launch:
+    """cuBLAS as the user's code calls it: torch.matmul (or F.linear with the bias fused, as addmm)."""
+    def launch(a, b, c, m, n, k, bias=None):
+        b_kn = b if problem.b_layout == "kn" else b.t()
+        if bias is None:
+            torch.matmul(a, b_kn, out=c)
+        else:
+            torch.addmm(bias, a, b_kn, out=c)
+
+    return launch
+
+
+class TimedBuffers:
+    """Operand sets and outputs for the timed launches of one subject, and what happens around each replay."""
+
+    def __init__(self, problem: Problem, launch: Launch, launches: int, mode: str,
+                 checker: Checker | None = None, flush: L2Flush | None = None):
+        self.p, self.launch_fn, self.launches, self.mode, self.checker = problem, launch, launches, mode, checker
+        self.flush = flush
+        p, dtype = problem, TORCH_DTYPE[problem.dtype]
+        set_bytes = 2 * (p.m * p.k + p.k * p.n + p.n)
+        out_bytes = 2 * p.m * p.n
+        budget_sets = max(1, MEMORY_BUDGET // 2 // set_bytes)
+        # warm: two sets, the least the rotation needs (more would push larger operands out of the L2); fresh: a
+        # slot per launch up to FRESH_SLOTS (every launch refills its slot, so slots may repeat); cold: a set per launch
+        sets = {"warm": 2, "fresh": min(launches, budget_sets, FRESH_SLOTS)}.get(mode, min(launches, budget_sets))
+        sets = max(2, sets)
+        # fresh: an output per set, so each output's last write follows its set's last refresh
+        self.outputs = sets if mode == "fresh" else max(min(sets, launches),
+                                                        min(launches, MEMORY_BUDGET // 2 // out_bytes))
+        self.a_sets = sets
+        self.b_sets = 1 if mode == "fresh" else sets
+        # the operand set behind each output: that of the last launch writing it
+        self.set_of = [(o + self.outputs * ((launches - 1 - o) // self.outputs)) % sets for o in range(self.outputs)]
+        b_shape = (p.k, p.n) if p.b_layout == "kn" else (p.n, p.k)
+        self.a = GuardedStack(p.m, p.k, dtype, self.a_sets)
+        self.b = GuardedStack(*b_shape, dtype, self.b_sets)
+        self.bias = GuardedStack(1, p.n, dtype, self.a_sets) if p.bias else None
+        self.c = GuardedStack(p.m, p.n, dtype, self.outputs)
+        self.inputs = [t for t in (self.a, self.b, self.bias) if t is not None]
+        self.snapshot: list[torch.Tensor] = []
+        self.replays = 0
+        self.randomise()
+
+    def randomise(self) -> None:
+        for t in self.inputs:
+            t.all.normal_()
+        if self.checker is not None:  # what the inputs were: a kernel must not change them
+            self.snapshot = [t.bits.clone() for t in self.inputs]
+
+    def args(self, i: int) -> tuple:
+        bias = None if self.bias is None else self.bias[i % self.a_sets][0]
+        return (self.a[i % self.a_sets], self.b[i % self.b_sets], self.c[i % self.outputs],
+                self.p.m, self.p.n, self.p.k, bias)
+
+    def subject(self) -> Subject:
+        overhead = None
+        if self.mode == "cold":
+            overhead = self.flush
+        elif self.mode == "fresh":
+            def overhead(i: int) -> None:  # new values for this launch's A (and bias), written just before it
+                self.a[i % self.a_sets].normal_()
+                if self.bias is not None:
+                    self.bias[i % self.a_sets].normal_()
+        return Subject(lambda i: self.launch_fn(*self.args(i)), self.launches, overhead, self.before_replay,
+                       self.after_replay)
+
+    def before_replay(self) -> None:
+        if self.mode == "cold" and self.replays:
+            self.randomise()
+        if self.checker is not None:
+            self.c.poison()
+
+    def after_replay(self) -> None:
+        self.replays += 1
+        if self.checker is not None:
+            torch.cuda.synchronize()
+            self.verify()
+
+    def verify(self) -> None:
+        """Raises CheckFailed naming the first finding of this replay."""
+        where = f"{self.mode} timing, replay {self.replays}"
+        if not all(t.guards_intact() for t in (*self.inputs, self.c)):
+            raise CheckFailed(f"out-of-bounds write during timing ({where})")
+        if self.mode != "fresh" and not all(same_bits(t.bits, s) for t, s in zip(self.inputs, self.snapshot,
+                                                                                   strict=True)):
+            raise CheckFailed(f"the kernel modified its inputs during timing ({where})")
+        unwritten = (self.c.poisoned() >= 0).nonzero()
+        if len(unwritten):
+            o = int(unwritten[0])
+            first = int(self.c.poisoned()[o])
+            raise CheckFailed(f"the timed launches left an output unwritten: output {o}, C[{first // self.p.n},"
+                              f"{first % self.p.n}] still holds the poison ({where})")
+        first_of: dict[int, int] = {}
+        for o, s in enumerate(self.set_of):
+            first_of.setdefault(s, o)
+        for s, o in first_of.items():
+            a, b, bias = self.a[s], self.b[s % self.b_sets], None if self.bias is None else self.bias[s][0]
+            self.checker.verify_rows(self.c[o], a, b, bias, f"the timed launches left a wrong result ({where}, "
+                                     f"output {o})")
+        if not self.checker.deterministic:  # no bits to compare with: verify a sample of the other outputs
+            for o in torch.randperm(self.outputs, generator=self.checker.gen, device="cuda")[:NONDETERMINISTIC_SAMPLE]:
+                s = self.set_of[int(o)]
+                a, b, bias = self.a[s], self.b[s % self.b_sets], None if self.bias is None else self.bias[s][0]
+                self.checker.verify_rows(self.c[int(o)], a, b, bias, f"the timed launches left a wrong result "
+                                         f"({where}, output {int(o)})")
+            return
+        twin = torch.tensor([first_of[s] for s in self.set_of], device="cuda")
+        differs = (self.c.bits != self.c.bits[twin]).any(dim=1).nonzero()
+        if len(differs):
+            o = int(differs[0])
+            raise CheckFailed(f"the timed launches left a wrong result: output {o} differs from output "
+                              f"{int(twin[o])} on the same inputs ({where})")
+
+
+# A candidate's cold time may exceed its warm time by cuBLAS's own gap plus this much before its warm time is
+# suspected of reuse: a share of cuBLAS's cold time, and a fixed slack (launch and flush noise).
+GAP_SLACK_SHARE, GAP_SLACK_US = 0.10, 1.0
+# The re-check rejects a candidate whose speed-up over cuBLAS on fresh inputs is this much below its warm one.
+FRESH_DROP = 1.25
+
+
+def suspect(warm: Timing, cold: Timing, cublas_warm: Timing, cublas_cold: Timing) -> bool:
+    """Warm far faster than cold, beyond what the L2 explains for cuBLAS on the same problem (both read the same
+    operands): the warm launches may be reusing work."""
+    gap, cublas_gap = cold.median_us - warm.median_us, cublas_cold.median_us - cublas_warm.median_us
+    return gap > max(cublas_gap, 0.0) + GAP_SLACK_SHARE * cublas_cold.median_us + GAP_SLACK_US
+
+
+def time_subjects(problem: Problem, launches: dict[str, Launch], checker: Checker | None, flush: L2Flush,
+                  modes: tuple[str, ...] = ("warm", "cold")) -> dict[str, dict[str, Timing]]:
+    """Per mode, the timing of each subject ("candidate", verified by `checker`, and "cublas")."""
+    est: dict[str, float] = {}
+    for name, fn in launches.items():  # a per-launch estimate on two sets, to size the graphs
+        probe = TimedBuffers(problem, fn, 2, "warm")
+        est[name] = graph_estimate_us(lambda probe=probe: probe.launch_fn(*probe.args(0)))
+        del probe
+    flush_us = graph_estimate_us(flush)
+    out = {}
+    for mode in modes:
+        extra = flush_us if mode == "cold" else 0.0
+        buffers = {name: TimedBuffers(problem, fn, launches_for(est[name] + extra), mode,
+                                      checker if name == "candidate" else None, flush)
+                   for name, fn in launches.items()}
+        out[mode] = measure({name: b.subject() for name, b in buffers.items()}, cupti=mode == "warm")
+        del buffers
+    return out
+
+
+def time_candidate(problem: Problem, kernel: Launch, checker: Checker, flush: L2Flush) -> dict[str, Timing | None]:
+    """Warm and cold timings of the candidate and cuBLAS; where the candidate's warm time is suspect, the fresh
+    re-check too, and CheckFailed if its speed-up does not hold on fresh inputs."""
+    launches = {"candidate": kernel, "cublas": cublas_launch(problem)}
+    t = time_subjects(problem, launches, checker, flush)
+    warm, cold = t["warm"], t["cold"]
+    result = dict(warm=warm["candidate"], cold=cold["candidate"], cublas_warm=warm["cublas"],
+                  cublas_cold=cold["cublas"], fresh=None, cublas_fresh=None)
+    if suspect(warm["candidate"], cold["candidate"], warm["cublas"], cold["cublas"]):
+        fresh = time_subjects(problem, launches, checker, flush, ("fresh",))["fresh"]
+        result.update(fresh=fresh["candidate"], cublas_fresh=fresh["cublas"])
+        warm_ratio = warm["cublas"].median_us / warm["candidate"].median_us
+        fresh_ratio = fresh["cublas"].median_us / fresh["candidate"].median_us
+        if fresh_ratio * FRESH_DROP < warm_ratio:
+            raise CheckFailed(f"warm time not reproducible on fresh inputs: {warm_ratio:.2f}x cuBLAS warm "
+                              f"({warm['candidate'].median_us:.2f} us), {fresh_ratio:.2f}x when each launch gets new "
+                              f"inputs ({fresh['candidate'].median_us:.2f} us); cold {cold['candidate'].median_us:.2f}"
+                              f" us: the timed launches reuse earlier work")
+    return result

@@ -1,0 +1,206 @@
+"""The parameter model of the sm90_wgmma family: what a setting is, and which settings are impossible.
+
+One producer warpgroup fills a STAGES-deep ring of 128-byte-swizzled tiles with cp.async or TMA (mbarrier
+completion); CONSUMERS warpgroups each own block_m / consumers rows of the C tile and run wgmma.mma_async
+m64n{block_n}k16 (with swap_ab, for tiny M, one consumer owns the tile transposed: m64 per 64 columns, n{block_m}).
+Field descriptions are what a prompt shows of a setting: they say what it does, not how fast it was once measured.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from templates.family import SMEM_PER_BLOCK_MAX, Params
+
+SMEM_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_BLOCK = 1024  # the driver's own share of each block's shared memory on sm_90
+REGS_PER_SM = 65536
+# The cp.async producer needs few registers (72 leave the persistent kn 256-row loop without spills); setmaxnreg hands
+# the rest to the consumers, and the producer gives up more where the consumers need it.
+PRODUCER_REGS_MAX, PRODUCER_REGS_MIN = 80, 56
+TMA_PRODUCER_REGS = 40  # one thread issuing TMA copies needs few registers
+WGMMA_EXTRA = 26  # ptxas (C7602) wants one m64nN wgmma's N/2 accumulators + 26 within the entry register cap
+# Consumer registers beyond the accumulators (descriptors, loop state, addresses): ptxas asks for 26 more than the
+# accumulators of one wgmma (C7602 "register target of ..."); a little slack for the epilogue.
+CONSUMER_OVERHEAD = 32
+
+
+class Sm90WgmmaParams(Params):
+    block_m: Literal[16, 32, 48, 64, 128, 192, 256] = Field(
+        128, description="rows of C per thread block (16-48 only with swap_ab)")
+    block_n: int = Field(256, ge=16, le=256, multiple_of=16,
+                         description="columns of C per block = the wgmma N (kn layout: a multiple of 64)")
+    block_k: Literal[64] = Field(64, description="K slice per stage: 64 fp16 = one 128-byte swizzle row")
+    stages: int = Field(4, ge=2, le=12, description="depth of the shared-memory ring")
+    consumers: Literal[1, 2, 3, 4] = Field(2, description="consumer warpgroups; each owns block_m/consumers rows")
+    raster_group: int = Field(8, ge=1, le=64, description="tile-rows a block group walks before moving across N")
+    min_blocks: Literal[1, 2] = Field(1, description="blocks resident per SM (__launch_bounds__); caps registers")
+    # smem measured 3-10% faster than direct on the H200 (BENCHMARKS.md)
+    epilogue: Literal["direct", "smem", "tma"] = Field(
+        "smem", description="smem: C staged in shared memory for 16-byte stores; direct: 4-byte stores from the "
+        "accumulators; tma: C staged in 128-byte-swizzled panels and written by asynchronous TMA stores (block_n a "
+        "multiple of 64), so a persistent block's next tile starts while the last one drains")
+    persistent: bool = Field(False, description="one block per SM slot striding over the tiles; the producer "
+                             "prefetches the next tile while the consumers store the last")
+    # tma measured 13-25% faster than cp_async on the H200 at 1024-8192 cubed (BENCHMARKS.md)
+    loader: Literal["cp_async", "tma"] = Field(
+        "tma", description="how the producer fills the ring: tma = one thread issuing cp.async.bulk.tensor copies "
+        "from host-encoded tensor maps (zero-filled past the edges); cp_async = 128 threads of 16-byte cp.async "
+        "copies")
+    split_k: Literal[1, 2, 4, 8] = Field(
+        1, description="CTAs per C tile, each over its own contiguous K range (whole block_k tiles), launched as a "
+        "thread-block cluster along grid x; they sum their fp32 partial tiles through distributed shared memory "
+        "(each CTA a block_m/split_k row slice, peers in a fixed order: deterministic) and store fp16 C. For long-K "
+        "problems with few C tiles; 1 = no split, no cluster")
+    k_groups: int = Field(
+        1, ge=1, le=8, description="CTAs (or split_k clusters) per C tile beyond a cluster, each over its own K "
+        "range: they write fp32 partial tiles to a global workspace and the last to arrive at a tile (an atomic "
+        "counter it resets) sums them in group order (deterministic) and stores fp16 C. Fills the SMs where the C "
+        "tiles are few, without the placement limits of large clusters; 1 = none")
+
+    cluster_m: Literal[1, 2] = Field(
+        1, description="CTAs of a thread-block cluster on vertically adjacent C tiles: each loads 1/cluster_m of "
+        "every B tile and TMA-multicasts it to all of them (B read from L2 once per cluster); a stage is refilled "
+        "once every CTA's consumers released it. TMA loader, one tile per CTA; 1 = no cluster")
+
+    swap_ab: bool = Field(
+        False, description="for tiny M: wgmma computes C^T = B^T A^T, the B tile (block_n rows, 64 per m64 wgmma) "
+        "as wgmma's A operand and the A tile as its B operand (wgmma N = block_m, from 16), so a 16-row A is not "
+        "padded to 64 wgmma rows; the accumulators hold C transposed, written back through shared memory (smem "
+        "epilogue or the split-K exchange tile). One consumer warpgroup, no multicast")
+
+    @property
+    def wgmma_m(self) -> int:
+        """The tile's extent along wgmma's M (rows of the accumulators): block_m, or block_n where swapped."""
+        return self.block_n if self.swap_ab else self.block_m
+
+    @property
+    def wgmma_n(self) -> int:
+        return self.block_m if self.swap_ab else self.block_n
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.stages * (self.block_m + self.block_n) * self.block_k * 2
+
+    @property
+    def reduces(self) -> bool:
+        """Partial tiles are summed (split_k or k_groups > 1): the kernel stores C from fp32 sums, not the epilogue."""
+        return self.split_k > 1 or self.k_groups > 1
+
+    @property
+    def exchange_bytes(self) -> int:
+        """The fp32 partial tile (rows padded by 8 floats) written over the drained ring where partials are summed."""
+        return self.block_m * (self.block_n + 8) * 4 if self.reduces else 0
+
+    @property
+    def smem_bytes(self) -> int:
+        c_tile = {"smem": self.block_m * (self.block_n + 8) * 2, "tma": self.block_m * self.block_n * 2,
+                  "direct": 0}[self.epilogue]
+        c_tile = max(c_tile, self.exchange_bytes)
+        # Persistent blocks refill the ring while storing C, so C needs room of its own; otherwise it reuses it.
+        body = self.ring_bytes + c_tile if self.persistent else max(self.ring_bytes, c_tile)
+        # + the mbarriers (16 B a stage) + slack to align the ring to a 1024-byte swizzle atom
+        return body + 16 * self.stages + 1024
+
+    @property
+    def entry_regs(self) -> int:
+        """The per-thread register cap __launch_bounds__(threads, min_blocks) gives ptxas."""
+        regs = REGS_PER_SM // (self.threads * self.min_blocks)
+        return 255 if regs >= 256 else regs // 8 * 8
+
+    @property
+    def set_maxnreg(self) -> bool:
+        """Move registers from the producer to the consumers where the entry cap is short. With min_blocks > 1
+        ptxas (NVRTC 13) still holds the consumer code to the entry cap (C7602), so there it would buy nothing."""
+        return self.min_blocks == 1 and self.entry_regs < 240
+
+    @property
+    def producer_regs(self) -> int:
+        if not self.set_maxnreg:
+            return self.entry_regs
+        if self.loader == "tma":
+            return TMA_PRODUCER_REGS
+        need = -(-(self.accumulators + CONSUMER_OVERHEAD) // 8) * 8
+        spare = (self.threads * self.entry_regs - 128 * self.consumers * need) // 128 // 8 * 8
+        return max(PRODUCER_REGS_MIN, min(PRODUCER_REGS_MAX, spare))
+
+    @property
+    def consumer_regs(self) -> int:
+        if not self.set_maxnreg:
+            return self.entry_regs
+        pool = self.threads * self.entry_regs - 128 * self.producer_regs
+        return min(240, pool // (128 * self.consumers) // 8 * 8)
+
+    @property
+    def accumulators(self) -> int:
+        """fp32 accumulator registers per consumer thread."""
+        return self.wgmma_m // self.consumers // 64 * self.wgmma_n // 2
+
+    @model_validator(mode="after")
+    def _feasible(self) -> Sm90WgmmaParams:
+        if self.swap_ab and (self.block_n % 64 or self.consumers != 1 or self.epilogue != "smem"
+                             or self.cluster_m != 1):
+            raise ValueError(f"swap_ab: block_n={self.block_n} must be a multiple of 64 (the m64 wgmma rows), with "
+                             f"consumers=1 (not {self.consumers}), epilogue=smem (not {self.epilogue}: C is "
+                             f"transposed through shared memory) and cluster_m=1 (not {self.cluster_m})")
+        if not self.swap_ab and self.block_m < 64:
+            raise ValueError(f"block_m={self.block_m}: tiles under 64 rows need swap_ab (wgmma is m64)")
+        if self.wgmma_m % (64 * self.consumers):
+            raise ValueError(f"block_m={self.block_m} must split into consumers={self.consumers} warpgroups of "
+                             "a multiple of 64 rows each (wgmma is m64)")
+        if self.epilogue == "tma" and (self.block_n % 64 or self.reduces):
+            raise ValueError(f"epilogue=tma stores 64-column panels: block_n={self.block_n} must be a multiple of "
+                             f"64, and split_k={self.split_k}, k_groups={self.k_groups} must be 1 (split-K stores "
+                             "its own sums)")
+        if self.cluster_m > 1 and (self.loader != "tma" or self.persistent or self.reduces
+                                   or self.block_n % (64 * self.cluster_m)):
+            raise ValueError(f"cluster_m={self.cluster_m} multicasts whole 64-column B panels from TMA copies in "
+                             "clusters of one tile per CTA: it needs loader=tma, block_n a multiple of "
+                             f"{64 * self.cluster_m}, no persistent blocks, split_k and k_groups 1")
+        if self.reduces and self.persistent:
+            raise ValueError(f"split_k={self.split_k}, k_groups={self.k_groups}: split-K needs one tile per CTA, so "
+                             "persistent blocks are not supported with it")
+        if self.smem_bytes > SMEM_PER_BLOCK_MAX:
+            c_note = " + C staging beside it (persistent)" if self.persistent and self.epilogue != "direct" else ""
+            x_note = (f", or the split-K fp32 exchange tile of {self.exchange_bytes} B if larger"
+                      if self.split_k > 1 else "")
+            raise ValueError(f"shared memory {self.smem_bytes} B (ring of stages*(block_m+block_n)*128 B{c_note}"
+                             f"{x_note} + barriers + alignment) exceeds the sm_90 limit of {SMEM_PER_BLOCK_MAX} B "
+                             "per block")
+        if self.min_blocks * (self.smem_bytes + SMEM_RESERVED_PER_BLOCK) > SMEM_PER_SM:
+            raise ValueError(f"min_blocks={self.min_blocks} blocks of {self.smem_bytes} B shared memory do not fit "
+                             f"one SM ({SMEM_PER_SM} B)")
+        if self.wgmma_n // 2 + WGMMA_EXTRA > self.entry_regs:
+            raise ValueError(f"one m64n{self.wgmma_n} wgmma needs {self.wgmma_n // 2 + WGMMA_EXTRA} registers within "
+                             f"the entry cap of {self.entry_regs} ({self.threads} threads x min_blocks="
+                             f"{self.min_blocks}): use a smaller block_n or fewer threads")
+        if self.accumulators + CONSUMER_OVERHEAD > self.consumer_regs:
+            raise ValueError(f"{self.accumulators} accumulator registers per consumer thread (+{CONSUMER_OVERHEAD}) "
+                             f"exceed the {self.consumer_regs} a consumer gets with {self.threads} threads x "
+                             f"min_blocks={self.min_blocks}: use a smaller block_n or more consumers"
+                             + (" or min_blocks=1" if self.min_blocks > 1 else ""))
+        return self
+
+
+
+def deepest(fields: dict[str, Any], top: int = 8) -> Sm90WgmmaParams | None:
+    """The setting `fields` describes with the deepest ring (at most `top` stages) that fits; None if none does."""
+    for stages in range(top, 1, -1):
+        try:
+            return Sm90WgmmaParams(**{**fields, "stages": stages})
+        except ValueError:
+            continue
+    return None
+
+
+def with_update(p: Sm90WgmmaParams, update: dict[str, Any]) -> Sm90WgmmaParams | None:
+    """p changed by `update`, with the deepest ring (at most p's) that still fits; None if none does."""
+    return deepest({**p.model_dump(), **update}, top=p.stages)
+
+

@@ -1,0 +1,209 @@
+"""The search order of the sm90_wgmma family: which settings to try for a problem on a device, best guesses first.
+
+Rough cost models rank tile shapes by waves of resident blocks; split-K, K-group and swapped-role settings lead for
+the problem classes they serve. The rules and the slots where some kinds enter come from measurements on the H200
+(BENCHMARKS.md); a learned model can reorder what this returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core.device import H200, DeviceFacts
+from core.records import Problem
+from templates.sm90_wgmma.params import SMEM_RESERVED_PER_BLOCK, Sm90WgmmaParams, deepest, with_update
+
+# (block_m, block_n, consumers), from the large-problem favourites down to small-problem shapes.
+TILES = [
+    (128, 256, 2), (256, 128, 2), (128, 192, 2), (256, 192, 2), (128, 128, 2), (192, 128, 3), (256, 64, 2),
+    (128, 64, 2), (128, 128, 1), (64, 256, 1), (64, 192, 1), (64, 128, 1), (64, 64, 1),
+    (128, 224, 2), (128, 160, 2), (128, 96, 2), (64, 96, 1), (64, 48, 1), (64, 32, 1), (64, 16, 1),
+]
+
+
+def _cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
+    """Relative time: waves of resident blocks times a tile's work, inflated by its traffic and fixed costs."""
+    tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
+    waves = -(-tiles // (sms * p.min_blocks))
+    per_sm = min(p.min_blocks, -(-tiles // sms))
+    k_tiles = -(-problem.k // p.block_k)
+    traffic = 1 + 40 / p.block_m + 40 / p.block_n
+    # Two consumer warpgroups per SM measured best on the H200 (three: 3-15% slower; one leaves gaps between wgmma
+    # groups); the ring fills once per tile.
+    issue = {2: 1.0, 3: 1.06}.get(per_sm * p.consumers, 1.1)
+    # kn with block_n = 192: B rows of 24 chunks leave producer threads idle; measured 5-20% slower on the H200.
+    uneven = 1.15 if problem.b_layout == "kn" and 128 % (p.block_n // 8) else 1.0
+    return waves * per_sm * p.block_m * p.block_n * traffic * issue * uneven * (k_tiles + 2 + 2 / p.stages)
+
+
+# Clusters of 8, 4, 2 CTAs that run at once per CTA slot of an SM: clusters must fit inside one GPC, so the 132 SMs
+# hold fewer than 132 / size (64x64 tiles, split_k=8, 1 block per SM: 16 clusters measured clearly slower per CTA
+# than 8 or 11 on the H200; 32 clusters of 4 ran on 120 SMs, the last 2 clusters in a second wave).
+CLUSTERS_PER_SLOT = {2: 66, 4: 30, 8: 14}
+
+
+def _split_cost(p: Sm90WgmmaParams, problem: Problem, smem_per_sm: int) -> float:
+    """Relative time of a split-K setting. These problems stream operands: a CTA's k-tile costs the slower of its
+    wgmma issue (~bm*bn/16 clocks) and its cp.async loads (~4 clocks a 128-byte row of A or B: the rate measured
+    per SM on the H200), CTAs sharing an SM share its load rate, and clusters beyond what fits run in a second wave.
+    Calibrated on 64_1024_16384 and 256_128_16384 (both layouts): it ranks the measured best first."""
+    tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
+    slots = min(smem_per_sm // (p.smem_bytes + SMEM_RESERVED_PER_BLOCK), 2048 // p.threads)
+    cap = CLUSTERS_PER_SLOT[p.split_k]
+    waves = -(-tiles // (cap * slots))
+    sharing = min(slots, -(-tiles // cap))  # CTAs of one SM that load at once
+    k_share = -(-problem.k // (p.block_k * p.split_k))
+    per_k_tile = max(p.block_m * p.block_n / 16, 4 * (p.block_m + p.block_n) * sharing)
+    return waves * ((k_share + 2) * per_k_tile + p.block_m * p.block_n / 16)
+
+
+def _split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90WgmmaParams]:
+    """Split-K settings for long-K problems with few C tiles (K >= 8 max(M, N)), best guesses first: every tile shape
+    with split_k 8 or 4 (tiles x split_k within two waves of CTAs, every CTA at least 16 k-tiles), with the deepest
+    ring that fits and with a 4-stage ring (several CTAs per SM); none for other problems."""
+    k_tiles = -(-problem.k // 64)
+    if problem.k < 8 * max(problem.m, problem.n) or k_tiles < 32:
+        return []
+    found: list[Sm90WgmmaParams] = []
+    for bm, bn, consumers in TILES:
+        if (problem.b_layout == "kn" and bn % 64) or bm > -(-problem.m // 64) * 64 or bn > -(-problem.n // 64) * 64:
+            continue  # kn needs 64-column panels; rows or columns past M, N would be computed for nothing
+        tiles = -(-problem.m // bm) * -(-problem.n // bn)
+        if tiles >= sms // 2:
+            continue
+        for split in (8, 4):
+            if tiles * split > 2 * sms or k_tiles // split < 16 or tiles * split < 32:
+                continue
+            for rings in ((8, 6, 5), (4,)):  # the deepest that fits; a shallow one
+                for stages in rings:
+                    try:
+                        found.append(Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=consumers, stages=stages,
+                                                     split_k=split))
+                        break
+                    except ValueError:
+                        continue
+    found.sort(key=lambda p: _split_cost(p, problem, smem_per_sm))
+    return found[:12]
+
+
+def _group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
+    """K-group settings for skinny problems (M <= 64) whose 64-row tiles fill at most half the SMs: 64 x 64, 128, 256
+    tiles with k_groups = as many CTAs per tile as one wave holds (at most 8, each CTA at least 16 k-tiles), the
+    deepest ring that fits; none for other problems. Measured on the H200: 64_4096_16384 64x64 with 2 groups
+    1.03-1.14x of cuBLAS (the best single-CTA tiles 0.91-1.03x), 16_4096_4096 64x128 with 4 groups 0.80-0.96x
+    (0.45-0.69x); on M = 128-1024 the fp32 partials cost more than the extra SMs bring (0.33-0.77x).
+    Two CTAs a tile go first as a cluster pair (split_k=2), whose sum through distributed shared memory costs less
+    than the workspace: 64_4096_16384 64x64 37.6 against 38.6 us kn, 39.1 against 40.2 us nk."""
+    k_tiles = -(-problem.k // 64)
+    if problem.m > 64 or -(-problem.n // 64) > sms // 2:
+        return []
+    found = []
+    for bn in (64, 128, 256):
+        tiles = -(-problem.n // bn)
+        groups = min(8, sms // tiles)
+        if bn > -(-problem.n // 64) * 64 or groups < 2 or k_tiles // groups < 16:
+            continue
+        ways = ([{"split_k": 2}] if groups == 2 else []) + [{"k_groups": groups}]
+        for way in ways:
+            v = deepest({"block_m": 64, "block_n": bn, "consumers": 1, **way})
+            if v is not None:
+                found.append(v)
+    return found
+
+
+def _swap_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
+    """Swapped-role settings for tiny M (at most 48 rows: block_m = M rounded up to 16), block_n 64, 128, 256, the
+    deepest ring that fits (up to 12 stages: the tiles are small; two CTAs an SM where the tiles outnumber the SMs).
+    Where the tiles fill fewer than half the SMs and K is long, each tile's K is split over as many CTAs as one wave
+    holds (at most 8, each CTA at least 16 k-tiles): in one cluster where that many clusters run at once, in K
+    groups, and in pairs of K groups; none for other problems."""
+    if problem.m > 48:
+        return []
+    k_tiles = -(-problem.k // 64)
+    bm = -(-problem.m // 16) * 16
+    found = []
+    for bn in (64, 128, 256):
+        tiles = -(-problem.n // bn)
+        if bn > -(-problem.n // 64) * 64:
+            continue
+        parts = min(8, sms // tiles)
+        ways: list[dict[str, int]] = [{"min_blocks": 2}] if tiles > sms else [{}]  # two CTAs an SM: one wave
+        if tiles < sms // 2 and k_tiles // parts >= 16:
+            ways = [{"split_k": parts}] if tiles <= CLUSTERS_PER_SLOT.get(parts, 0) else []
+            ways += [{"k_groups": parts}] + ([{"split_k": 2, "k_groups": parts // 2}] if parts >= 4 else [])
+        elif tiles < sms // 2 and bn > 64:
+            continue  # few tiles and K too short to split: only the smallest tile, the most CTAs
+        for way in ways:
+            v = deepest({"block_m": bm, "block_n": bn, "consumers": 1, "swap_ab": True, **way}, top=12)
+            if v is not None:
+                found.append(v)
+    return found
+
+
+# Kinds of setting that enter the list at a fixed rank (the candidate number they are tried at), not by cost:
+CP_ASYNC_RANK = 8  # the cp.async producer of the two best guesses: it wins now and then where TMA barely loses
+# clusters of 2 sharing B by TMA multicast: measured 0.9-1.0x of the same tiles without (1.07-1.17x only where B's
+# rows are off 128-byte boundaries), so for longer searches
+MULTICAST_RANK = 12
+MAX_SEEDS = 30
+
+
+def _enter_at(ordered: list[Sm90WgmmaParams], rank: int, extra: list[Sm90WgmmaParams | None]) -> None:
+    """Insert the settings of `extra` that exist so that the first is tried at position `rank` (1-based count)."""
+    ordered[rank:rank] = [v for v in extra if v is not None]
+
+
+def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
+    """The settings worth trying for this problem on this device, best guesses first (at most 30)."""
+    sms = device.sms
+    k_tiles = -(-problem.k // 64)
+    shapes: list[tuple[float, list[Sm90WgmmaParams]]] = []
+    for bm, bn, consumers in TILES:
+        if problem.b_layout == "kn" and bn % 64:
+            continue
+        variants = []
+        for stages in (4, 3, 5, 6, 8):  # preference order; the deepest ring that fits closes the list
+            if stages > k_tiles + 1 and stages != 4:
+                continue  # a ring deeper than K only costs shared memory
+            for min_blocks in (1, 2):
+                try:
+                    variants.append(Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=consumers,
+                                                    stages=stages, min_blocks=min_blocks))
+                except ValueError:
+                    continue
+        if variants:
+            ranked = sorted(variants, key=lambda v: _cost(v, problem, sms))
+            shapes.append((_cost(ranked[0], problem, sms), ranked))
+    shapes.sort(key=lambda item: item[0])
+    picked: list[Sm90WgmmaParams] = []
+    # The best shapes get more pipeline variants; the rest keep the search broad.
+    for rank, (_, variants) in enumerate(shapes[:10]):
+        picked.extend(variants[: 3 if rank < 3 else 2 if rank < 6 else 1])
+    best = picked[0]
+    tiles_m = -(-problem.m // best.block_m)
+    for group in (16, 4, 1):
+        if group < tiles_m or group == 1:
+            picked.append(best.model_copy(update={"raster_group": group}))
+    # Persistent blocks with TMA stores lead where the best guess gives a block more than one tile: the next
+    # tile's loads and MMAs overlap the last one's stores (measured on the H200: 1.04-1.16x of cuBLAS at
+    # K <= 128, where the others reach 0.8x; 1.0x at 4096 cubed), unless the room C takes beside the ring leaves
+    # too shallow a ring for a long K. In one wave there is nothing to overlap (1024 cubed: 0.93x against 0.97x).
+    one_wave = -(-problem.m // best.block_m) * -(-problem.n // best.block_n) <= sms * best.min_blocks
+    lead = [] if one_wave else list({
+        v.model_dump_json(): v for v in (with_update(p, {"persistent": True, "epilogue": "tma"})
+                                         for p in picked[:10])
+        if v is not None and (v.stages >= 3 or v.stages > k_tiles)}.values())[:3]
+    # Other epilogues of the two best guesses (persistent with direct stores measured 0.3-0.97x: left out).
+    others = [with_update(p, u) for p in picked[:2] for u in ({"epilogue": "direct"}, {"epilogue": "tma"})]
+    picked = lead + picked + [v for v in others if v is not None]
+    # Long-K problems with few tiles: split-K settings first, K groups after the two best (measured on par with
+    # them on 64_1024_16384); skinny problems with few tiles: K groups first. Every other list is unchanged.
+    split = _split_settings(problem, sms, device.smem_per_sm)
+    ordered = _swap_settings(problem, sms) + split[:2] + _group_settings(problem, sms) + split[2:] + picked
+    _enter_at(ordered, CP_ASYNC_RANK, [with_update(p, {"loader": "cp_async"}) for p in ordered[:2]])
+    wide = [p for p in picked if not p.persistent and p.block_n % 128 == 0][:2]
+    _enter_at(ordered, MULTICAST_RANK, [with_update(p, {"cluster_m": 2}) for p in wide])
+    seen: dict[str, dict[str, Any]] = {}
+    for p in ordered:
+        seen.setdefault(p.model_dump_json(), p.model_dump())
+    return list(seen.values())[:MAX_SEEDS]

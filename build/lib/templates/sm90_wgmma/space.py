@@ -1,0 +1,77 @@
+"""The sm90_wgmma family: its template, the variables the template derives, and the trusted launch rule.
+
+The parameter model is in params.py, the search order in search.py. With TMA the launch rule declares the tensor maps
+the host encodes; with K groups, the workspace and arrival counters the host passes after them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from core.device import H200, DeviceFacts
+from core.records import LaunchSpec, Problem, TensorMapSpec
+from templates.family import Family, Params
+from templates.sm90_wgmma.params import Sm90WgmmaParams
+from templates.sm90_wgmma.search import seeds
+
+
+class Sm90Wgmma(Family):
+    name: ClassVar[str] = "sm90_wgmma"
+    supports: ClassVar[tuple[tuple[str, bool], ...]] = (("f16", False),)  # bf16 and bias: not yet
+    arches: ClassVar[tuple[str, ...]] = ("sm_90a",)
+    params_model: ClassVar[type[Params]] = Sm90WgmmaParams
+    description: ClassVar[str] = (
+        "Hopper HGEMM: a producer warpgroup streams A/B tiles with TMA (host-encoded tensor maps) or cp.async "
+        "into a STAGES-deep ring of 128-byte-swizzled shared memory (mbarrier full/empty handshake); 1-4 consumer "
+        "warpgroups issue wgmma.mma_async m64nNk16 from shared-memory descriptors (B MN-major via the transpose "
+        "bit for kn), setmaxnreg moves registers to the consumers; grouped rasterisation; persistent blocks; "
+        "direct, smem-staged or TMA-store (stmatrix) epilogue; split-K in thread-block clusters (fp32 partial "
+        "tiles summed through distributed shared memory) and in K groups (partials through a global workspace, "
+        "summed by the last CTA to arrive); clusters of 2 CTAs sharing each B tile by TMA multicast; swapped A and "
+        "B roles for M <= 48 (C^T = B^T A^T, so a 16-row A is not padded to 64 wgmma rows)."
+    )
+
+    def derived(self, params: Params) -> dict[str, Any]:
+        assert isinstance(params, Sm90WgmmaParams)
+        return {"threads": params.threads, "smem_bytes": params.smem_bytes, "set_maxnreg": params.set_maxnreg,
+                "producer_regs": params.producer_regs, "consumer_regs": params.consumer_regs,
+                "wgmma_n": params.wgmma_n}
+
+    def check_for_problem(self, params: Params, problem: Problem) -> None:
+        assert isinstance(params, Sm90WgmmaParams)
+        if problem.b_layout == "kn" and params.block_n % 64:
+            raise ValueError(f"block_n={params.block_n}: with B in kn layout (MN-major for wgmma) block_n must be "
+                             "a multiple of 64, the width of a 128-byte swizzle panel")
+
+    def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
+        p = self.parse(params, problem)
+        assert isinstance(p, Sm90WgmmaParams)
+        tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
+        # split-K: the kernel's __cluster_dims__(split_k, 1, 1) groups consecutive blocks, one cluster per tile and K
+        # group; k_groups > 1 adds the workspace (the groups' fp32 partial tiles) and one arrival counter per CTA of
+        # a tile's cluster
+        if p.cluster_m > 1:  # whole clusters: a trailing CTA past M still loads its share of B for its peers
+            tiles = -(-problem.m // (p.block_m * p.cluster_m)) * p.cluster_m * -(-problem.n // p.block_n)
+        grid = min(tiles, device.sms * p.min_blocks) if p.persistent else tiles * p.split_k * p.k_groups
+        grouped = p.k_groups > 1
+        maps: tuple[TensorMapSpec, ...] = ()
+        if p.loader == "tma":  # boxes land as 128-byte rows (64 fp16), swizzled like the cp.async copies
+            k, n = problem.k, problem.n
+            if problem.b_layout == "nk":
+                b_map = TensorMapSpec("B", (k, n), (p.block_k, p.block_n // p.cluster_m))
+            elif n % 64 == 0:  # 64-column panels as a third dimension 128 B apart: one copy per stage (and CTA)
+                b_map = TensorMapSpec("B", (64, k, n // 64), (64, p.block_k, p.block_n // 64 // p.cluster_m),
+                                      strides=(n * 2, 128))
+            else:  # one copy per panel: a panel view would read past the last row's end
+                b_map = TensorMapSpec("B", (n, k), (64, p.block_k))
+            # where M fits one tile, the A box is only M rounded up to 8 rows (the kernel's a_box_rows)
+            a_rows = min(p.block_m, -(-problem.m // 8) * 8)
+            maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, a_rows)), b_map)
+        if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels
+            maps += (TensorMapSpec("C", (problem.n, problem.m), (64, p.block_m // p.consumers)),)
+        return LaunchSpec(grid=(grid, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
+                          workspace_bytes=p.k_groups * tiles * p.block_m * p.block_n * 4 if grouped else 0,
+                          counters=tiles * p.split_k if grouped else 0)
+
+    def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
+        return seeds(problem, device)
