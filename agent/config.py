@@ -20,6 +20,8 @@ class LlmSettings(BaseModel):
     model: str = "gpt-4o-mini"
     max_calls: int = Field(20, ge=0)
     max_tokens: int = Field(200_000, ge=0)
+    # a prompt's estimated size, all family templates included (sm90_wgmma's alone is ~11k); parts are cut to fit
+    max_prompt_tokens: int = Field(24_000, ge=2_000)
     timeout_s: float = Field(30.0, gt=0)
     retries: int = Field(2, ge=0)
 
