@@ -1,4 +1,5 @@
-"""What the user reads: the live progress view, run lists, run summaries and candidate diffs (rich renderables)."""
+"""What the user reads: the live progress view, run lists, run summaries, the model's calls and candidate diffs
+(rich renderables)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
+from agent.proposers.patch import patch_text
 from agent.store import RunStore
-from core.records import EvalResult, Problem, Status
+from core.records import EvalResult, Problem, ProposalFate, Status
 
 
 def fmt_us(t: float | None) -> str:
@@ -143,6 +145,49 @@ def show_run(store: RunStore) -> Group:
     return Group(*parts)
 
 
+def model_calls_view(store: RunStore) -> Group:
+    """Each request to the model: its tokens, what its prompt left out, and per proposal what it was and what
+    became of it (accepted as a candidate, with that candidate's status once evaluated; a duplicate; refused)."""
+    calls = store.model_calls()
+    if not calls:
+        return Group(Text(f"run {store.run_id} made no LLM calls"))
+    t = Table(title=f"LLM calls of run {store.run_id}")
+    for col in ("#", "shape", "call", "tokens in / out", "proposal", "fate", "status"):
+        t.add_column(col)
+    notes: list[Text] = []
+    for i, call in enumerate(calls, 1):
+        tokens = f"{call.prompt_tokens:,} / {call.completion_tokens:,}" + (" (est.)" if call.tokens_estimated else "")
+        head = [str(i), call.problem_key, call.purpose, tokens]
+        rows = [(_proposal_cell(f), _fate_cell(f), _status_cell(store, f)) for f in call.proposals]
+        if call.error:
+            rows.append((Text("-"), Text(call.error), Text("")))
+        for j, row in enumerate(rows or [(Text("-"), Text("no proposals"), Text(""))]):
+            t.add_row(*(head if j == 0 else [""] * len(head)), *row)
+        notes += [Text(f"call {i} left out: {what}") for what in call.left_out]
+    total_in, total_out = sum(c.prompt_tokens for c in calls), sum(c.completion_tokens for c in calls)
+    summary = Text(f"{len(calls)} calls, {total_in:,} prompt and {total_out:,} completion tokens")
+    return Group(t, summary, *notes)
+
+
+def _proposal_cell(f: ProposalFate) -> Text:
+    return Text(f"{f.kind} {f.family}" + (f" on {f.base}" if f.base else ""))
+
+
+def _fate_cell(f: ProposalFate) -> Text:
+    if f.outcome == "refused":
+        return Text(f"refused: {f.reason}")
+    return Text(f"accepted as {f.candidate_id}" if f.outcome == "accepted" else f"duplicate of {f.candidate_id}")
+
+
+def _status_cell(store: RunStore, f: ProposalFate) -> Text:
+    if f.candidate_id is None:
+        return Text("")
+    r = store.result(f.candidate_id)
+    if r is None:
+        return Text("not tried")
+    return Text(r.status.value + (f" {fmt_ratio(r.speedup)}" if r.speedup else ""))
+
+
 def resolve_candidate(store: RunStore, ref: str, problem: Problem | None = None) -> str:
     """A candidate id from an id (or unique prefix), 'best' or 'baseline' (the first one tried)."""
     problems = [problem] if problem else store.problems()
@@ -180,13 +225,27 @@ def diff_view(store: RunStore, a: str, b: str) -> Group:
     keys = list(dict.fromkeys([*ca.params, *cb.params]))
     t.add_row("family", ca.family, cb.family)
     t.add_row("origin", ca.origin, cb.origin)
+    t.add_row("kind", ca.kind, cb.kind)
+    if ca.patch or cb.patch:
+        t.add_row("base", ca.patch.base if ca.patch else "-", cb.patch.base if cb.patch else "-")
     for k in keys:
         va, vb = ca.params.get(k), cb.params.get(k)
         mark = "" if va == vb else " *"
         t.add_row(k + mark, json.dumps(va), json.dumps(vb))
     for label, get in (("status", lambda r: r.status.value), ("µs warm", lambda r: fmt_us(r.time_us)),
-                       ("ratio", lambda r: fmt_ratio(r.speedup)), ("reason", lambda r: r.reason[:60])):
+                       ("ratio", lambda r: fmt_ratio(r.speedup)), ("reason", lambda r: Text(r.reason))):
         t.add_row(label, get(ra) if ra else "-", get(rb) if rb else "-")
+    parts: list = [t]
+    for side, cid, c in (("A", a, ca), ("B", b, cb)):
+        if c.patch:  # what the model wrote, before the rendered sources' diff shows what it did
+            n = len(c.patch.edits)
+            parts += [Text(f"patch of {side} {cid} ({n} edit{'s' * (n != 1)} of its base's Jinja template):"),
+                      _wrapped_diff(patch_text(c.patch))]
     diff = "".join(difflib.unified_diff(sa.splitlines(True), sb.splitlines(True), f"A/{a}.cu", f"B/{b}.cu"))
-    body = Syntax(diff or "(sources identical)\n", "diff", theme="ansi_dark", line_numbers=False)
-    return Group(t, body)
+    parts += [Text("rendered sources:"), _wrapped_diff(diff or "(sources identical)\n")]
+    return Group(*parts)
+
+
+def _wrapped_diff(text: str) -> Syntax:
+    """Long lines wrap instead of being cut at the console's width."""
+    return Syntax(text, "diff", theme="ansi_dark", line_numbers=False, word_wrap=True)

@@ -15,12 +15,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from core.records import BuildResult, Candidate, EvalResult, Problem, ProfileResult, Status
+from core.records import BuildResult, Candidate, EvalResult, ModelCall, Patch, Problem, ProfileResult, Status
 
 MARKER = "hgemm-agent run store v1"
 DB_NAME = "run.sqlite"
 
 WINNERS_TABLE = "CREATE TABLE IF NOT EXISTS winners (problem_key TEXT PRIMARY KEY, candidate_id TEXT);"
+MODEL_CALLS_TABLE = """CREATE TABLE IF NOT EXISTS model_calls (seq INTEGER PRIMARY KEY, problem_key TEXT, ts REAL,
+    record TEXT);"""
 PROFILES_TABLE = """CREATE TABLE IF NOT EXISTS profiles (candidate_id TEXT PRIMARY KEY, ok INT, metrics TEXT,
     summary TEXT, error TEXT);"""
 SCHEMA = """
@@ -28,7 +30,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS problems (key TEXT PRIMARY KEY, m INT, n INT, k INT, b_layout TEXT, dtype TEXT,
                                      position INT, bias INT DEFAULT 0);
 CREATE TABLE IF NOT EXISTS candidates (id TEXT PRIMARY KEY, seq INTEGER, problem_key TEXT, family TEXT,
-    params TEXT, origin TEXT, rationale TEXT, template_override TEXT, created REAL);
+    params TEXT, origin TEXT, rationale TEXT, template_override TEXT, created REAL, patch TEXT);
 CREATE TABLE IF NOT EXISTS builds (candidate_id TEXT PRIMARY KEY, arch TEXT, ok INT, source TEXT, cubin BLOB,
     log TEXT, registers INT, smem_static INT, spill_bytes INT, stack_bytes INT, compile_s REAL, cached INT,
     error TEXT);
@@ -37,7 +39,7 @@ CREATE TABLE IF NOT EXISTS results (candidate_id TEXT PRIMARY KEY, status TEXT, 
 CREATE TABLE IF NOT EXISTS measurements (candidate_id TEXT, time_us REAL, cublas_us REAL, speedup REAL,
     created REAL);
 CREATE TABLE IF NOT EXISTS events (ts REAL, kind TEXT, message TEXT);
-""" + PROFILES_TABLE + WINNERS_TABLE
+""" + PROFILES_TABLE + WINNERS_TABLE + MODEL_CALLS_TABLE
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,9 @@ class RunStore:
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(problems)")}
         if "bias" not in columns:
             self.db.execute("ALTER TABLE problems ADD COLUMN bias INT DEFAULT 0")
-        self.db.executescript(PROFILES_TABLE + WINNERS_TABLE)
+        if "patch" not in {row[1] for row in self.db.execute("PRAGMA table_info(candidates)")}:
+            self.db.execute("ALTER TABLE candidates ADD COLUMN patch TEXT")
+        self.db.executescript(PROFILES_TABLE + WINNERS_TABLE + MODEL_CALLS_TABLE)
 
     @property
     def run_id(self) -> str:
@@ -118,9 +122,10 @@ class RunStore:
     # candidates and their records
     def add_candidate(self, c: Candidate) -> None:
         seq = self.db.execute("SELECT COUNT(*) FROM candidates").fetchone()[0]
-        self.db.execute("INSERT OR IGNORE INTO candidates VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        self.db.execute("INSERT OR IGNORE INTO candidates (id, seq, problem_key, family, params, origin, rationale, "
+                        "template_override, created, patch) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (c.id, seq, c.problem.key, c.family, json.dumps(c.params, sort_keys=True), c.origin,
-                         c.rationale, c.template_override, time.time()))
+                         c.rationale, c.template_override, time.time(), c.patch.to_json() if c.patch else None))
 
     def add_build(self, b: BuildResult) -> None:
         d = asdict(b)
@@ -147,11 +152,12 @@ class RunStore:
 
     def candidate(self, cid: str) -> Candidate:
         row = self.db.execute("SELECT c.id, p.m, p.n, p.k, p.b_layout, p.dtype, p.bias, c.family, c.params, "
-                              "c.origin, c.rationale, c.template_override FROM candidates c JOIN problems p "
-                              "ON c.problem_key = p.key WHERE c.id = ?", (cid,)).fetchone()
+                              "c.origin, c.rationale, c.template_override, c.patch FROM candidates c JOIN problems "
+                              "p ON c.problem_key = p.key WHERE c.id = ?", (cid,)).fetchone()
         if row is None:
             raise StoreError(f"no candidate {cid!r} in run {self.run_id}")
-        return Candidate(Problem(*row[1:6], bool(row[6])), row[7], json.loads(row[8]), row[9], row[10], row[11])
+        return Candidate(Problem(*row[1:6], bool(row[6])), row[7], json.loads(row[8]), row[9], row[10], row[11],
+                         Patch.from_json(row[12]) if row[12] else None)
 
     def candidates(self, problem: Problem | None = None) -> list[Candidate]:
         q = "SELECT id FROM candidates" + (" WHERE problem_key = ?" if problem else "") + " ORDER BY seq"
@@ -208,6 +214,15 @@ class RunStore:
         row = self.db.execute("SELECT ok, metrics, summary, error FROM profiles WHERE candidate_id = ?",
                               (cid,)).fetchone()
         return ProfileResult(bool(row[0]), json.loads(row[1]), row[2], row[3]) if row else None
+
+    # the model's calls (LLM proposers), each with what became of its proposals
+    def add_model_call(self, call: ModelCall) -> None:
+        self.db.execute("INSERT INTO model_calls (problem_key, ts, record) VALUES (?, ?, ?)",
+                        (call.problem_key, time.time(), call.to_json()))
+
+    def model_calls(self) -> list[ModelCall]:
+        rows = self.db.execute("SELECT record FROM model_calls ORDER BY seq").fetchall()
+        return [ModelCall.from_json(r[0]) for r in rows]
 
     def events(self) -> list[tuple[float, str, str]]:
         return self.db.execute("SELECT ts, kind, message FROM events ORDER BY ts").fetchall()

@@ -70,6 +70,31 @@ class Problem:
 
 
 @dataclass(frozen=True)
+class TextEdit:
+    """One step of a patch: `search` occurs exactly once in the text as the earlier steps left it."""
+
+    search: str
+    replace: str
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Where a patched template came from: the text the edits were applied to (a family's template, named by the
+    family, or an edited candidate's, named by its id) and the edits, in order."""
+
+    base: str
+    edits: tuple[TextEdit, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({"base": self.base, "edits": [[e.search, e.replace] for e in self.edits]})
+
+    @classmethod
+    def from_json(cls, text: str) -> Patch:
+        d = json.loads(text)
+        return cls(d["base"], tuple(TextEdit(s, r) for s, r in d["edits"]))
+
+
+@dataclass(frozen=True)
 class Candidate:
     """One kernel proposal: a template family, its parameters, and optionally an edited template source."""
 
@@ -79,10 +104,13 @@ class Candidate:
     origin: str = "builtin"  # which proposer made it; part of the bandit arm
     rationale: str = ""
     template_override: str | None = None  # an edited template (from an LLM) replacing the family's own
+    patch: Patch | None = None  # how template_override was made, where it is a patch; provenance, not content
 
     @property
     def id(self) -> str:
-        """Content id: the same proposal for the same problem always gets the same id."""
+        """Content id: the same proposal for the same problem always gets the same id. What is compiled decides it,
+        not how the text was made: patches from different bases that yield the same template share an id (the
+        first one proposed is the one recorded), as do a patch and a whole-template edit with the same result."""
         blob = json.dumps(
             [self.problem.key, self.family, self.params, self.template_override], sort_keys=True
         )
@@ -91,6 +119,11 @@ class Candidate:
     @property
     def arm(self) -> str:
         return f"{self.origin}:{self.family}"
+
+    @property
+    def kind(self) -> str:
+        """params (the family's own template), patch (search/replace edits of a template) or edit (a whole one)."""
+        return "params" if self.template_override is None else "patch" if self.patch else "edit"
 
 
 @dataclass(frozen=True)
@@ -246,3 +279,40 @@ class ProfileResult:
     metrics: dict[str, float] = field(default_factory=dict)
     summary: str = ""  # e.g. "L2 hit 62%, DRAM 85% busy, SM 40%: memory-bound; top stalls long_scoreboard 41%"
     error: str = ""
+
+
+@dataclass(frozen=True)
+class ProposalFate:
+    """What became of one proposal in a model's reply: accepted as candidate `candidate_id`, a duplicate of
+    candidate `candidate_id` (already tried or queued), or refused before compiling for `reason`."""
+
+    kind: str  # params, edit or patch
+    family: str
+    outcome: Literal["accepted", "duplicate", "refused"]
+    base: str | None = None  # a patch's base: a family name or a candidate id
+    candidate_id: str | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """One request to a model for one problem: its tokens, what its prompt left out to fit the prompt budget, and
+    what became of each proposal in the reply (or why the reply or the request failed)."""
+
+    problem_key: str
+    purpose: Literal["propose", "resend"]  # resend: the previous reply could not be used and was sent back
+    prompt_tokens: int
+    completion_tokens: int
+    tokens_estimated: bool = False
+    left_out: tuple[str, ...] = ()
+    proposals: tuple[ProposalFate, ...] = ()
+    error: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelCall:
+        d = json.loads(text)
+        return cls(**{**d, "left_out": tuple(d["left_out"]),
+                      "proposals": tuple(ProposalFate(**f) for f in d["proposals"])})

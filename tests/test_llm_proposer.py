@@ -23,7 +23,7 @@ from agent.proposers.llm import LlmProposer
 from agent.proposers.mixed import MixedProposer
 from agent.store import RunStore
 from core.device import DeviceFacts
-from core.records import BuildResult, Candidate, EvalResult, Problem, Status, Timing
+from core.records import BuildResult, Candidate, EvalResult, Patch, Problem, Status, TextEdit, Timing
 from templates import get_family
 from tests.chat_server import ChatServer, Error, Reply, proposals
 
@@ -34,6 +34,15 @@ GOOD = {"kind": "params", "family": "sm80_mma", "rationale": "small tiles fill m
 EDITED = get_family("naive").template_source().replace("float acc = 0.0f;", "float acc = 0.0f;  // edited")
 EDIT = {"kind": "edit", "family": "naive", "params": {"block_x": 32, "block_y": 8}, "template": EDITED,
         "rationale": "wider rows coalesce the loads of B"}
+
+# patches against the sm90 template as it is now, whoever changed it last: anchors are read from the file
+SM90 = get_family("sm90_wgmma")
+SM90_SOURCE = SM90.template_source()
+ANCHOR = next(line for line in SM90_SOURCE.splitlines() if 'extern "C"' in line)  # the entry point: always rendered
+MARKER = "// patched: a marker the compiled source must carry"
+PATCH = {"kind": "patch", "family": "sm90_wgmma", "rationale": "a comment before the entry point",
+         "edits": [{"search": ANCHOR, "replace": MARKER + "\n" + ANCHOR}]}
+TWICE = next(line for line in SM90_SOURCE.splitlines() if len(line.strip()) > 8 and SM90_SOURCE.count(line) == 2)
 
 
 def params_proposal(**params) -> dict:
@@ -83,6 +92,80 @@ def test_edit_proposal_sets_the_template_override(server):
     server.push(Reply(proposals(EDIT)))
     [c] = make(server).propose(fresh_state())
     assert c.origin == "llm-edit" and c.template_override == EDITED and c.params == {"block_x": 32, "block_y": 8}
+
+
+def test_patch_to_the_sm90_template_becomes_a_candidate_with_its_provenance(server):
+    assert SM90_SOURCE.count(ANCHOR) == 1
+    server.push(Reply(proposals(PATCH)))
+    llm = make(server)
+    [c] = llm.propose(fresh_state())
+    assert (c.family, c.origin, c.kind, c.arm) == ("sm90_wgmma", "llm-patch", "patch", "llm-patch:sm90_wgmma")
+    assert c.template_override == SM90_SOURCE.replace(ANCHOR, MARKER + "\n" + ANCHOR)
+    assert c.patch == Patch("sm90_wgmma", (TextEdit(ANCHOR, MARKER + "\n" + ANCHOR),))
+    assert c.params == SM90.parse(SM90.space(P)[0], P).model_dump()  # no params: the family's first setting
+    [call] = llm.take_calls()
+    assert (call.purpose, call.prompt_tokens, call.completion_tokens, call.left_out) == ("propose", 100, 50, ())
+    [fate] = call.proposals
+    assert (fate.kind, fate.family, fate.outcome, fate.base, fate.candidate_id) == (
+        "patch", "sm90_wgmma", "accepted", "sm90_wgmma", c.id)
+
+
+def test_a_patch_on_an_edited_candidate_patches_its_template_with_its_setting(server):
+    state = fresh_state()
+    settings = SM90.space(P)
+    first = Candidate(P, "sm90_wgmma", settings[1], "llm-patch", template_override=MARKER + "\n" + SM90_SOURCE,
+                      patch=Patch("sm90_wgmma", (TextEdit("x", "y"),)))
+    record(state, first, EvalResult(first.id, Status.SKIPPED))
+    again = {**PATCH, "base": first.id[:7], "edits": [{"search": MARKER, "replace": MARKER + " (twice)"}]}
+    server.push(Reply(proposals(again, {**again, "params": settings[2]})))
+    a, b = make(server).propose(state, n=2)
+    assert a.template_override == MARKER + " (twice)\n" + SM90_SOURCE == b.template_override
+    assert a.patch.base == first.id and a.params == first.params and b.params == settings[2]
+    assert "llm-patch:sm90_wgmma" in server.requests[0].text and MARKER in server.requests[0].text  # its diff
+
+
+@pytest.mark.parametrize("search, reason", [
+    (TWICE, f"edit 1: search text occurs {SM90_SOURCE.count(TWICE)} times: add context to make it unique"),
+    ("__global__ void hgemm_that_is_not_there(", "edit 1: search text not found"),
+])
+def test_a_patch_matching_twice_or_not_at_all_is_refused_with_the_reason(server, search, reason):
+    bad = {**PATCH, "edits": [{"search": search, "replace": "x"}]}
+    server.push(Reply(proposals(bad)), Reply(proposals(bad)), Reply(proposals(bad, GOOD)), Reply(proposals(GOOD)))
+    llm = make(server)
+    assert llm.propose(fresh_state()) == []  # alone, the bad patch sends the reply back with the reason, then drops it
+    assert reason in server.requests[1].messages[-1]["content"]
+    [c] = llm.propose(fresh_state())  # the next prompt says why the reply was dropped
+    assert "a whole reply was dropped" in server.requests[2].text and reason in server.requests[2].text
+    state = fresh_state()
+    record(state, c, EvalResult(c.id, Status.SKIPPED))
+    assert llm.propose(state) == []  # beside a good proposal, the bad patch is named in the next prompt
+    rejected = server.requests[3].text.split("rejected before compiling")[1]
+    assert f"proposal 1 (patch, family 'sm90_wgmma'): {reason}" in rejected
+    refused = [f for call in llm.take_calls() for f in call.proposals if f.outcome == "refused"]
+    assert len(refused) == 3 and all(f.reason.startswith(reason) and f.kind == "patch" for f in refused)
+
+
+def test_the_prompt_shows_every_template_within_the_budget_and_says_what_it_cut(server):
+    state = fresh_state()
+    t, cublas = Timing(8.0, 7.9, 8.1, 100), Timing(12.0, 11.9, 12.1, 100)
+    fast = Candidate(P, "sm80_mma", get_family("sm80_mma").space(P)[0], "builtin")  # sm80 ranks first
+    record(state, fast, EvalResult(fast.id, Status.OK, warm=t, cold=t, cublas_warm=cublas, cublas_cold=cublas))
+    server.push(Reply(proposals(GOOD)), Reply(proposals(GOOD)))
+    make(server).propose(state)
+    default = server.requests[0].text
+    for name in ("naive", "sm80_mma", "sm90_wgmma"):  # the default budget holds every template, sm90's included
+        assert get_family(name).template_source() in default
+    assert "Left out" not in default and len(default) // 4 <= LlmSettings().max_prompt_tokens
+    tight = make(server, max_prompt_tokens=9_000)
+    tight.propose(state)
+    prompt = server.requests[1].text
+    assert len(prompt) // 4 <= 9_000 and get_family("sm80_mma").template_source() in prompt
+    cut = prompt.split("# Left out to fit the prompt budget")[1].split("# Task")[0]
+    assert cut.index("template of naive") < cut.index("template of sm90_wgmma")  # base family, then lower rank
+    assert SM90_SOURCE not in prompt and "template left out to fit the prompt budget" in prompt
+    [call] = tight.take_calls()
+    assert [text.split(" (")[0] for text in call.left_out] == ["the Jinja template of naive",
+                                                              "the Jinja template of sm90_wgmma"]
 
 
 def test_extra_proposals_are_kept_for_the_next_call(server):
@@ -176,7 +259,10 @@ def test_500_repeatedly_gives_up_and_mixed_goes_on_with_builtin(server):
     assert len(server.requests) == 3  # one call and two retries, then never again
     stats = mixed.stats()
     assert "HTTP 500" in stats["llm"]["gave_up"] and "built-in" in stats["fallback"]
-    assert stats["candidates_from"] == {"llm": 0, "builtin": 5}
+    assert stats["candidates_from"] == {"builtin": 5}  # by origin: the LLM handed none
+    [call] = mixed.take_calls()  # the failed request is reported once
+    assert call.error.startswith("endpoint failed: HTTP 500") and call.proposals == ()
+    assert mixed.take_calls() == []
 
 
 def test_llm_down_the_mixed_proposer_keeps_proposing():
@@ -257,9 +343,12 @@ def test_prompt_context_stays_bounded(server):
         log = f"kernel.cu({i}): error: " + "x" * 5000
         record(state, c, EvalResult(c.id, Status.COMPILE_ERROR, "error"),
                BuildResult(c.id, False, "sm_90a", "s", log=log))
-    server.push(Reply(proposals(GOOD)))
+    server.push(Reply(proposals(GOOD)), Reply(proposals(GOOD)))
     make(server).propose(state)
-    assert len(server.requests[0].text) < 40_000
+    make(server).propose(fresh_state())
+    long_run, fresh = (r.text for r in server.requests)
+    assert len(long_run) - len(fresh) < 8_000  # the history adds a bounded amount, however long the run
+    assert "Left out" not in long_run  # and everything fits the default budget
 
 
 def test_api_key_appears_in_no_stats(server):
@@ -313,3 +402,55 @@ def test_cli_run_with_llm_proposer(server, tmp_path, monkeypatch, capsys):
     store.close()
     for f in folder.iterdir():
         assert KEY.encode() not in f.read_bytes()
+
+
+def test_loop_compiles_and_records_a_patched_sm90_candidate_and_the_calls(server, tmp_path):
+    include = {**PATCH, "edits": [{"search": ANCHOR, "replace": "#include <cuda_fp16.h>\n" + ANCHOR}]}
+    server.default = Reply(proposals(PATCH, GOOD, include))
+    config = RunConfig(proposer="llm", max_candidates=4, compile_only=True,
+                       llm=LlmSettings(base_url=server.base_url, model="scripted", timeout_s=10))
+    store = RunStore(tmp_path / "r", create=True)
+    store.add_problems([P])
+    proposer = make_proposer(config)
+    SearchLoop(store, config, proposer, "sm_90a", None).run([P])
+    proposer.close()
+    patched, params, reads_files, builtin = store.candidates(P)
+    assert (patched.origin, params.origin, builtin.origin) == ("llm-patch", "llm", "builtin")
+    refused = store.result(reads_files.id)  # rendered by the loop, refused there: the next prompt shows why
+    assert refused.status is Status.INVALID and "#include" in refused.reason and store.build(reads_files.id) is None
+    assert reads_files.id in server.requests[-1].text.split("Recent failures")[1]
+    assert patched.patch == Patch("sm90_wgmma", (TextEdit(ANCHOR, MARKER + "\n" + ANCHOR),))  # read back
+    assert patched.template_override == SM90_SOURCE.replace(ANCHOR, MARKER + "\n" + ANCHOR)
+    build = store.build(patched.id)
+    assert build.ok and build.arch == "sm_90a" and MARKER in build.source  # rendered and compiled by NVRTC
+    assert store.result(patched.id).status is Status.SKIPPED
+    first, *later = store.model_calls()
+    assert [(f.outcome, f.candidate_id) for f in first.proposals] == [("accepted", patched.id),
+                                                                      ("accepted", params.id),
+                                                                      ("accepted", reads_files.id)]
+    assert later and all(f.outcome == "duplicate" for call in later for f in call.proposals)
+    assert store.get_meta("proposer_stats")["candidates_from"] == {"llm-patch": 2, "llm": 1, "builtin": 1}
+
+
+def test_cli_compile_only_run_records_a_patched_sm90_candidate(server, tmp_path, monkeypatch, capsys):
+    server.default = Reply(proposals(PATCH))
+    monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+    runs = tmp_path / "runs"
+    code = main(["run", "--mnk", "256_256_256", "--compile-only", "--proposer", "llm", "--max-candidates", "2",
+                 "--llm-max-prompt-tokens", "16000", "--runs-dir", str(runs)])
+    assert code == 0
+    prompt = server.requests[0].text
+    assert "# Left out" in prompt and len(prompt) // 4 <= 16_000 and SM90_SOURCE in prompt  # sm80's went
+    [folder] = list(runs.iterdir())
+    store = RunStore(folder)
+    patched, builtin = store.candidates(P)
+    assert patched.origin == "llm-patch" and patched.patch.base == "sm90_wgmma" and store.build(patched.id).ok
+    capsys.readouterr()
+    assert main(["show", folder.name, "--llm", "--runs-dir", str(runs)]) == 0
+    out = capsys.readouterr().out
+    assert "patch sm90_wgmma on sm90_wgmma" in out and f"accepted as {patched.id}" in out and "skipped" in out
+    assert f"duplicate of {patched.id}" in out and "left out: the Jinja template of naive" in out
+    assert main(["diff", folder.name, builtin.id, patched.id, "--runs-dir", str(runs)]) == 0
+    out = capsys.readouterr().out
+    assert f"patch of B {patched.id}" in out and "+" + MARKER in out and "@@ edit 1 of 1 @@" in out
+    store.close()

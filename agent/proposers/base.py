@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from agent.bandit import ThompsonBandit
 from core.device import H200, DeviceFacts
-from core.records import BuildResult, Candidate, EvalResult, Problem
+from core.records import BuildResult, Candidate, EvalResult, ModelCall, Problem
 
 
 @dataclass
@@ -38,6 +38,10 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, state: SearchState, n: int = 1) -> list[Candidate]:
         """Up to n new candidates (none already tried); an empty list means this proposer has nothing left."""
+
+    def take_calls(self) -> list[ModelCall]:
+        """The model calls made since the last time asked, each handed over once (for the run store)."""
+        return []
 
     def stats(self) -> dict:
         """Counters worth keeping with the run (calls, tokens, dropped responses); never secrets."""

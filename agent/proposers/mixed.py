@@ -10,7 +10,7 @@ from typing import Any
 
 from agent.proposers.base import Proposer, SearchState
 from agent.proposers.llm import LlmProposer
-from core.records import Candidate
+from core.records import Candidate, ModelCall
 
 
 class MixedProposer(Proposer):
@@ -23,22 +23,25 @@ class MixedProposer(Proposer):
     def __init__(self, llm: LlmProposer, builtin: Proposer, llm_every: int = 2, name: str = "mixed"):
         self.llm, self.builtin, self.llm_every, self.name = llm, builtin, max(1, llm_every), name
         self.turn = 0
-        self.handed = {"llm": 0, "builtin": 0}
+        self.handed: dict[str, int] = {}  # by origin: builtin, llm, llm-edit, llm-patch
 
     def propose(self, state: SearchState, n: int = 1) -> list[Candidate]:
         self.turn += 1
         llm_turn = self.turn % self.llm_every == 0
-        order = [("llm", self.llm), ("builtin", self.builtin)] if llm_turn else [("builtin", self.builtin),
-                                                                                ("llm", self.llm)]
+        order = [self.llm, self.builtin] if llm_turn else [self.builtin, self.llm]
         out: list[Candidate] = []
-        for label, source in order:
+        for source in order:
             if len(out) >= n:
                 break
             seen = state.tried_ids | {c.id for c in out}
             got = [c for c in source.propose(state, n - len(out)) if c.id not in seen]
-            self.handed[label] += len(got)
+            for c in got:
+                self.handed[c.origin] = self.handed.get(c.origin, 0) + 1
             out += got
         return out
+
+    def take_calls(self) -> list[ModelCall]:
+        return self.llm.take_calls()
 
     def stats(self) -> dict[str, Any]:
         stopped = self.llm.stopped

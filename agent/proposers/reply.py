@@ -1,7 +1,9 @@
 """What a model may reply: the proposal schema (pydantic), and the reply text parsed into it.
 
 The reply is data: JSON validated here, then by the family's own parameter checks; it only ever becomes parameters
-or an edited template, which the loop renders in Jinja's sandbox, NVRTC compiles and the sandbox runs.
+or an edited template (whole, or patched by search/replace edits), which the loop renders in Jinja's sandbox, NVRTC
+compiles and the sandbox runs. What a patch's edits must satisfy is checked where they are applied (patch.py), one
+proposal at a time, so that one bad patch does not sink its neighbours.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_TEMPLATE_CHARS = 64_000
+MAX_PATCH_EDITS = 32
 
 
 class _Proposal(BaseModel):
@@ -32,7 +35,21 @@ class EditProposal(_Proposal):
     template: str = Field(min_length=1, max_length=MAX_TEMPLATE_CHARS)
 
 
-Proposal = Annotated[ParamsProposal | EditProposal, Field(discriminator="kind")]
+class SearchReplace(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    search: str = Field(max_length=MAX_TEMPLATE_CHARS)
+    replace: str = Field(max_length=MAX_TEMPLATE_CHARS)
+
+
+class PatchProposal(_Proposal):
+    kind: Literal["patch"]
+    params: dict[str, Any] | None = None  # None: the base candidate's, or the family's first setting for the problem
+    base: str | None = Field(None, max_length=64)  # None or the family's name: its template; else a candidate id
+    edits: list[SearchReplace] = Field(default_factory=list, max_length=MAX_PATCH_EDITS)
+
+
+Proposal = Annotated[ParamsProposal | EditProposal | PatchProposal, Field(discriminator="kind")]
 
 
 class ProposalReply(BaseModel):

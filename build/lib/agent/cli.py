@@ -56,10 +56,16 @@ def build_parser() -> Parser:
     r.add_argument("--llm-model", help="model name for --proposer llm/mixed (or OPENAI_MODEL)")
     r.add_argument("--llm-base-url", help="OpenAI-compatible endpoint (or OPENAI_BASE_URL)")
     r.add_argument("--llm-max-calls", type=int, help="most LLM calls in this run")
+    r.add_argument("--llm-max-prompt-tokens", type=int,
+                   help="most tokens a prompt may take, estimated at 4 characters a token (default 24000: every "
+                        "family's template and the search so far); what does not fit is left out, and the prompt "
+                        "says what")
 
     sub.add_parser("runs", help="list runs")
     s = sub.add_parser("show", help="summarise a run: best per shape, ratio to cuBLAS, failures")
     s.add_argument("run")
+    s.add_argument("--llm", action="store_true",
+                   help="list each LLM call: tokens, proposals, and what became of each")
     d = sub.add_parser("diff", help="diff two candidates' sources, parameters and measurements")
     d.add_argument("run")
     d.add_argument("a", help="candidate id (or prefix), 'best' or 'baseline'")
@@ -127,7 +133,8 @@ def cmd_run(args) -> int:
     problems = (parse_shape_list(args.mnk, args.b_layout) if args.mnk
                 else read_shapes_file(args.shapes, args.b_layout) if args.shapes else None)
     try:
-        llm = LlmSettings.from_env(model=args.llm_model, base_url=args.llm_base_url, max_calls=args.llm_max_calls)
+        llm = LlmSettings.from_env(model=args.llm_model, base_url=args.llm_base_url, max_calls=args.llm_max_calls,
+                                   max_prompt_tokens=args.llm_max_prompt_tokens)
         config = RunConfig(budget_minutes=args.budget_minutes, max_candidates=args.max_candidates,
                            proposer=args.proposer, arch=args.arch, compile_only=args.compile_only,
                            kernel_timeout_s=args.kernel_timeout, seed=args.seed, profile=args.profile,
@@ -155,9 +162,12 @@ def cmd_runs(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from agent.report import show_run
+    from agent.report import model_calls_view, show_run
 
-    console.print(show_run(open_run(args)))
+    store = open_run(args)
+    console.print(show_run(store))
+    if args.llm:
+        console.print(model_calls_view(store))
     return 0
 
 

@@ -68,6 +68,8 @@ class SearchLoop:
         self.observe("shape", {"problem": problem, "resumed": len(state.tried)})
         while len(state.tried) < self.config.max_candidates and time.monotonic() < deadline:
             batch = self.proposer.propose(state, n=1)
+            for call in self.proposer.take_calls():  # kept for `show --llm`, with what became of each proposal
+                self.store.add_model_call(call)
             if not batch:
                 self.store.event("search", f"{problem.key}: the proposer has nothing left to try")
                 break

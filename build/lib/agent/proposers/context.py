@@ -1,8 +1,9 @@
 """What the next LLM prompt sees of a search: a bounded, JSON-ready view of a SearchState.
 
 The bandit decides what goes in: the best candidate of each top-ranked arm is always shown, failures from
-high-ranked arms come before others, and everything is capped (examples, failures, error text, templates) so the
-prompt stays the same size however long the run.
+high-ranked arms come before others, and everything is capped (examples, failures, error text, template changes) so
+the prompt stays the same size however long the run. Every family's template is in the view, with each edited
+candidate's changes to it as a diff; budget.py cuts what does not fit the prompt's token budget, least useful first.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from typing import Any
 
 from agent.proposers.base import SearchState, arm_of
+from agent.proposers.patch import template_changes
 from core.device import DeviceFacts
 from core.records import BuildResult, Candidate, EvalResult, Problem, Status
 from templates import FAMILIES
@@ -22,8 +24,9 @@ TOP_ARMS = 3  # each of these arms' best candidate is shown, whatever its rank o
 MAX_FAILURES = 5
 MAX_ERROR_CHARS = 700
 MAX_RANKING = 8
-MAX_PROMPT_TEMPLATE_CHARS = 24_000
 MAX_REJECTED = 4
+MAX_CHANGES_CHARS = 6_000  # an edited candidate's diff to its family's template, in the best candidates
+MAX_FAILED_CHANGES_CHARS = 1_500
 USABLE = (Status.OK, Status.SKIPPED)  # compiled (and, unless compile-only, correct)
 
 
@@ -39,10 +42,11 @@ def build_context(state: SearchState, n: int, *, edits: bool = True,
     counts: dict[str, int] = {}
     for _, _, r in state.tried:
         counts[r.status.value] = counts.get(r.status.value, 0) + 1
+    usefulness = {name: i for i, name in enumerate(family_usefulness(state))}
     return {
         "device": hardware_facts(state.device, state.arch),
         "problem": problem_view(state),
-        "families": [family_view(f, edits and f.name == edit_family(state)) for f in families_for_prompt(state.arch)],
+        "families": [family_view(f, edits, usefulness[f.name]) for f in families_for_prompt(state.arch)],
         "best": [example_view(c, b, r, ranks, state.profiles.get(c.id)) for c, b, r in best_examples(state, ranks)],
         "failures": [failure_view(c, b, r) for c, b, r in recent_failures(state, ranks)],
         "ranking": ranking_view(state),
@@ -50,17 +54,20 @@ def build_context(state: SearchState, n: int, *, edits: bool = True,
         "tried": {"total": len(state.tried), "by_status": counts},
         "n": n,
         "edits": edits,
+        "left_out": [],  # what budget.py cut to fit the prompt's token budget, said in the prompt
     }
 
 
-def edit_family(state: SearchState) -> str:
-    """The one family whose template source the prompt carries (sources are long): the family of the bandit's
-    best arm, or the first family searched for this arch before anything has been measured."""
-    ranking = state.bandit.ranking()
-    if ranking:
-        return str(ranking[0][0]).split(":")[1]
-    searched = [f.name for f in families_for_prompt(state.arch) if f.searched]
-    return searched[0] if searched else ""
+def family_usefulness(state: SearchState) -> list[str]:
+    """The families of the prompt, most useful first: searched families by their best arm's rank in the bandit
+    (unmeasured ones in the families' own order), then the base families."""
+    best_rank: dict[str, int] = {}
+    for i, (arm, *_) in enumerate(state.bandit.ranking()):
+        best_rank.setdefault(str(arm).rpartition(":")[2], i)
+    families = families_for_prompt(state.arch)
+    order = sorted(range(len(families)), key=lambda i: (not families[i].searched,
+                                                        best_rank.get(families[i].name, len(best_rank)), i))
+    return [families[i].name for i in order]
 
 
 def hardware_facts(device: DeviceFacts, arch: str) -> dict[str, Any]:
@@ -84,20 +91,17 @@ def problem_view(state: SearchState) -> dict[str, Any]:
     }
 
 
-def family_view(family: Family, edits: bool) -> dict[str, Any]:
-    view: dict[str, Any] = {
+def family_view(family: Family, edits: bool, usefulness: int) -> dict[str, Any]:
+    return {
         "name": family.name,
         "description": family.description or (family.__doc__ or "").strip(),
         "arches": list(family.arches),
         "searched": family.searched,
         "schema": json.dumps(family.describe_space(), sort_keys=True),
         "template_variables": template_variables(family),
-        "template": None,
+        "template": family.template_source() if edits else None,
+        "usefulness": usefulness,  # 0 is the most useful: its template is the last budget.py cuts
     }
-    if edits:
-        source = family.template_source()
-        view["template"] = source if len(source) <= MAX_PROMPT_TEMPLATE_CHARS else None
-    return view
 
 
 def template_variables(family: Family) -> list[str]:
@@ -155,7 +159,7 @@ def ranking_view(state: SearchState) -> list[dict[str, Any]]:
 
 def example_view(c: Candidate, b: BuildResult | None, r: EvalResult, ranks: dict[str, int],
                  profile: str | None = None) -> dict[str, Any]:
-    view = _candidate_view(c, b)
+    view = _candidate_view(c, b, MAX_CHANGES_CHARS)
     view["profile"] = _clip(profile, 300) if profile else None  # Nsight Compute's one-line verdict
     view.update(status=r.status.value, arm=_arm(c), arm_rank=_rank(c, ranks) + 1 if _arm(c) in ranks else None,
                 time_us=round(r.time_us, 2) if math.isfinite(r.time_us) else None,
@@ -166,18 +170,31 @@ def example_view(c: Candidate, b: BuildResult | None, r: EvalResult, ranks: dict
 
 
 def failure_view(c: Candidate, b: BuildResult | None, r: EvalResult) -> dict[str, Any]:
-    view = _candidate_view(c, b)
+    view = _candidate_view(c, b, MAX_FAILED_CHANGES_CHARS)
     view.update(status=r.status.value, error=_error_text(b, r))
     return view
 
 
-def _candidate_view(c: Candidate, b: BuildResult | None) -> dict[str, Any]:
+def _candidate_view(c: Candidate, b: BuildResult | None, max_changes: int) -> dict[str, Any]:
     return {
         "id": c.id, "family": c.family, "origin": c.origin, "params": json.dumps(c.params, sort_keys=True),
-        "edited": c.template_override is not None, "rationale": _clip(c.rationale, 200),
+        "kind": c.kind, "base": c.patch.base if c.patch else None,
+        "changes": _changes(c, max_changes), "rationale": _clip(c.rationale, 200),
         "registers": b.registers if b else None, "spill_bytes": b.spill_bytes if b else None,
         "smem_static": b.smem_static if b else None,
     }
+
+
+def _changes(c: Candidate, max_chars: int) -> str | None:
+    """An edited candidate's template as a diff to its family's template as it is now (a patch against that
+    candidate must match its text, which the diff and the family's template shown give)."""
+    if c.template_override is None:
+        return None
+    try:
+        family = FAMILIES[c.family]
+    except KeyError:  # a family no longer known
+        return None
+    return template_changes(family.template_source(), c.template_override, max_chars) or "(no changes)"
 
 
 def _error_text(b: BuildResult | None, r: EvalResult) -> str:
