@@ -3,6 +3,7 @@ proposer and the families work outside the checkout."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +21,11 @@ print(all(len(f.template_source()) > 100 for f in FAMILIES.values()))
 
 
 def test_installed_package_finds_its_prompts_and_templates(tmp_path):
-    target = tmp_path / "target"
+    source, target = tmp_path / "source", tmp_path / "target"  # a copy: the build must not write into the checkout
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "tests", ".cache", "*.pyc",
+                                                                "build", "*.egg-info", ".whl", ".site"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(ROOT)], check=True, capture_output=True, timeout=600)
+                    "--target", str(target), str(source)], check=True, capture_output=True, timeout=600)
     assert (target / "prompts" / "propose.j2").is_file()
     out = subprocess.run([sys.executable, "-c", PROBE],
                          cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},

@@ -1,1 +1,0 @@
-"""Jinja prompt texts for the LLM proposer: data, shipped with the package (`prompts/*.j2`)."""

@@ -1,1 +1,0 @@
-"""The sandbox: NVRTC builds, and the GPU worker that checks and times untrusted kernels in its own process."""
