@@ -13,6 +13,7 @@ import json
 import os
 import sqlite3
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,9 +64,11 @@ class TuningRow:
 class TuningDB:
     def __init__(self, path: Path):
         self.path = Path(path).expanduser()
+        self.lock = threading.Lock()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.db = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
+            # results may be recorded from the loop's worker threads: one connection, writes under a lock
+            self.db = sqlite3.connect(self.path, isolation_level=None, timeout=10.0, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")  # several runs may write at once
             self.db.executescript(SCHEMA)
             row = self.db.execute("SELECT value FROM meta WHERE key = 'marker'").fetchone()
@@ -88,12 +91,13 @@ class TuningDB:
         p = c.problem
         ok = r.status is Status.OK
         speedup = statistics.median(speedups) if ok and speedups else r.speedup if ok else None
-        self.db.execute(
-            "INSERT OR REPLACE INTO measured VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (run_id, c.id, time.time(), device.name, device.sms, arch, p.m, p.n, p.k, p.b_layout, p.dtype,
-             int(p.bias), c.family, c.origin, json.dumps(c.params, sort_keys=True),
-             int(c.template_override is not None), r.status.value, r.reason[:300], _us(r.warm), _us(r.cold),
-             _us(r.cublas_warm), _us(r.cublas_cold), speedup, len(speedups)))
+        with self.lock:
+            self.db.execute(
+                "INSERT OR REPLACE INTO measured VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (run_id, c.id, time.time(), device.name, device.sms, arch, p.m, p.n, p.k, p.b_layout, p.dtype,
+                 int(p.bias), c.family, c.origin, json.dumps(c.params, sort_keys=True),
+                 int(c.template_override is not None), r.status.value, r.reason[:300], _us(r.warm), _us(r.cold),
+                 _us(r.cublas_warm), _us(r.cublas_cold), speedup, len(speedups)))
 
     def rows(self, device: str | None = None) -> list[TuningRow]:
         q = ("SELECT device, sms, m, n, k, b_layout, dtype, bias, family, params, edited, status, speedup, run_id "

@@ -42,7 +42,18 @@ class Outcome:
     problem: Problem
     space: int
     best: float  # best speed-up measured
+    best_setting: str
     needed: dict[str, list[int]]  # strategy -> candidates needed, one per seed
+
+
+def describe(family: str, p: dict) -> str:
+    """A setting in a few characters: family, tile, ring, then what differs from the plain kind."""
+    text = f"{family.split('_')[0]} {p.get('block_m')}x{p.get('block_n')} s{p.get('stages')}"
+    marks = [("split_k", "k"), ("k_groups", "G"), ("warps_k", "wk"), ("min_blocks", "b")]
+    text += "".join(f" {m}{p[k]}" for k, m in marks if p.get(k, 1) != 1)
+    flags = [("persistent", "P"), ("swap_ab", "swap"), ("cluster_m", "mc")]
+    text += "".join(f" {m}" for k, m in flags if p.get(k) not in (None, False, 1))
+    return text + (" cp" if p.get("loader") == "cp_async" else "")
 
 
 def oracle(rows: list[TuningRow]) -> dict[Problem, dict[str, float | None]]:
@@ -90,6 +101,7 @@ def compare(rows: list[TuningRow], device: str, seeds: int = 10, min_space: int 
     if not mine:
         return []
     facts = DeviceFacts.from_dict({"name": device, "sms": mine[0].sms})
+    names = {Candidate(r.problem, r.family, r.params).id: describe(r.family, r.params) for r in mine}
     outcomes = []
     for problem, results in oracle(mine).items():
         ok = [v for v in results.values() if v is not None]
@@ -105,7 +117,8 @@ def compare(rows: list[TuningRow], device: str, seeds: int = 10, min_space: int 
             "today": [needed(problem, results, today, s, arch, facts) for s in range(seeds)],
             "random": [needed(problem, results, draw(s), s, arch, facts) for s in range(seeds)],
         }
-        outcomes.append(Outcome(problem, len(results), math.exp(max(ok)), runs))
+        best = max((cid for cid, v in results.items() if v is not None), key=results.get)
+        outcomes.append(Outcome(problem, len(results), math.exp(max(ok)), names[best], runs))
     return outcomes
 
 
@@ -113,9 +126,10 @@ def table(outcomes: list[Outcome]) -> str:
     def cell(counts: list[int]) -> str:
         return f"{statistics.median(counts):g} ({max(counts)})" if counts else "-"
 
-    lines = ["| shape | space | best ratio | learned | today's order | random |", "|---|---|---|---|---|---|"]
+    lines = ["| shape | space | best ratio | best setting | learned | today's order | random |",
+             "|---|---|---|---|---|---|---|"]
     for o in outcomes:
-        lines.append(f"| {o.problem.mnk}:{o.problem.b_layout} | {o.space} | {o.best:.3f}x | "
+        lines.append(f"| {o.problem.mnk}:{o.problem.b_layout} | {o.space} | {o.best:.3f}x | {o.best_setting} | "
                      f"{cell(o.needed['learned'])} | {cell(o.needed['today'])} | {cell(o.needed['random'])} |")
     lines.append("")
     for name in ("learned", "today", "random"):
