@@ -232,8 +232,12 @@ def cmd_db(args) -> int:
 
     folders = [Path(r) if Path(r).is_dir() else args.runs_dir / r for r in args.imports]
     stores = [RunStore(f) for f in folders]  # every run checked before anything is written
+    path = args.db or default_path()
+    if not stores and not path.exists():
+        console.print(f"no tuning database at {path} yet: runs create it, or db --import RUN")
+        return 0
     try:
-        db = TuningDB(args.db or default_path())
+        db = TuningDB(path)
     except TuningDbError as e:
         raise UsageError(str(e)) from None
     try:

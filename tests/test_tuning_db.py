@@ -95,6 +95,8 @@ def test_import_runs_that_ran_on_a_gpu(tmp_path, capsys):
     store.set_meta("device", H200.to_dict())
     populated_run(tmp_path / "runs" / "r2")  # no device recorded
     db_path = tmp_path / "t.sqlite"
+    assert main(["db", "--db", str(db_path)]) == 0 and "no tuning database" in capsys.readouterr().out
+    assert not db_path.exists()
     code = main(["db", "--db", str(db_path), "--import", "r1", "r2", "--runs-dir", str(tmp_path / "runs")])
     out = capsys.readouterr().out
     assert code == 0 and "r1: 12 results added" in out and "r2: run r2 recorded no GPU" in out
