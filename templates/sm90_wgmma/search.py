@@ -60,7 +60,7 @@ def _split_cost(p: Sm90WgmmaParams, problem: Problem, smem_per_sm: int) -> float
 def _split_class(problem: Problem, sms: int) -> str | None:
     """Which problems split-K serves, all with at least 32 k-tiles (halves keep 16). "long": K long against M and
     N (K >= 8 max(M, N)), measured on the dev suite: split settings lead. At M > 64 (skinny problems have K groups
-    and swapped roles of their own): "few" where even 64 x 64 tiles fill fewer than half the SMs (1024_128_4096:
+    and swapped roles of their own): "few" where even 64 x 64 tiles fill at most half the SMs (1024_128_4096:
     32, and the best unsplit settings streamed K through them at 0.70x of cuBLAS): split settings lead too;
     "some" where 128 x 128 tiles fill at most a quarter of the SMs but smaller tiles fill them: split settings enter
     at SPLIT_RANK, after the best unsplit guesses. None: no split-K."""
@@ -70,7 +70,7 @@ def _split_class(problem: Problem, sms: int) -> str | None:
         return "long"
     if problem.m <= 64:
         return None
-    if -(-problem.m // 64) * -(-problem.n // 64) < sms // 2:
+    if -(-problem.m // 64) * -(-problem.n // 64) <= sms // 2:
         return "few"
     return "some" if -(-problem.m // 128) * -(-problem.n // 128) <= sms // 4 else None
 
