@@ -37,13 +37,19 @@ class ThompsonBandit:
                  seed: int = 0):
         self.prior_mean, self.prior_sd, self.noise_sd = prior_mean, prior_sd, noise_sd
         self.arms: dict[Hashable, ArmStats] = {}
+        self.priors: dict[Hashable, tuple[float, float]] = {}  # per-arm (mean, sd) where something is known
         self.rng = random.Random(seed)
+
+    def set_prior(self, arm: Hashable, mean: float, sd: float) -> None:
+        """What is expected of an arm before (or besides) its own rewards, e.g. a cost model's prediction."""
+        self.priors[arm] = (mean, sd)
 
     def posterior(self, arm: Hashable) -> tuple[float, float]:
         """Mean and standard deviation of the arm's mean reward (conjugate normal update)."""
         s = self.arms.get(arm, ArmStats())
-        precision = 1 / self.prior_sd**2 + s.n / self.noise_sd**2
-        mean = (self.prior_mean / self.prior_sd**2 + sum(s.rewards) / self.noise_sd**2) / precision
+        prior_mean, prior_sd = self.priors.get(arm, (self.prior_mean, self.prior_sd))
+        precision = 1 / prior_sd**2 + s.n / self.noise_sd**2
+        mean = (prior_mean / prior_sd**2 + sum(s.rewards) / self.noise_sd**2) / precision
         return mean, math.sqrt(1 / precision)
 
     def choose(self, available: Sequence[Hashable]) -> Hashable:

@@ -1,4 +1,4 @@
-"""Command-line verbs: run, runs, show, diff, export, bench. Bad input is one line on stderr and exit code 2."""
+"""Command-line verbs: run, runs, show, diff, export, bench, db. Bad input is one line on stderr and exit code 2."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ from rich.live import Live
 from agent.config import LlmSettings, RunConfig
 from agent.shapes import ShapeError, parse_shape_list, read_shapes_file
 from agent.store import RunStore, StoreError, list_runs, new_run_id
+from agent.tuning_db import default_path
 from core.records import B_LAYOUTS
 from core.validation import validation_message
 
 console = Console() if sys.stdout.isatty() else Console(width=160)  # files and pipes get whole tables
 EXIT_BAD_INPUT = 2
+DEFAULT_DB_HINT = "~/.cache/hgemm-agent/tuning.sqlite"
 
 
 class UsageError(Exception):
@@ -53,6 +55,9 @@ def build_parser() -> Parser:
     r.add_argument("--no-profile", dest="profile", action="store_false",
                    help="do not profile the top candidates with Nsight Compute (ncu)")
     r.add_argument("--resume", metavar="RUN", help="continue an interrupted run")
+    r.add_argument("--db", type=Path, help="the tuning database to learn from and add to (default "
+                   f"$HGEMM_AGENT_TUNING_DB or {DEFAULT_DB_HINT})")
+    r.add_argument("--no-db", action="store_true", help="neither learn from nor add to a tuning database")
     r.add_argument("--llm-model", help="model name for --proposer llm/mixed (or OPENAI_MODEL)")
     r.add_argument("--llm-base-url", help="OpenAI-compatible endpoint (or OPENAI_BASE_URL)")
     r.add_argument("--llm-max-calls", type=int, help="most LLM calls in this run")
@@ -84,6 +89,10 @@ def build_parser() -> Parser:
     bn.add_argument("--target-qps", type=float, default=200.0, help="server mode: mean calls per second")
     bn.add_argument("--seconds", type=float, default=20.0, help="server mode: total duration")
     bn.add_argument("--out", type=Path, help="where bench.json / bench.png go (default: the first run's folder)")
+    t = sub.add_parser("db", help="what the tuning database holds; --import adds finished runs to it")
+    t.add_argument("--db", type=Path, help=f"default $HGEMM_AGENT_TUNING_DB or {DEFAULT_DB_HINT}")
+    t.add_argument("--import", dest="imports", nargs="+", metavar="RUN", default=[],
+                   help="run ids (in --runs-dir) or run folders whose results to add")
     return p
 
 
@@ -130,6 +139,8 @@ def cmd_run(args) -> int:
         raise UsageError("give the shapes: --mnk M_N_K[,...] or --shapes FILE")
     if args.mnk and args.shapes:
         raise UsageError("give --mnk or --shapes, not both")
+    if args.db and args.no_db:
+        raise UsageError("give --db PATH or --no-db, not both")
     problems = (parse_shape_list(args.mnk, args.b_layout) if args.mnk
                 else read_shapes_file(args.shapes, args.b_layout) if args.shapes else None)
     try:
@@ -138,7 +149,7 @@ def cmd_run(args) -> int:
         config = RunConfig(budget_minutes=args.budget_minutes, max_candidates=args.max_candidates,
                            proposer=args.proposer, arch=args.arch, compile_only=args.compile_only,
                            kernel_timeout_s=args.kernel_timeout, seed=args.seed, profile=args.profile,
-                           llm=llm)
+                           tuning_db=None if args.no_db else str(args.db or default_path()), llm=llm)
     except ValidationError as e:
         raise UsageError(validation_message(e)) from None
     if config.proposer != "builtin" and (missing := llm.missing()):
@@ -240,5 +251,37 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_db(args) -> int:
+    from rich.table import Table
+
+    from agent.tuning_db import TuningDB, TuningDbError
+
+    folders = [Path(r) if Path(r).is_dir() else args.runs_dir / r for r in args.imports]
+    stores = [RunStore(f) for f in folders]  # every run checked before anything is written
+    path = args.db or default_path()
+    if not stores and not path.exists():
+        console.print(f"no tuning database at {path} yet: runs create it, or db --import RUN")
+        return 0
+    try:
+        db = TuningDB(path)
+    except TuningDbError as e:
+        raise UsageError(str(e)) from None
+    try:
+        for store in stores:
+            try:
+                console.print(f"{store.run_id}: {db.import_run(store)} results added")
+            except TuningDbError as e:
+                console.print(f"{store.run_id}: {e}")
+        table = Table(title=f"tuning database {db.path}")
+        for name in ("GPU", "family", "results", "passed", "problems"):
+            table.add_column(name)
+        for row in db.summary():
+            table.add_row(*map(str, row))
+        console.print(table)
+    finally:
+        db.close()
+    return 0
+
+
 VERBS = {"run": cmd_run, "runs": cmd_runs, "show": cmd_show, "diff": cmd_diff, "export": cmd_export,
-         "bench": cmd_bench}
+         "bench": cmd_bench, "db": cmd_db}

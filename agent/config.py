@@ -67,4 +67,5 @@ class RunConfig(BaseModel):
     compile_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
     seed: int = 0
     profile: bool = True  # profile each shape's top candidates with Nsight Compute, where it is installed
+    tuning_db: str | None = None  # the tuning database results are kept in and learned from; None: neither
     llm: LlmSettings = LlmSettings()

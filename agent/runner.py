@@ -5,13 +5,16 @@ Everything that can fail on bad input or a missing GPU fails here, before the ru
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable
 
 from agent.config import RunConfig
+from agent.cost_model import CostModel, train
 from agent.loop import SearchLoop
 from agent.proposers import make_proposer
 from agent.report import LineView, LiveView, next_steps, show_run
 from agent.store import RunStore
+from agent.tuning_db import TuningDB, TuningDbError, TuningRecorder
 from core.device import H200, DeviceFacts
 from core.records import Problem
 from sandbox.build import NvrtcUnavailable, nvrtc_version
@@ -42,6 +45,20 @@ def start_pool(arch: str | None):
     return pool, facts
 
 
+def open_tuning(path: str | None, device: DeviceFacts, seed: int) -> tuple[TuningDB | None, CostModel | None, str]:
+    """The tuning database and a cost model trained on its rows of this GPU model, with a line saying what was
+    learned; a database that cannot be opened leaves the run without one (said once), never stops it."""
+    if path is None:
+        return None, None, ""
+    try:
+        db = TuningDB(path)
+        rows = db.rows(device.name)
+    except (TuningDbError, sqlite3.Error) as e:
+        return None, None, f"{e}: the run goes on without a tuning database"
+    model, note = train(rows, device.name, seed=seed)
+    return db, model, f"tuning database {db.path}; {note}"
+
+
 def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore | None,
             make_store: Callable[[], RunStore], console, live_cls) -> int:
     if store is not None:  # resume: the run's own shapes, its proposer, its arch
@@ -59,7 +76,8 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
         raise SetupError(why)
     arch = config.arch or (device.arch if device else "sm_90a")
     facts = device or H200  # compile only: the search orders settings for the GPU we measure on
-    proposer = make_proposer(config)
+    db, model, tuning_note = open_tuning(config.tuning_db, facts, config.seed)
+    proposer = make_proposer(config, model)
     try:
         if store is None:
             store = make_store()
@@ -69,6 +87,16 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
         if device:
             store.set_meta("device", device.to_dict())
         store.set_meta("state", "running")
+        if tuning_note:
+            store.event("tuning", tuning_note)
+            console.print(tuning_note)
+        if db is not None and device is not None:  # compile-only results are not measurements
+
+            def tuning_failed(message: str) -> None:
+                store.event("tuning", message)
+                console.print(message)
+
+            store.listeners.append(TuningRecorder(db, store.run_id, device, arch, tuning_failed))
         title = (f"run {store.run_id}: {config.proposer} proposer, {arch}"
                  + (", compile only" if config.compile_only else f", {facts.name}"))
         view = LiveView(title) if live_cls else LineView(title, console)
@@ -87,6 +115,8 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
         return EXIT_INTERRUPTED
     finally:
         proposer.close()
+        if db is not None:
+            db.close()
         if pool is not None:
             pool.close()
     console.print(show_run(store))

@@ -11,6 +11,7 @@ import secrets
 import sqlite3
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -60,9 +61,15 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
+# Called with a candidate, its latest result and its speed-ups so far whenever a result or measurement is recorded
+# (the tuning database's recorder).
+Listener = Callable[[Candidate, EvalResult, list[float]], None]
+
+
 class RunStore:
     def __init__(self, folder: Path, *, create: bool = False):
         self.folder = Path(folder)
+        self.listeners: list[Listener] = []
         db = self.folder / DB_NAME
         if create:
             self.folder.mkdir(parents=True, exist_ok=False)
@@ -138,10 +145,18 @@ class RunStore:
         self.db.execute("INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?, ?)",
                         (r.candidate_id, r.status.value, r.time_us if r.status is Status.OK else None,
                          r.speedup, r.to_json(), time.time()))
+        self._notify(r.candidate_id)
 
     def add_measurement(self, r: EvalResult) -> None:
         self.db.execute("INSERT INTO measurements VALUES (?, ?, ?, ?, ?)",
                         (r.candidate_id, r.time_us, r.cublas_warm.median_us, r.speedup, time.time()))
+        self._notify(r.candidate_id)
+
+    def _notify(self, cid: str) -> None:
+        if self.listeners:
+            c, r, speedups = self.candidate(cid), self.result(cid), self.speedups(cid)
+            for listener in self.listeners:
+                listener(c, r, speedups)
 
     def speedups(self, cid: str) -> list[float]:
         rows = self.db.execute("SELECT speedup FROM measurements WHERE candidate_id = ?", (cid,)).fetchall()

@@ -27,3 +27,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def cache_dir(tmp_path):
     return tmp_path / "cubins"
+
+
+@pytest.fixture(autouse=True)
+def _own_tuning_db(tmp_path, monkeypatch):
+    """Runs in tests learn from and add to a database of their own, never the user's."""
+    monkeypatch.setenv("HGEMM_AGENT_TUNING_DB", str(tmp_path / "tuning.sqlite"))

@@ -10,6 +10,7 @@ import pytest
 from core.records import Problem
 from sandbox import driver
 from sandbox.build import compile_cuda
+from templates.sm90_wgmma import search
 from templates.sm90_wgmma.params import Sm90WgmmaParams
 from templates.sm90_wgmma.space import Sm90Wgmma
 
@@ -304,3 +305,52 @@ def test_a_box_is_m_rounded_to_8_where_m_fits_one_tile(m, rows):
         a_map = next(t for t in spec.tensor_maps if t.operand == "A")
         assert a_map.box == (64, rows)
     assert "M < BM ? (M + 7) & ~7 : BM" in FAMILY.render({"block_m": 64, "consumers": 1}, Problem(m, 256, 256))
+
+
+# few C tiles at M > 64 with a long K: split-K leads; some tiles: split-K enters after the best unsplit guesses
+FEW_TILES = [Problem(1024, 128, 4096, "kn"), Problem(1024, 128, 4096, "nk"), Problem(768, 256, 4096, "nk")]
+
+
+@pytest.mark.parametrize("problem", FEW_TILES, ids=lambda p: p.key)
+def test_few_tiles_at_any_m_get_split_k_first_and_k_groups_beside_it(problem):
+    space = FAMILY.space(problem)
+    assert space[0]["split_k"] > 1 and space[1]["split_k"] > 1
+    grouped = [p for p in space if p["k_groups"] > 1]
+    assert grouped and all(p["block_m"] >= 64 and not p["swap_ab"] for p in grouped)
+    for p in space:
+        if p["split_k"] > 1 or p["k_groups"] > 1:
+            tiles = -(-problem.m // p["block_m"]) * -(-problem.n // p["block_n"])
+            assert FAMILY.launch(p, problem).grid == (tiles * p["split_k"] * p["k_groups"], 1, 1)
+            assert -(-problem.k // 64) // (p["split_k"] * p["k_groups"]) >= 16
+
+
+def test_some_tiles_get_split_k_after_the_best_unsplit_guesses():
+    problem = Problem(2048, 256, 4096, "nk")  # 64 x 64 tiles fill 128 SMs unsplit; 128 x 128 tiles only 32
+    space = FAMILY.space(problem)
+    first_split = next(i for i, p in enumerate(space) if p["split_k"] > 1 or p["k_groups"] > 1)
+    assert first_split == search.SPLIT_RANK and all(p["split_k"] == 1 for p in space[:first_split])
+
+
+def test_fitted_tiles_enter_where_listed_shapes_quantise_badly_and_nowhere_else():
+    # 140 tiles of 128 x 128: a second wave of 8; 128 x 176 makes 105, one wave
+    odd = FAMILY.space(Problem(4437, 512, 3584, "nk"))
+    listed = {(bm, bn) for bm, bn, _ in search.TILES}
+    fitted = [p for p in odd if (p["block_m"], p["block_n"]) not in listed]
+    assert fitted and odd.index(fitted[0]) == search.FITTED_RANK
+    assert all(p["block_n"] % 16 == 0 for p in fitted)
+    for problem in (Problem(414, 2472, 11744, "kn"), Problem(4437, 512, 3584, "kn")):  # kn: 64-column panels
+        assert all(FAMILY.parse(p, problem) for p in FAMILY.space(problem))
+    for problem in (Problem(4096, 4096, 4096, "nk"), Problem(1000, 1000, 1000, "kn")):
+        assert all((p["block_m"], p["block_n"]) in listed for p in FAMILY.space(problem))
+
+
+@pytest.mark.parametrize("params", [
+    {"block_m": 128, "block_n": 176, "consumers": 2, "stages": 5},  # fitted tiles
+    {"block_m": 256, "block_n": 80, "consumers": 2, "stages": 5},
+    {"block_m": 128, "block_n": 64, "consumers": 2, "stages": 8, "split_k": 2, "k_groups": 2},  # groups at M > 64
+    {"block_m": 128, "block_n": 64, "consumers": 2, "stages": 8, "k_groups": 4},
+], ids=str)
+def test_new_kinds_compile_without_spills(params):
+    problem = Problem(1024, 128, 4096, "nk")
+    b = compile_cuda(FAMILY.render(params, problem), "sm_90a", cache_dir=None)
+    assert b.ok and b.spill_bytes == 0 and b.stack_bytes == 0, b.log[-1500:]

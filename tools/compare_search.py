@@ -1,70 +1,177 @@
-"""Built-in proposer + bandit against random search, replayed on a run that measured a whole parameter space.
+"""Search orders compared on measured sweeps: how many candidates each strategy needs before one comes within 2% of
+the best speed-up measured for a shape, on shapes the learned model was not trained on.
 
-    python tools/compare_search.py runs/<exhaustive-run> [--seeds 20]
+    python tools/compare_search.py --db tuning.sqlite [--device "NVIDIA H200"] [--seeds 10]
+    python tools/compare_search.py --runs runs/RUN_A runs/RUN_B      (run stores, imported into a scratch database)
 
-For each shape of the run, the recorded results are the oracle: each strategy proposes from the same space and
-"evaluates" by looking the candidate up. Reported: how many candidates each needed before one came within 2% of
-the best speed-up in the space (median and worst over seeds). No GPU needed.
+Every problem with at least --min-space measured settings is held out in turn, together with the other layout of
+its M_N_K (leave one shape out): a cost model is trained on the rest of the device's rows, and three strategies
+replay the search against the recorded results (each only proposes settings that were measured): the learned order
+(model-ordered families, model priors for the bandit), today's order (the families' rules, default priors) and
+random. Median and worst over seeds (the bandit's, or random's). No GPU needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.config import RunConfig  # noqa: E402
-from agent.loop import SearchLoop  # noqa: E402
+from agent.bandit import ThompsonBandit  # noqa: E402
+from agent.cost_model import RANK_WEIGHT, train  # noqa: E402
+from agent.proposers.base import SearchState, arm_of  # noqa: E402
 from agent.proposers.builtin import BuiltinProposer, RandomProposer  # noqa: E402
 from agent.store import RunStore  # noqa: E402
-from core.records import EvalResult, Status  # noqa: E402
+from agent.tuning_db import TuningDB, TuningRow  # noqa: E402
+from core.device import DeviceFacts  # noqa: E402
+from core.records import Candidate, Problem, Status  # noqa: E402
+
+WITHIN = 0.98  # "within 2% of the best"
+BUDGET = 16  # the default candidates a shape
 
 
-def needed(store: RunStore, problem, oracle: dict[str, EvalResult], make, seed: int, target: float) -> int:
-    order: list[str] = []
-
-    def evaluate(job):
-        order.append(job.candidate_id)
-        return oracle.get(job.candidate_id) or EvalResult(job.candidate_id, Status.FAULT, "not in the oracle")
-
-    with tempfile.TemporaryDirectory() as tmp:
-        sim = RunStore(Path(tmp) / "sim", create=True)
-        sim.add_problems([problem])
-        config = RunConfig(max_candidates=len(oracle), budget_minutes=60, seed=seed)
-        loop = SearchLoop(sim, config, make(seed), store.get_meta("arch"), evaluate)
-        loop.remeasure = lambda p: None  # only the search order matters here
-        loop.run([problem])
-    for i, cid in enumerate(order, 1):
-        r = oracle.get(cid)
-        if r and r.speedup and r.speedup >= target:
-            return i
-    return len(order) + 1
+@dataclass(frozen=True)
+class Outcome:
+    problem: Problem
+    space: int
+    best: float  # best speed-up measured
+    best_setting: str
+    needed: dict[str, list[int]]  # strategy -> candidates needed, one per seed
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("run", type=Path)
-    ap.add_argument("--seeds", type=int, default=20)
-    args = ap.parse_args()
-    store = RunStore(args.run)
-    print("| shape | space | best ratio | builtin+bandit median (worst) | random median (worst) |")
-    print("|---|---|---|---|---|")
-    for p in store.problems():
-        oracle = {c.id: r for c, r in store.results(p) if c.origin == "builtin"}
-        speedups = [r.speedup for r in oracle.values() if r.speedup]
-        if not speedups:
+def describe(family: str, p: dict) -> str:
+    """A setting in a few characters: family, tile, ring, then what differs from the plain kind."""
+    text = f"{family.split('_')[0]} {p.get('block_m')}x{p.get('block_n')} s{p.get('stages')}"
+    marks = [("split_k", "k"), ("k_groups", "G"), ("warps_k", "wk"), ("min_blocks", "b")]
+    text += "".join(f" {m}{p[k]}" for k, m in marks if p.get(k, 1) != 1)
+    flags = [("persistent", "P"), ("swap_ab", "swap"), ("cluster_m", "mc")]
+    text += "".join(f" {m}" for k, m in flags if p.get(k) not in (None, False, 1))
+    return text + (" cp" if p.get("loader") == "cp_async" else "")
+
+
+def oracle(rows: list[TuningRow]) -> dict[Problem, dict[str, float | None]]:
+    """Per problem, each measured setting's log speed-up (mean over runs; None where it failed in most runs)."""
+    seen: dict[Problem, dict[str, list[float | None]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r.edited or r.status is Status.SKIPPED:
             continue
-        target = 0.98 * max(speedups)
-        rows = {}
-        for name, make in (("builtin", lambda s: BuiltinProposer()), ("random", lambda s: RandomProposer(s))):
-            counts = [needed(store, p, oracle, make, seed, target) for seed in range(args.seeds)]
-            rows[name] = f"{statistics.median(counts):g} ({max(counts)})"
-        print(f"| {p.mnk}:{p.b_layout} | {len(oracle)} | {max(speedups):.3f}x | {rows['builtin']} | {rows['random']} |")
+        cid = Candidate(r.problem, r.family, r.params).id
+        seen[r.problem][cid].append(math.log(r.speedup) if r.status is Status.OK and r.speedup else None)
+    return {p: {cid: (statistics.mean(ok) if len(ok := [v for v in vs if v is not None]) * 2 > len(vs) else None)
+                for cid, vs in by_id.items()} for p, by_id in seen.items()}
+
+
+def _only(cls: type[BuiltinProposer], measured: set[str]) -> type[BuiltinProposer]:
+    """The proposer, restricted to settings that were measured."""
+
+    class Only(cls):
+        def _space(self, state: SearchState, family) -> list[tuple[str, Candidate]]:
+            return [(cid, c) for cid, c in super()._space(state, family) if cid in measured]
+
+    return Only
+
+
+def needed(problem: Problem, results: dict[str, float | None], proposer: BuiltinProposer, seed: int, arch: str,
+           device: DeviceFacts) -> int:
+    """Candidates proposed until one is within 2% of the best (the space's size + 1 if none ever is)."""
+    target = max(v for v in results.values() if v is not None) + math.log(WITHIN)
+    state = SearchState(problem, arch, ThompsonBandit(seed=seed), device=device)
+    count = 0
+    while batch := proposer.propose(state, n=1):
+        for c in batch:
+            count += 1
+            reward = results[c.id]
+            if reward is not None and reward >= target:
+                return count
+            state.tried.append((c, None, None))
+            state.bandit.update(arm_of(c), reward)
+    return len(results) + 1
+
+
+def compare(rows: list[TuningRow], device: str, seeds: int = 10, min_space: int = 20, arch: str = "sm_90a",
+            rank_weight: float = RANK_WEIGHT) -> list[Outcome]:
+    mine = [r for r in rows if r.device == device]
+    if not mine:
+        return []
+    facts = DeviceFacts.from_dict({"name": device, "sms": mine[0].sms})
+    names = {Candidate(r.problem, r.family, r.params).id: describe(r.family, r.params) for r in mine}
+    outcomes = []
+    for problem, results in oracle(mine).items():
+        ok = [v for v in results.values() if v is not None]
+        if len(ok) < min_space:
+            continue
+        rest = [r for r in mine if r.problem.mnk != problem.mnk]  # both layouts of the shape held out
+        model, _ = train(rest, device, rank_weight=rank_weight)
+        walk, draw = _only(BuiltinProposer, set(results)), _only(RandomProposer, set(results))
+        learned, today = walk(model), walk()
+        runs = {
+            # too little data without this shape: nothing learned to compare
+            "learned": [needed(problem, results, learned, s, arch, facts) for s in range(seeds)] if model else [],
+            "today": [needed(problem, results, today, s, arch, facts) for s in range(seeds)],
+            "random": [needed(problem, results, draw(s), s, arch, facts) for s in range(seeds)],
+        }
+        best = max((cid for cid, v in results.items() if v is not None), key=results.get)
+        outcomes.append(Outcome(problem, len(results), math.exp(max(ok)), names[best], runs))
+    return outcomes
+
+
+def table(outcomes: list[Outcome]) -> str:
+    def cell(counts: list[int]) -> str:
+        return f"{statistics.median(counts):g} ({max(counts)})" if counts else "-"
+
+    lines = ["| shape | space | best ratio | best setting | learned | today's order | random |",
+             "|---|---|---|---|---|---|---|"]
+    for o in outcomes:
+        lines.append(f"| {o.problem.mnk}:{o.problem.b_layout} | {o.space} | {o.best:.3f}x | {o.best_setting} | "
+                     f"{cell(o.needed['learned'])} | {cell(o.needed['today'])} | {cell(o.needed['random'])} |")
+    lines.append("")
+    for name in ("learned", "today", "random"):
+        medians = [statistics.median(o.needed[name]) for o in outcomes if o.needed[name]]
+        if medians:
+            within = sum(max(o.needed[name]) <= BUDGET for o in outcomes if o.needed[name])
+            lines.append(f"{name}: mean of the medians {statistics.mean(medians):.1f} candidates over "
+                         f"{len(medians)} shapes; within {BUDGET} candidates on every seed: {within}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--db", type=Path, help="a tuning database")
+    ap.add_argument("--runs", type=Path, nargs="*", default=[], help="run folders (imported into a scratch db)")
+    ap.add_argument("--device", help="GPU model name (default: the one with most rows)")
+    ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument("--min-space", type=int, default=20, help="least passed settings for a shape to be scored")
+    ap.add_argument("--rank-weight", type=float, default=RANK_WEIGHT, help="the rules' order as the model's prior")
+    args = ap.parse_args(argv)
+    if bool(args.db) == bool(args.runs):
+        print("error: give --db FILE or --runs RUN...", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        db = TuningDB(args.db) if args.db else TuningDB(Path(tmp) / "scratch.sqlite")
+        for folder in args.runs:
+            db.import_run(RunStore(folder))
+        rows = db.rows()
+        db.close()
+    counts: dict[str, int] = defaultdict(int)
+    for r in rows:
+        counts[r.device] += 1
+    device = args.device or max(counts, key=counts.get, default=None)
+    outcomes = compare(rows, device, args.seeds, args.min_space, rank_weight=args.rank_weight) if device else []
+    if not outcomes:
+        print(f"error: no shape with {args.min_space} measured settings on {device or 'any GPU'}", file=sys.stderr)
+        return 2
+    print(f"{device}: candidates until one is within 2% of the best measured, median (worst) over {args.seeds} seeds;"
+          " each shape held out of the model's training")
+    print(table(outcomes))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

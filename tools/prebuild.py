@@ -26,9 +26,10 @@ def main() -> None:
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--cache", type=Path, default=Path(".cache/cubins"))
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--b-layout", choices=("kn", "nk", "both"), default="both")
     args = ap.parse_args()
     sources = set()
-    for layout in ("kn", "nk"):
+    for layout in ("kn", "nk") if args.b_layout == "both" else (args.b_layout,):
         for p in read_shapes_file(args.shapes, layout):
             for fam in families_for_arch(args.arch):
                 sources.update(fam.render(params, p) for params in fam.space(p))

@@ -57,13 +57,33 @@ def _split_cost(p: Sm90WgmmaParams, problem: Problem, smem_per_sm: int) -> float
     return waves * ((k_share + 2) * per_k_tile + p.block_m * p.block_n / 16)
 
 
+def _split_class(problem: Problem, sms: int) -> str | None:
+    """Which problems split-K serves, all with at least 32 k-tiles (halves keep 16). "long": K long against M and
+    N (K >= 8 max(M, N)), measured on the dev suite: split settings lead. At M > 64 (skinny problems have K groups
+    and swapped roles of their own): "few" where even 64 x 64 tiles fill at most half the SMs (1024_128_4096:
+    32, and the best unsplit settings streamed K through them at 0.70x of cuBLAS): split settings lead too;
+    "some" where 128 x 128 tiles fill at most a quarter of the SMs but smaller tiles fill them: split settings enter
+    at SPLIT_RANK, after the best unsplit guesses. None: no split-K."""
+    if problem.k < 32 * 64:
+        return None
+    if problem.k >= 8 * max(problem.m, problem.n):
+        return "long"
+    if problem.m <= 64:
+        return None
+    if -(-problem.m // 64) * -(-problem.n // 64) <= sms // 2:
+        return "few"
+    return "some" if -(-problem.m // 128) * -(-problem.n // 128) <= sms // 4 else None
+
+
 def _split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90WgmmaParams]:
-    """Split-K settings for long-K problems with few C tiles (K >= 8 max(M, N)), best guesses first: every tile shape
-    with split_k 8 or 4 (tiles x split_k within two waves of CTAs, every CTA at least 16 k-tiles), with the deepest
-    ring that fits and with a 4-stage ring (several CTAs per SM); none for other problems."""
-    k_tiles = -(-problem.k // 64)
-    if problem.k < 8 * max(problem.m, problem.n) or k_tiles < 32:
+    """Split-K settings for long-K problems with few C tiles (`_split_class`), best guesses first: every tile shape
+    with split_k 8 or 4 (and 2 outside the "long" class, where K is shorter against the tiles), tiles x split_k
+    within two waves of CTAs, every CTA at least 16 k-tiles, with the deepest ring that fits and with a 4-stage ring
+    (several CTAs per SM); none for other problems."""
+    kind = _split_class(problem, sms)
+    if kind is None:
         return []
+    k_tiles = -(-problem.k // 64)
     found: list[Sm90WgmmaParams] = []
     for bm, bn, consumers in TILES:
         if (problem.b_layout == "kn" and bn % 64) or bm > -(-problem.m // 64) * 64 or bn > -(-problem.n // 64) * 64:
@@ -71,7 +91,7 @@ def _split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90Wg
         tiles = -(-problem.m // bm) * -(-problem.n // bn)
         if tiles >= sms // 2:
             continue
-        for split in (8, 4):
+        for split in (8, 4) if kind == "long" else (8, 4, 2):
             if tiles * split > 2 * sms or k_tiles // split < 16 or tiles * split < 32:
                 continue
             for rings in ((8, 6, 5), (4,)):  # the deepest that fits; a shallow one
@@ -111,6 +131,23 @@ def _group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     return found
 
 
+def _wide_group_settings(problem: Problem, sms: int, leaders: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
+    """For the split classes at M > 64 beyond the measured "long" one: the tilings of the two best split-K settings
+    with the same CTAs a tile in K groups through the workspace, as a cluster pair plus groups and as groups alone;
+    clusters of 4 and 8 fit fewer than 132 / size at once (GPC placement), groups have no such limit but pay the
+    workspace. Not measured there yet."""
+    if _split_class(problem, sms) not in ("few", "some"):
+        return []
+    found = []
+    for p in leaders[:2]:
+        ways = [{"split_k": 2, "k_groups": p.split_k // 2}] if p.split_k >= 4 else []
+        for way in ways + [{"split_k": 1, "k_groups": p.split_k}]:
+            v = with_update(p, way)
+            if v is not None:
+                found.append(v)
+    return found
+
+
 def _swap_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     """Swapped-role settings for tiny M (at most 48 rows: block_m = M rounded up to 16), block_n 64, 128, 256, the
     deepest ring that fits (up to 12 stages: the tiles are small; two CTAs an SM where the tiles outnumber the SMs).
@@ -140,7 +177,46 @@ def _swap_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     return found
 
 
+# Tile shapes beyond TILES: block_n in steps of 16 (nk; kn B panels are 64 columns) for rows of 64, 128, 192, 256.
+FITTED_ROWS = ((64, 1), (128, 2), (192, 3), (256, 2))
+FITTED_GAIN = 0.97  # a fitted shape enters where the cost model puts it at least 3% ahead of every listed shape
+
+
+def _fitted_settings(problem: Problem, sms: int, listed_best: float) -> list[Sm90WgmmaParams]:
+    """Tile shapes off the TILES list whose CTAs fill the waves of SMs better with less padding (DeepGEMM picks
+    block_n in steps of 16 for that), where `_cost` ranks them clearly ahead of the best listed shape; the two best,
+    each with its best ring. For odd sizes: 4437_512_3584 nk has 140 tiles of 128 x 128 (two waves, the second of
+    8), 35 x 3 = 105 of 128 x 176 (one)."""
+    step = 64 if problem.b_layout == "kn" else 16
+    ranked = []
+    for bm, consumers in FITTED_ROWS:
+        for bn in range(max(step, 32), min(256, -(-problem.n // step) * step) + 1, step):
+            if (bm, bn, consumers) in TILES or bm > -(-problem.m // 64) * 64:
+                continue
+            rough = Sm90WgmmaParams.model_construct(block_m=bm, block_n=bn, consumers=consumers)
+            ranked.append((_cost(rough, problem, sms), bm, bn, consumers))
+    found = []
+    for cost, bm, bn, consumers in sorted(ranked):
+        if cost >= FITTED_GAIN * listed_best or len(found) == 2:
+            break
+        variants = [v for v in (_valid(block_m=bm, block_n=bn, consumers=consumers, stages=stages,
+                                       min_blocks=blocks) for stages in (4, 3, 5, 6) for blocks in (1, 2))
+                    if v is not None]
+        if variants:
+            found.append(min(variants, key=lambda v: _cost(v, problem, sms)))
+    return found
+
+
+def _valid(**fields: Any) -> Sm90WgmmaParams | None:
+    try:
+        return Sm90WgmmaParams(**fields)
+    except ValueError:
+        return None
+
+
 # Kinds of setting that enter the list at a fixed rank (the candidate number they are tried at), not by cost:
+FITTED_RANK = 4  # tile shapes fitted to the problem's waves: after the best guesses of the measured shapes
+SPLIT_RANK = 6  # split-K where smaller tiles could fill the SMs without it (_split_class "some")
 CP_ASYNC_RANK = 8  # the cp.async producer of the two best guesses: it wins now and then where TMA barely loses
 # clusters of 2 sharing B by TMA multicast: measured 0.9-1.0x of the same tiles without (1.07-1.17x only where B's
 # rows are off 128-byte boundaries), so for longer searches
@@ -199,7 +275,14 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
     # Long-K problems with few tiles: split-K settings first, K groups after the two best (measured on par with
     # them on 64_1024_16384); skinny problems with few tiles: K groups first. Every other list is unchanged.
     split = _split_settings(problem, sms, device.smem_per_sm)
-    ordered = _swap_settings(problem, sms) + split[:2] + _group_settings(problem, sms) + split[2:] + picked
+    wide = _wide_group_settings(problem, sms, split)
+    if _split_class(problem, sms) == "some":
+        ordered = list(picked)
+        _enter_at(ordered, SPLIT_RANK, split[:2] + wide + split[2:])
+    else:
+        ordered = (_swap_settings(problem, sms) + split[:2] + _group_settings(problem, sms) + split[2:4] + wide
+                   + split[4:] + picked)
+    _enter_at(ordered, FITTED_RANK, _fitted_settings(problem, sms, shapes[0][0]))
     _enter_at(ordered, CP_ASYNC_RANK, [with_update(p, {"loader": "cp_async"}) for p in ordered[:2]])
     wide = [p for p in picked if not p.persistent and p.block_n % 128 == 0][:2]
     _enter_at(ordered, MULTICAST_RANK, [with_update(p, {"cluster_m": 2}) for p in wide])
