@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -92,10 +93,18 @@ def mixed_models_worker(conn, index=0):
 
 
 def timed_like_fake_evaluate(conn, index=0):
-    """tests.helpers.fake_evaluate behind the pipe: timings follow the parameters, as in the loop's tests."""
+    """tests.helpers.fake_evaluate behind the pipe (timings follow the parameters, as in the loop's tests), with the
+    device index, process and times in the result. Each job takes $FAKE_SLEEP seconds (default 0); the first job to
+    create the file $FAKE_DIE_ONCE kills its worker."""
     from tests.helpers import fake_evaluate
 
     _hello(conn, index)
     while (job := conn.recv()) is not None:
         conn.send(("deadline", 5.0))
-        conn.send(("result", fake_evaluate(job)))
+        t0 = time.time()
+        time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
+        if (marker := os.environ.get("FAKE_DIE_ONCE")) and _first_to_create(marker):
+            os._exit(9)
+        r = fake_evaluate(job)
+        where = {"index": index, "pid": os.getpid(), "t0": t0, "t1": time.time()}
+        conn.send(("result", dataclasses.replace(r, device={**r.device, **where})))
