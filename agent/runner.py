@@ -1,10 +1,12 @@
-"""Set up and drive one run: pick the arch, start the GPU worker, open the store, show progress, stop cleanly.
+"""Set up and drive one run: pick the arch, start the GPU workers, open the store, show progress, stop cleanly.
 
-Everything that can fail on bad input or a missing GPU fails here, before the run folder is created.
+Everything that can fail on bad input, a missing GPU or an unreachable cluster fails here, before the run folder
+is created.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from agent.config import RunConfig
@@ -12,37 +14,69 @@ from agent.loop import SearchLoop
 from agent.proposers import make_proposer
 from agent.report import LiveView, show_run
 from agent.store import RunStore
-from core.device import H200
+from core.device import H200, DeviceFacts
 from core.records import Problem
 from sandbox.build import NvrtcUnavailable, nvrtc_version
+from sandbox.build_pool import BuildPool
+from sandbox.executor import Executor, WorkerUnavailable
 from sandbox.profile import profile_candidate
 
 EXIT_INTERRUPTED = 130
+EXIT_LOST = 1
+NO_GPU = "--compile-only renders and compiles without one"
 
 
 class SetupError(ValueError):
     pass
 
 
-def start_pool(arch: str | None):
-    """A started GPU worker pool and its DeviceFacts, or a SetupError saying why there is none."""
-    from sandbox.pool import WorkerPool, WorkerUnavailable
+def gpu_indices(gpus: tuple[int, ...] | str | None) -> tuple[int, ...]:
+    """The local GPUs to use: the first by default, "all" of those visible, or the ones named (checked to exist)."""
+    if gpus is None:
+        return (0,)
+    import torch  # counts the devices through the driver; no CUDA context is made in this process
 
-    pool = WorkerPool()
+    visible = torch.cuda.device_count()
+    if visible == 0:
+        raise SetupError(f"no usable GPU (no CUDA device is visible); {NO_GPU}")
+    if gpus == "all":
+        return tuple(range(visible))
+    if missing := [g for g in gpus if g >= visible]:
+        raise SetupError(f"--gpus: no GPU {missing[0]} here ({visible} visible: 0-{visible - 1})")
+    return tuple(gpus)
+
+
+def start_pool(arch: str | None, gpus: tuple[int, ...] | str | None = None,
+               cluster: str | None = None) -> tuple[Executor, DeviceFacts]:
+    """Started GPU workers (one per chosen local GPU, or one per Dask worker of a cluster) and their DeviceFacts,
+    or a SetupError saying why there are none."""
+    from sandbox.pool import MixedDevices, WorkerPool
+
+    if cluster:
+        try:
+            from sandbox.cluster import DaskExecutor
+        except ImportError as e:
+            raise SetupError(f"--cluster needs Dask ({e}): pip install 'distributed==2026.8.0'") from None
+        executor: Executor = DaskExecutor(cluster)
+    else:
+        executor = WorkerPool(gpu_indices(gpus))
     try:
-        pool.start()
+        executor.start()
     except WorkerUnavailable as e:
-        pool.close()
-        raise SetupError(f"no usable GPU ({e}); --compile-only renders and compiles without one") from None
-    facts = pool.facts
+        executor.close()
+        raise SetupError(str(e) if cluster else f"no usable GPU ({e}); {NO_GPU}") from None
+    except MixedDevices as e:
+        raise SetupError(str(e)) from None
+    facts = executor.facts
     if arch and arch != facts.arch:
-        pool.close()
+        executor.close()
         raise SetupError(f"--arch {arch} does not match the GPU ({facts.name}, {facts.arch})")
-    return pool, facts
+    return executor, facts
 
 
 def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore | None,
-            make_store: Callable[[], RunStore], console, live_cls) -> int:
+            make_store: Callable[[], RunStore], console, live_cls, gpus: tuple[int, ...] | str | None = None,
+            cluster: str | None = None) -> int:
     if store is not None:  # resume: the run's own shapes, its proposer, its arch
         problems = store.problems()
         saved = RunConfig(**store.get_meta("config"))
@@ -52,9 +86,12 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
         nvrtc_version()
     except NvrtcUnavailable as e:
         raise SetupError(str(e)) from None
-    pool, device = (None, None) if config.compile_only else start_pool(config.arch)
+    pool, device = (None, None) if config.compile_only else start_pool(config.arch, gpus, cluster)
     arch = config.arch or (device.arch if device else "sm_90a")
     facts = device or H200  # compile only: the search orders settings for the GPU we measure on
+    slots = pool.slots if pool else 1
+    # one GPU: one candidate at a time, compiled in this process as before; more: compiles ahead in processes
+    builder = BuildPool(0 if slots == 1 else min(2 * slots - 1, os.cpu_count() or 1))
     proposer = make_proposer(config)
     try:
         if store is None:
@@ -64,11 +101,12 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
         store.set_meta("arch", arch)
         if device:
             store.set_meta("device", device.to_dict())
+            store.set_meta("executor", pool.describe())
         store.set_meta("state", "running")
-        view = LiveView(f"run {store.run_id}: {config.proposer} proposer, {arch}"
-                        + (", compile only" if config.compile_only else f", {facts.name}"))
-        loop = SearchLoop(store, config, proposer, arch, pool.evaluate if pool else None, view, profile_candidate,
-                          device=facts)
+        where = "compile only" if config.compile_only else f"{facts.name}" + (f" x{slots}" if slots > 1 else "")
+        view = LiveView(f"run {store.run_id}: {config.proposer} proposer, {arch}, {where}")
+        loop = SearchLoop(store, config, proposer, arch, pool, view, profile_candidate, device=facts,
+                          builder=builder)
         with live_cls(view, console=console, refresh_per_second=4, transient=False):
             loop.run(problems)
         store.set_meta("state", "done")
@@ -77,9 +115,18 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
             store.set_meta("state", "interrupted")
             console.print(f"interrupted: python -m agent run --resume {store.run_id} continues it")
         return EXIT_INTERRUPTED
+    except WorkerUnavailable as e:  # every GPU worker gone mid-run (a cluster that lost all its workers)
+        if store is None:
+            raise
+        store.set_meta("state", "interrupted")
+        console.print(f"stopped: {e}; python -m agent run --resume {store.run_id} continues it")
+        return EXIT_LOST
     finally:
         proposer.close()
+        builder.close()
         if pool is not None:
+            if store is not None:
+                store.set_meta("executor", pool.describe())
             pool.close()
     console.print(show_run(store))
     console.print(f"run {store.run_id}: python -m agent show {store.run_id} | diff {store.run_id} baseline best "
