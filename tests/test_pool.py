@@ -164,3 +164,28 @@ def test_profiles_run_on_a_worker_thread_with_its_device(tmp_path):
         pool.start()
         r = pool.profile(profiler, scripted("p")).result(timeout=10)
     assert r.ok and seen[0] in (0, 1) and r.summary == f"on GPU {seen[0]}"
+
+
+@pytest.mark.gpu
+def test_every_gpu_of_the_host_evaluates_a_real_kernel():
+    import torch
+
+    from sandbox.build import compile_cuda
+    from templates import get_family
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        pytest.skip("needs two GPUs")
+    p = Problem(1024, 1024, 1024)
+    family = get_family("sm80_mma")
+    params = family.space(p)[0]
+    with WorkerPool(tuple(range(gpus))) as pool:
+        pool.start()
+        build = compile_cuda(family.render(params, p), pool.facts.arch)
+        assert build.ok, build.log
+        job = EvalJob("real", p, "sm80_mma", params, build.cubin)
+        results = [f.result() for f in [pool.submit(job) for _ in range(2 * gpus)]]
+        assert pool.describe()["serving"] == gpus
+    assert all(r.status is Status.OK for r in results), [r.reason for r in results]
+    times = sorted(r.time_us for r in results)
+    assert times[-1] < 1.2 * times[0]  # the same model, each timing alone on its GPU
