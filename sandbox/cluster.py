@@ -27,7 +27,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from core.device import DeviceFacts
 from core.records import EvalJob, EvalResult, ProfileResult, Status
 from sandbox.executor import Executor, Job, Profiler, WorkerUnavailable, died_twice
-from sandbox.pool import STARTUP_TIMEOUT_S, GpuWorker, same_model
+from sandbox.pool import STARTUP_TIMEOUT_S, GpuWorker, MixedDevices, same_model
 
 PLUGIN = "hgemm-gpu-worker"
 CONNECT_TIMEOUT_S = 10.0
@@ -112,6 +112,7 @@ class DaskExecutor(Executor):
         self._tasks: dict[str, tuple[Any, Future]] = {}  # key -> (Dask future, driver future): keeps tasks alive
         self._lock = threading.RLock()  # held while a job's future is settled or it is sent again
         self._workers = 0
+        self._registered = False
         self._closed = threading.Event()
         self.retried = self.lost_workers = 0
 
@@ -123,12 +124,25 @@ class DaskExecutor(Executor):
             raise WorkerUnavailable(f"cannot reach the Dask scheduler at {self.address} ({e})") from None
         self.client = Client(self.address, timeout=self.connect_timeout_s, set_as_default=False)
         try:
+            self._hello()
+        except (WorkerUnavailable, MixedDevices):
+            self.close()
+            raise
+        except Exception as e:  # the scheduler went away meanwhile, a refused plugin: still one line for the user
+            self.close()
+            raise WorkerUnavailable(f"the Dask cluster at {self.address} failed ({type(e).__name__}: {e})") from None
+        self._workers = len(self.infos)
+        threading.Thread(target=self._watch, name="dask-workers", daemon=True).start()
+        return self.info
+
+    def _hello(self) -> None:
+        try:
             self.client.wait_for_workers(1, timeout=self.workers_timeout_s)
         except TimeoutError:
-            self.close()
             raise WorkerUnavailable(f"no Dask worker joined the scheduler at {self.address} within "
                                     f"{self.workers_timeout_s:.0f} s") from None
         self.client.register_plugin(GpuWorkerPlugin(self.target, self.startup_timeout_s), name=PLUGIN)
+        self._registered = True
         addresses = sorted(self.client.scheduler_info()["workers"])
         hellos = {a: self.client.submit(hello_task, key=f"hello-{uuid.uuid4().hex[:8]}-{a}", workers=[a],
                                         allow_other_workers=False, pure=False) for a in addresses}
@@ -138,16 +152,9 @@ class DaskExecutor(Executor):
                 self.infos[a] = f.result(timeout=self.startup_timeout_s + 30)
             except Exception as e:  # no GPU there, a daemonic worker, a worker gone meanwhile
                 failed.append(f"{a}: {e}")
-        try:
-            if failed:
-                raise WorkerUnavailable("; ".join(failed))
-            same_model(self.infos)
-        except Exception:
-            self.close()
-            raise
-        self._workers = len(self.infos)
-        threading.Thread(target=self._watch, name="dask-workers", daemon=True).start()
-        return self.info
+        if failed:
+            raise WorkerUnavailable("; ".join(failed))
+        same_model(self.infos)
 
     @property
     def info(self) -> dict[str, Any]:
@@ -254,7 +261,7 @@ class DaskExecutor(Executor):
         try:
             if remotes:
                 self.client.cancel(remotes)
-            if self.infos:  # each Dask worker closes its GPU worker process
+            if self._registered:  # each Dask worker closes its GPU worker process
                 self.client.unregister_worker_plugin(PLUGIN)
         except Exception:  # a scheduler already gone: nothing left to tidy there
             pass

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from core.device import DeviceFacts
+from core.device import H200, DeviceFacts
 from core.records import BaselineJob, EvalJob, EvalResult, ProfileResult
 
 # sandbox.profile.profile_candidate: (cubin, family, params, problem) -> ProfileResult; GPU executors also pass
@@ -80,14 +80,12 @@ class Executor(ABC):
 class InlineExecutor(Executor):
     """Calls an evaluate function in the caller's thread at submit time: one slot, the order of a one-GPU run."""
 
-    def __init__(self, evaluate: Callable[[Job], EvalResult], facts: DeviceFacts | None = None):
-        from core.device import H200
-
-        self._evaluate, self._facts = evaluate, facts or H200
+    def __init__(self, evaluate: Callable[[Job], EvalResult]):
+        self._evaluate = evaluate
 
     @property
     def facts(self) -> DeviceFacts:
-        return self._facts
+        return H200  # a function has no GPU to report: the one we measure on stands in
 
     @property
     def slots(self) -> int:
