@@ -123,10 +123,15 @@ def kill_when(worker: subprocess.Popen, expected: int, killed: dict):
         while worker.poll() is None:
             time.sleep(0.5)
             stores = list(folder.glob("*/run.sqlite"))
+            if not stores:
+                continue
+            db = sqlite3.connect(stores[0])
             try:
-                done = sqlite3.connect(stores[0]).execute("SELECT COUNT(*) FROM results").fetchone()[0] if stores else 0
+                done = db.execute("SELECT COUNT(*) FROM results").fetchone()[0]
             except sqlite3.Error:  # the run is still creating its tables
                 continue
+            finally:
+                db.close()
             if done >= KILL_AT * expected:
                 os.killpg(worker.pid, signal.SIGKILL)
                 killed.update(at_results=done, at=time.time())
