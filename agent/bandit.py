@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 FAILURE_REWARD = math.log(0.05)
@@ -68,27 +68,42 @@ class ThompsonBandit:
         return sorted(rows, key=lambda r: -r[1])
 
 
-def successive_halving(items: Sequence[Hashable], measure: Callable[[Hashable], float | None],
-                       scores: dict[Hashable, list[float]], rounds: int = 2) -> Hashable | None:
-    """Re-measure the leaders, keep the faster half each round; a lucky first timing cannot win alone.
+class SuccessiveHalving:
+    """Re-measure the leaders, keep the faster half each round: a lucky first timing cannot win alone.
 
-    `scores` holds each item's times so far (lower is better) and is extended in place; `measure` returns a new
-    time or None if the item failed on re-measurement (then it is dropped).
+    Round by round, so that a round's measurements can run at once on several GPUs: `next_round()` names the items
+    to measure, `record()` takes each new time (lower is better) or None for an item that failed on re-measurement
+    (it is dropped), and once a round is recorded the next `next_round()` keeps the faster half. `scores` holds each
+    item's times so far and is extended in place.
     """
-    alive = [i for i in items if scores.get(i)]
-    for _ in range(rounds):
-        if len(alive) <= 1:
-            break
-        for item in alive:
-            t = measure(item)
-            if t is None:
-                scores[item] = []
-            else:
-                scores[item].append(t)
-        alive = [i for i in alive if scores[i]]
-        alive.sort(key=lambda i: _median(scores[i]))
-        alive = alive[: max(1, (len(alive) + 1) // 2)]
-    return min(alive, key=lambda i: _median(scores[i]), default=None)
+
+    def __init__(self, items: Sequence[Hashable], scores: dict[Hashable, list[float]], rounds: int = 2):
+        self.scores, self.rounds_left = scores, rounds
+        self.alive = [i for i in items if scores.get(i)]
+        self.measuring: list[Hashable] = []
+
+    def next_round(self) -> list[Hashable]:
+        """The items to measure now; empty once the winner is decided."""
+        if self.measuring:
+            self.alive = sorted((i for i in self.alive if self.scores[i]), key=lambda i: _median(self.scores[i]))
+            self.alive = self.alive[: max(1, (len(self.alive) + 1) // 2)]
+            self.measuring = []
+        if self.rounds_left == 0 or len(self.alive) <= 1:
+            return []
+        self.rounds_left -= 1
+        self.measuring = list(self.alive)
+        return list(self.measuring)
+
+    def record(self, item: Hashable, t: float | None) -> None:
+        if t is None:
+            self.scores[item] = []
+        else:
+            self.scores[item].append(t)
+
+    @property
+    def winner(self) -> Hashable | None:
+        alive = [i for i in self.alive if self.scores[i]]
+        return min(alive, key=lambda i: _median(self.scores[i]), default=None)
 
 
 def _median(xs: list[float]) -> float:

@@ -51,6 +51,8 @@ def build_parser() -> Parser:
     r.add_argument("--arch", choices=("sm_90a", "sm_80"), help="default: the GPU's (sm_90a when compiling only)")
     r.add_argument("--compile-only", action="store_true", help="render and compile, no GPU needed")
     r.add_argument("--kernel-timeout", type=float, default=5.0, help="seconds beyond a phase's expected time")
+    r.add_argument("--gpus", type=gpu_list, help="local GPUs to evaluate on: all, or indices 0,1,... (default: 0)")
+    r.add_argument("--cluster", metavar="tcp://HOST:PORT", help="evaluate on a Dask cluster (a GPU per worker)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--no-profile", dest="profile", action="store_false",
                    help="do not profile the top candidates with Nsight Compute (ncu)")
@@ -94,6 +96,16 @@ def build_parser() -> Parser:
     t.add_argument("--import", dest="imports", nargs="+", metavar="RUN", default=[],
                    help="run ids (in --runs-dir) or run folders whose results to add")
     return p
+
+
+def gpu_list(text: str) -> str | tuple[int, ...]:
+    """--gpus: "all", or distinct GPU indices separated by commas."""
+    if text == "all":
+        return text
+    parts = text.split(",")
+    if not all(p.strip().isdigit() for p in parts) or len({int(p) for p in parts}) != len(parts):
+        raise argparse.ArgumentTypeError(f"expected 'all' or distinct GPU indices like 0,1 - got {text!r}")
+    return tuple(int(p) for p in parts)
 
 
 def _join_negative_values(argv: list[str]) -> list[str]:
@@ -141,6 +153,10 @@ def cmd_run(args) -> int:
         raise UsageError("give --mnk or --shapes, not both")
     if args.db and args.no_db:
         raise UsageError("give --db PATH or --no-db, not both")
+    if args.gpus and args.cluster:
+        raise UsageError("--gpus picks local GPUs, --cluster a Dask cluster's: give one of them")
+    if args.compile_only and (args.gpus or args.cluster):
+        raise UsageError("--compile-only uses no GPU: drop --gpus / --cluster")
     problems = (parse_shape_list(args.mnk, args.b_layout) if args.mnk
                 else read_shapes_file(args.shapes, args.b_layout) if args.shapes else None)
     try:
@@ -158,7 +174,7 @@ def cmd_run(args) -> int:
     if store is not None and store.get_meta("state") == "done":
         console.print(f"run {store.run_id} had finished; continuing it with the new budget")
     return execute(config, problems, store, lambda: RunStore(args.runs_dir / new_run_id(), create=True), console,
-                   Live if console.is_terminal else None)
+                   Live if console.is_terminal else None, gpus=args.gpus, cluster=args.cluster)
 
 
 def cmd_runs(args) -> int:

@@ -2,27 +2,38 @@
 
 Each candidate's records are written to the store as soon as they exist; on resume, candidates that already have
 a result are loaded back (into the bandit and the proposer's view) instead of being redone.
+
+With W GPUs the loop keeps up to 2W - 1 jobs in flight (candidates compiling or waiting for a GPU, re-measurements,
+profiles): W on the GPUs and W - 1 compiled ahead. With one GPU that is one at a time, today's order exactly. Each
+result is recorded, and the bandit updated, in this thread as it comes back, in submission order where several are
+ready at once. Shapes take turns: the next shape starts proposing once the current one has proposed its last
+candidate, so idle GPUs take its candidates while the previous shape's last evaluations, its re-measurement
+(successive halving, round by round, a round's measurements at once) and its profiles finish. A shape's time
+budget is its share of what is left when it starts, as before.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
 
-from agent.bandit import ThompsonBandit, successive_halving
+from agent.bandit import SuccessiveHalving, ThompsonBandit
 from agent.config import RunConfig
 from agent.proposers.base import Proposer, SearchState, arm_of
 from agent.store import RunStore, Winner
 from core.device import H200, DeviceFacts
 from core.records import BuildResult, Candidate, EvalJob, EvalResult, Problem, ProfileResult, Status
-from sandbox.build import compile_cuda
+from sandbox.build_pool import BuildPool
+from sandbox.executor import Executor, InlineExecutor, Profiler
 from sandbox.profile import NCU_MISSING, NO_COUNTERS
 from templates import get_family
 
 Observer = Callable[[str, dict], None]
-Profiler = Callable[[bytes, str, dict, Problem], ProfileResult]  # sandbox.profile.profile_candidate
+Done = Callable[[BuildResult | None, EvalResult], None]
 REMEASURE_TOP = 4
 PROFILE_TOP = 2
 
@@ -35,25 +46,83 @@ class ShapeSummary:
     winner: Winner | None
 
 
+@dataclass
+class _Shape:
+    """One problem's search while it runs: searching (proposing), then its follow-up (re-measure, profile)."""
+
+    index: int  # its place in the run's list of problems
+    problem: Problem
+    state: SearchState
+    deadline: float
+    phase: str = "search"  # -> "drain" (nothing more to propose) -> "follow-up" -> "done"
+    jobs: int = 0  # its futures not yet handled: candidates, re-measurements, profiles
+    halving: SuccessiveHalving | None = None
+    leaders: dict[str, Candidate] = field(default_factory=dict)
+    round_left: int = 0
+
+
 class SearchLoop:
     def __init__(self, store: RunStore, config: RunConfig, proposer: Proposer, arch: str,
-                 evaluate: Callable[[EvalJob], EvalResult] | None, observer: Observer | None = None,
-                 profiler: Profiler | None = None, device: DeviceFacts = H200):
+                 evaluate: Executor | Callable[[EvalJob], EvalResult] | None, observer: Observer | None = None,
+                 profiler: Profiler | None = None, device: DeviceFacts = H200, builder: BuildPool | None = None):
         self.store, self.config, self.proposer, self.arch, self.device = store, config, proposer, arch, device
-        self.evaluate = evaluate  # None: compile only
+        # None: compile only; a plain function is called in this thread, one job at a time
+        self.executor = evaluate if evaluate is None or isinstance(evaluate, Executor) else InlineExecutor(evaluate)
+        self.builder = builder or BuildPool()
         self.observe = observer or (lambda kind, data: None)
         # None, compile-only or --no-profile: no profiles; switched off for the run when ncu cannot profile
         self.profiler = profiler if evaluate is not None and config.profile else None
         self.profile_failures = 0  # in a row
+        self.remeasure_top = REMEASURE_TOP
+        self.pending: dict[Future, tuple[int, _Shape | None, Callable]] = {}
+        self._seq = itertools.count()
 
+    # scheduling
     def run(self, problems: list[Problem]) -> list[ShapeSummary]:
         deadline = time.monotonic() + self.config.budget_minutes * 60
-        summaries = []
-        for i, problem in enumerate(problems):
-            share = (deadline - time.monotonic()) / (len(problems) - i)
-            summaries.append(self.search(problem, time.monotonic() + max(share, 0.0)))
-        return summaries
+        waiting, active, summaries = list(enumerate(problems)), [], {}
+        while waiting or active:
+            for s in [s for s in active if s.jobs == 0 and s.phase != "search"]:
+                if s.phase == "drain":
+                    self._follow_up(s)
+                if s.jobs == 0:  # nothing (more) to wait for
+                    i = next(i for i, a in enumerate(active) if a is s)
+                    summaries[s.index] = self._summary(active.pop(i))
+            current = next((s for s in active if s.phase == "search"), None)
+            if current is None and waiting and self._room():
+                index, problem = waiting.pop(0)
+                share = (deadline - time.monotonic()) / (len(waiting) + 1)
+                current = self._begin(index, problem, time.monotonic() + max(share, 0.0))
+                active.append(current)
+            if current is not None:
+                self._top_up(current)
+                if current.phase != "search" and current.jobs == 0:
+                    continue  # it ended with nothing in flight: settle it now
+            if self.pending:
+                self._wait()
+        return [summaries[i] for i in range(len(problems))]
 
+    def _depth(self) -> int:
+        return 1 if self.executor is None else 2 * self.executor.slots - 1
+
+    def _room(self) -> bool:
+        return len(self.pending) < self._depth()
+
+    def _await(self, future: Future, shape: _Shape | None, then: Callable) -> None:
+        if shape is not None:
+            shape.jobs += 1
+        self.pending[future] = (next(self._seq), shape, then)
+
+    def _wait(self) -> None:
+        """Handle what has come back (at least one), oldest submission first."""
+        ready, _ = wait(list(self.pending), return_when=FIRST_COMPLETED)
+        for future in sorted(ready, key=lambda f: self.pending[f][0]):
+            _, shape, then = self.pending.pop(future)
+            if shape is not None:
+                shape.jobs -= 1
+            then(future.result())  # raises WorkerUnavailable when no worker is left: the run stops, resumable
+
+    # the search of one shape
     def restore(self, problem: Problem) -> SearchState:
         state = SearchState(problem, self.arch, ThompsonBandit(seed=self.config.seed), device=self.device)
         for c, r in self.store.results(problem):
@@ -63,105 +132,160 @@ class SearchLoop:
                 state.profiles[c.id] = prof.summary
         return state
 
-    def search(self, problem: Problem, deadline: float) -> ShapeSummary:
+    def _begin(self, index: int, problem: Problem, deadline: float) -> _Shape:
         state = self.restore(problem)
         self.observe("shape", {"problem": problem, "resumed": len(state.tried)})
-        while len(state.tried) < self.config.max_candidates and time.monotonic() < deadline:
-            batch = self.proposer.propose(state, n=1)
+        return _Shape(index, problem, state, deadline)
+
+    def _top_up(self, s: _Shape) -> None:
+        """Propose while there is room in flight, until the shape's budget or candidates run out."""
+        while s.phase == "search" and self._room():
+            left = self.config.max_candidates - len(s.state.tried) - len(s.state.pending)
+            if left <= 0 or time.monotonic() >= s.deadline:
+                s.phase = "drain"
+                return
+            batch = self.proposer.propose(s.state, n=min(left, self._depth() - len(self.pending)))
             for call in self.proposer.take_calls():  # kept for `show --llm`, with what became of each proposal
                 self.store.add_model_call(call)
             if not batch:
-                self.store.event("search", f"{problem.key}: the proposer has nothing left to try")
-                break
+                self.store.event("search", f"{s.problem.key}: the proposer has nothing left to try")
+                s.phase = "drain"
+                return
             self.store.set_meta("proposer_stats", self.proposer.stats())
-            for cand in batch:
-                build, result = self.process(cand)
-                state.tried.append((cand, build, result))
-                state.bandit.update(arm_of(cand), _reward(result))
-                self.observe("result", {"problem": problem, "candidate": cand, "build": build, "result": result})
-            if self.profiler and len(state.tried) == self.config.max_candidates // 2 and time.monotonic() < deadline:
-                self.profile_leaders(problem, state, 1)  # so that the second half's prompts see the leader's profile
-        if self.evaluate is not None and time.monotonic() < deadline + 60:
-            self.remeasure(problem)
-            self.profile_leaders(problem, state, PROFILE_TOP)
-        return ShapeSummary(problem, len(state.tried), self.store.failure_counts(problem),
-                            self.store.winner(problem))
+            for cand in batch[:left]:
+                s.state.pending.add(cand.id)
+                self._launch(cand, s, lambda build, result, cand=cand: self._searched(s, cand, build, result))
 
+    def _searched(self, s: _Shape, cand: Candidate, build: BuildResult | None, result: EvalResult) -> None:
+        s.state.pending.discard(cand.id)
+        s.state.tried.append((cand, build, result))
+        s.state.bandit.update(arm_of(cand), _reward(result))
+        self.observe("result", {"problem": s.problem, "candidate": cand, "build": build, "result": result})
+        if self.profiler and len(s.state.tried) == self.config.max_candidates // 2 and time.monotonic() < s.deadline:
+            # so that the second half's prompts see the leader's profile
+            self._profile_next(s, [c for c, _ in self.store.leaders(s.problem)[:1]])
+
+    def _follow_up(self, s: _Shape) -> None:
+        """Successive halving over the leaders, so that one lucky timing does not decide the winner; then profiles."""
+        s.phase = "follow-up"
+        if self.executor is None or time.monotonic() >= s.deadline + 60:
+            return
+        s.leaders = {c.id: c for c, _ in self.store.leaders(s.problem)[:self.remeasure_top]}
+        if len(s.leaders) < 2:
+            self._profile_next(s, [c for c, _ in self.store.leaders(s.problem)[:PROFILE_TOP]])
+            return
+        scores = {cid: [1 / v for v in self.store.speedups(cid)] for cid in s.leaders}  # lower is better
+        s.halving = SuccessiveHalving(list(s.leaders), scores)
+        self._remeasure_round(s)
+
+    def _remeasure_round(self, s: _Shape) -> None:
+        items = s.halving.next_round()
+        if not items:
+            winner = s.halving.winner
+            if winner is not None:
+                self.store.set_winner(s.problem, winner)
+            self.store.event("remeasure", f"{s.problem.key}: winner after re-measurement {winner}")
+            self._profile_next(s, [c for c, _ in self.store.leaders(s.problem)[:PROFILE_TOP]])
+            return
+        s.round_left = len(items)
+        for cid in items:
+            c = s.leaders[cid]
+            job = EvalJob(cid, s.problem, c.family, c.params, self.store.build(cid).cubin,
+                          timeout_s=self.config.kernel_timeout_s)
+            self._await(self.executor.submit(job), s, lambda r, cid=cid: self._remeasured(s, cid, r))
+
+    def _remeasured(self, s: _Shape, cid: str, r: EvalResult) -> None:
+        self.observe("remeasure", {"problem": s.problem, "candidate": s.leaders[cid], "result": r})
+        self._record_remeasurement(r)
+        s.halving.record(cid, 1 / r.speedup if r.status is Status.OK else None)
+        s.round_left -= 1
+        if s.round_left == 0:
+            self._remeasure_round(s)
+
+    def _profile_next(self, s: _Shape, todo: list[Candidate]) -> None:
+        """Nsight Compute's view of the shape's leaders (by median speed-up), one after the other, kept for `show`
+        and the prompts."""
+        while todo and self.profiler is not None:
+            c = todo.pop(0)
+            if self.store.profile(c.id) is not None:
+                continue
+            self.observe("profile", {"problem": s.problem, "candidate": c})
+            job = EvalJob(c.id, s.problem, c.family, c.params, self.store.build(c.id).cubin)
+            self._await(self.executor.profile(self.profiler, job), s,
+                        lambda prof, c=c: self._profiled(s, c, prof, todo))
+            return
+
+    def _profiled(self, s: _Shape, c: Candidate, prof: ProfileResult, todo: list[Candidate]) -> None:
+        if self.profiler is None:  # switched off while this one ran
+            return
+        if not prof.ok and prof.error.startswith((NCU_MISSING, NO_COUNTERS)):
+            why = "ncu not found" if prof.error.startswith(NCU_MISSING) else prof.error
+            self.store.event("profile", f"profiling skipped: {why}")
+            self.profiler = None  # said once per run, not once per shape
+            return
+        self.store.add_profile(c.id, prof)
+        self.profile_failures = 0 if prof.ok else self.profile_failures + 1
+        if prof.ok:
+            s.state.profiles[c.id] = prof.summary
+        else:
+            self.store.event("profile", f"{c.id}: {prof.error[:300]}")
+            if self.profile_failures >= 2:  # a broken ncu costs its timeout every time: stop paying it
+                self.store.event("profile", "profiling skipped: two profiles in a row failed")
+                self.profiler = None
+        self._profile_next(s, todo)
+
+    def _summary(self, s: _Shape) -> ShapeSummary:
+        s.phase = "done"
+        return ShapeSummary(s.problem, len(s.state.tried), self.store.failure_counts(s.problem),
+                            self.store.winner(s.problem))
+
+    # one candidate: render -> build -> evaluate, every outcome recorded
     def process(self, cand: Candidate) -> tuple[BuildResult | None, EvalResult]:
-        """One candidate through render, build and evaluate; every outcome is recorded, none raises."""
+        """One candidate through render, build and evaluate, waiting for it; every outcome is recorded, none raises."""
+        out: list[tuple[BuildResult | None, EvalResult]] = []
+        self._launch(cand, None, lambda build, result: out.append((build, result)))
+        while not out:
+            self._wait()
+        return out[0]
+
+    def _launch(self, cand: Candidate, s: _Shape | None, then: Done) -> None:
         self.store.add_candidate(cand)
         family = get_family(cand.family)
         try:
             source = family.render(cand.params, cand.problem, cand.template_override)
         except Exception as e:  # invalid parameters, or an edited template that does not render
-            return None, self._record(EvalResult(cand.id, Status.INVALID, f"{type(e).__name__}: {e}"[:500]))
-        build = compile_cuda(source, self.arch, candidate_id=cand.id, timeout_s=self.config.compile_timeout_s)
+            then(None, self._record(EvalResult(cand.id, Status.INVALID, f"{type(e).__name__}: {e}"[:500])))
+            return
+        build = self.builder.submit(source, self.arch, cand.id, self.config.compile_timeout_s)
+        self._await(build, s, lambda b: self._built(cand, s, b, then))
+
+    def _built(self, cand: Candidate, s: _Shape | None, build: BuildResult, then: Done) -> None:
         self.store.add_build(build)
         if not build.ok:
-            return build, self._record(EvalResult(cand.id, Status.COMPILE_ERROR, build.error))
+            then(build, self._record(EvalResult(cand.id, Status.COMPILE_ERROR, build.error)))
+            return
         if build.spill_bytes:
             self.store.event("build", f"{cand.id}: {build.spill_bytes} bytes of register spills")
-        if self.evaluate is None:
-            return build, self._record(EvalResult(cand.id, Status.SKIPPED, "compile only"))
+        if self.executor is None:
+            then(build, self._record(EvalResult(cand.id, Status.SKIPPED, "compile only")))
+            return
         job = EvalJob(cand.id, cand.problem, cand.family, cand.params, build.cubin,
                       timeout_s=self.config.kernel_timeout_s)
-        return build, self._record(self.evaluate(job))
+        self._await(self.executor.submit(job), s, lambda r: then(build, self._record(r)))
 
+    # recording: every result the search produces reaches the store here
     def _record(self, result: EvalResult) -> EvalResult:
         self.store.add_result(result)
         if result.status is Status.OK:
             self.store.add_measurement(result)
         return result
 
-    def remeasure(self, problem: Problem) -> None:
-        """Successive halving over the leaders, so that one lucky timing does not decide the winner."""
-        leaders = {c.id: c for c, _ in self.store.leaders(problem)[:REMEASURE_TOP]}
-        if len(leaders) < 2:
-            return
-        scores = {cid: self.store.speedups(cid) for cid in leaders}
-        scores = {cid: [1 / s for s in v] for cid, v in scores.items()}  # lower is better
-
-        def measure(cid: str) -> float | None:
-            c = leaders[cid]
-            build = self.store.build(cid)
-            job = EvalJob(cid, problem, c.family, c.params, build.cubin, timeout_s=self.config.kernel_timeout_s)
-            r = self.evaluate(job)
-            self.observe("remeasure", {"problem": problem, "candidate": c, "result": r})
-            if r.status is not Status.OK:
-                self.store.event("remeasure", f"{cid} failed on re-measurement: {r.status.value} {r.reason}")
-                self.store.add_result(r)  # a candidate that fails once is not a winner
-                return None
+    def _record_remeasurement(self, r: EvalResult) -> None:
+        if r.status is Status.OK:
             self.store.add_measurement(r)
-            return 1 / r.speedup
-
-        winner = successive_halving(list(leaders), measure, scores)
-        if winner is not None:
-            self.store.set_winner(problem, winner)
-        self.store.event("remeasure", f"{problem.key}: winner after re-measurement {winner}")
-
-    def profile_leaders(self, problem: Problem, state: SearchState, top: int) -> None:
-        """Nsight Compute's view of the shape's leaders (by median speed-up), kept for `show` and the prompts."""
-        for c, _ in self.store.leaders(problem)[:top]:
-            if self.profiler is None:
-                return
-            if self.store.profile(c.id) is not None:
-                continue
-            self.observe("profile", {"problem": problem, "candidate": c})
-            prof = self.profiler(self.store.build(c.id).cubin, c.family, c.params, problem)
-            if not prof.ok and prof.error.startswith((NCU_MISSING, NO_COUNTERS)):
-                why = "ncu not found" if prof.error.startswith(NCU_MISSING) else prof.error
-                self.store.event("profile", f"profiling skipped: {why}")
-                self.profiler = None  # said once per run, not once per shape
-                return
-            self.store.add_profile(c.id, prof)
-            self.profile_failures = 0 if prof.ok else self.profile_failures + 1
-            if prof.ok:
-                state.profiles[c.id] = prof.summary
-                continue
-            self.store.event("profile", f"{c.id}: {prof.error[:300]}")
-            if self.profile_failures >= 2:  # a broken ncu costs its timeout every time: stop paying it
-                self.store.event("profile", "profiling skipped: two profiles in a row failed")
-                self.profiler = None
+            return
+        self.store.event("remeasure", f"{r.candidate_id} failed on re-measurement: {r.status.value} {r.reason}")
+        self.store.add_result(r)  # a candidate that fails once is not a winner
 
 
 def _reward(r: EvalResult) -> float | None:

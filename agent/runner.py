@@ -1,10 +1,12 @@
-"""Set up and drive one run: pick the arch, start the GPU worker, open the store, show progress, stop cleanly.
+"""Set up and drive one run: pick the arch, start the GPU workers, open the store, show progress, stop cleanly.
 
-Everything that can fail on bad input or a missing GPU fails here, before the run folder is created.
+Everything that can fail on bad input, a missing GPU or an unreachable cluster fails here, before the run folder
+is created.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import Callable
 
@@ -18,31 +20,62 @@ from agent.tuning_db import TuningDB, TuningDbError, TuningRecorder
 from core.device import H200, DeviceFacts
 from core.records import Problem
 from sandbox.build import NvrtcUnavailable, nvrtc_version
+from sandbox.build_pool import BuildPool
+from sandbox.executor import Executor, WorkerUnavailable
 from sandbox.profile import profile_candidate
 
 EXIT_INTERRUPTED = 130
 TIMING_COPIES = 8  # operand footprints a problem needs at once: check buffers, two timed sets a subject, references
+EXIT_LOST = 1
+NO_GPU = "--compile-only renders and compiles without one"
 
 
 class SetupError(ValueError):
     pass
 
 
-def start_pool(arch: str | None):
-    """A started GPU worker pool and its DeviceFacts, or a SetupError saying why there is none."""
-    from sandbox.pool import WorkerPool, WorkerUnavailable
+def gpu_indices(gpus: tuple[int, ...] | str | None) -> tuple[int, ...]:
+    """The local GPUs to use: the first by default, "all" of those visible, or the ones named (checked to exist)."""
+    if gpus is None:
+        return (0,)
+    import torch  # counts the devices through the driver; no CUDA context is made in this process
 
-    pool = WorkerPool()
+    visible = torch.cuda.device_count()
+    if visible == 0:
+        raise SetupError(f"no usable GPU (no CUDA device is visible); {NO_GPU}")
+    if gpus == "all":
+        return tuple(range(visible))
+    if missing := [g for g in gpus if g >= visible]:
+        raise SetupError(f"--gpus: no GPU {missing[0]} here ({visible} visible: 0-{visible - 1})")
+    return tuple(gpus)
+
+
+def start_pool(arch: str | None, gpus: tuple[int, ...] | str | None = None,
+               cluster: str | None = None) -> tuple[Executor, DeviceFacts]:
+    """Started GPU workers (one per chosen local GPU, or one per Dask worker of a cluster) and their DeviceFacts,
+    or a SetupError saying why there are none."""
+    from sandbox.pool import MixedDevices, WorkerPool
+
+    if cluster:
+        try:
+            from sandbox.cluster import DaskExecutor
+        except ImportError as e:
+            raise SetupError(f"--cluster needs Dask ({e}): pip install 'distributed==2026.8.0'") from None
+        executor: Executor = DaskExecutor(cluster)
+    else:
+        executor = WorkerPool(gpu_indices(gpus))
     try:
-        pool.start()
+        executor.start()
     except WorkerUnavailable as e:
-        pool.close()
-        raise SetupError(f"no usable GPU ({e}); --compile-only renders and compiles without one") from None
-    facts = pool.facts
+        executor.close()
+        raise SetupError(str(e) if cluster else f"no usable GPU ({e}); {NO_GPU}") from None
+    except MixedDevices as e:
+        raise SetupError(str(e)) from None
+    facts = executor.facts
     if arch and arch != facts.arch:
-        pool.close()
+        executor.close()
         raise SetupError(f"--arch {arch} does not match the GPU ({facts.name}, {facts.arch})")
-    return pool, facts
+    return executor, facts
 
 
 def open_tuning(path: str | None, device: DeviceFacts, seed: int) -> tuple[TuningDB | None, CostModel | None, str]:
@@ -60,7 +93,8 @@ def open_tuning(path: str | None, device: DeviceFacts, seed: int) -> tuple[Tunin
 
 
 def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore | None,
-            make_store: Callable[[], RunStore], console, live_cls) -> int:
+            make_store: Callable[[], RunStore], console, live_cls, gpus: tuple[int, ...] | str | None = None,
+            cluster: str | None = None) -> int:
     if store is not None:  # resume: the run's own shapes, its proposer, its arch
         problems = store.problems()
         saved = RunConfig(**store.get_meta("config"))
@@ -70,12 +104,15 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
         nvrtc_version()
     except NvrtcUnavailable as e:
         raise SetupError(str(e)) from None
-    pool, device = (None, None) if config.compile_only else start_pool(config.arch)
+    pool, device = (None, None) if config.compile_only else start_pool(config.arch, gpus, cluster)
     if device is not None and (why := too_big(problems, device)):
         pool.close()
         raise SetupError(why)
     arch = config.arch or (device.arch if device else "sm_90a")
     facts = device or H200  # compile only: the search orders settings for the GPU we measure on
+    slots = pool.slots if pool else 1
+    # one GPU: one candidate at a time, compiled in this process as before; more: compiles ahead in processes
+    builder = BuildPool(0 if slots == 1 else min(2 * slots - 1, os.cpu_count() or 1))
     db, model, tuning_note = open_tuning(config.tuning_db, facts, config.seed)
     proposer = make_proposer(config, model)
     try:
@@ -86,6 +123,7 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
         store.set_meta("arch", arch)
         if device:
             store.set_meta("device", device.to_dict())
+            store.set_meta("executor", pool.describe())
         store.set_meta("state", "running")
         if tuning_note:
             store.event("tuning", tuning_note)
@@ -97,11 +135,11 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
                 console.print(message)
 
             store.listeners.append(TuningRecorder(db, store.run_id, device, arch, tuning_failed))
-        title = (f"run {store.run_id}: {config.proposer} proposer, {arch}"
-                 + (", compile only" if config.compile_only else f", {facts.name}"))
+        where = "compile only" if config.compile_only else f"{facts.name}" + (f" x{slots}" if slots > 1 else "")
+        title = f"run {store.run_id}: {config.proposer} proposer, {arch}, {where}"
         view = LiveView(title) if live_cls else LineView(title, console)
-        loop = SearchLoop(store, config, proposer, arch, pool.evaluate if pool else None, view, profile_candidate,
-                          device=facts)
+        loop = SearchLoop(store, config, proposer, arch, pool, view, profile_candidate, device=facts,
+                          builder=builder)
         if live_cls:
             with live_cls(view, console=console, refresh_per_second=4, transient=False):
                 loop.run(problems)
@@ -113,11 +151,20 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
             store.set_meta("state", "interrupted")
             console.print(f"interrupted: python -m agent run --resume {store.run_id} continues it")
         return EXIT_INTERRUPTED
+    except WorkerUnavailable as e:  # every GPU worker gone mid-run (a cluster that lost all its workers)
+        if store is None:
+            raise
+        store.set_meta("state", "interrupted")
+        console.print(f"stopped: {e}; python -m agent run --resume {store.run_id} continues it")
+        return EXIT_LOST
     finally:
         proposer.close()
+        builder.close()
         if db is not None:
             db.close()
         if pool is not None:
+            if store is not None:
+                store.set_meta("executor", pool.describe())
             pool.close()
     console.print(show_run(store))
     console.print(next_steps(store), soft_wrap=True)

@@ -67,8 +67,9 @@ def find_ncu(explicit: str | None = None) -> str | None:
 
 
 def profile_candidate(cubin: bytes, family: str, params: dict[str, Any], problem: Problem, timeout_s: float = 120,
-                      ncu: str | None = None) -> ProfileResult:
-    """Profile the candidate's kernel on fresh random inputs; ok False with the reason when that cannot be done."""
+                      ncu: str | None = None, device: int | None = None) -> ProfileResult:
+    """Profile the candidate's kernel on fresh random inputs; ok False with the reason when that cannot be done.
+    `device`: which of this process's GPUs (default the first) the profiled process sees as its only one."""
     exe = find_ncu(ncu)
     if exe is None:
         return ProfileResult(False, error=NCU_MISSING)
@@ -81,7 +82,7 @@ def profile_candidate(cubin: bytes, family: str, params: dict[str, Any], problem
         wanted = list(ALL_METRICS)
         for attempt in range(3):
             try:
-                output = _run_ncu(exe, [m for _, m in wanted], job_path, deadline - time.monotonic())
+                output = _run_ncu(exe, [m for _, m in wanted], job_path, deadline - time.monotonic(), device)
             except subprocess.TimeoutExpired:
                 return ProfileResult(False, error=f"ncu timed out after {timeout_s:.0f} s")
             except OSError as e:
@@ -99,13 +100,23 @@ def profile_candidate(cubin: bytes, family: str, params: dict[str, Any], problem
     return ProfileResult(False, error=_error_text(output))
 
 
-def _run_ncu(exe: str, metrics: list[str], job_path: Path, timeout_s: float) -> str:
+def visible_device(index: int) -> str:
+    """The CUDA_VISIBLE_DEVICES value under which a child process sees only this process's GPU `index`."""
+    if (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is None:
+        return str(index)
+    entries = [d.strip() for d in visible.split(",") if d.strip()]
+    return entries[index] if index < len(entries) else str(index)
+
+
+def _run_ncu(exe: str, metrics: list[str], job_path: Path, timeout_s: float, device: int | None = None) -> str:
     if timeout_s <= 0:
         raise subprocess.TimeoutExpired(exe, 0)
     cmd = [exe, "--clock-control", "none", "--target-processes", "all", "--kernel-name", "hgemm",
            "--launch-skip", "2", "--launch-count", "1", "--csv", "--page", "raw", "--print-units", "base",
            "--metrics", ",".join(metrics), sys.executable, "-m", "sandbox.profile_target", str(job_path)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    if device is not None:  # the profiled kernel runs on the GPU whose worker holds no other job meanwhile
+        env["CUDA_VISIBLE_DEVICES"] = visible_device(device)
     # a session of its own, so that a timeout kills ncu and the process it profiles together
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
                             env=env, start_new_session=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from agent.bandit import ThompsonBandit, successive_halving
+from agent.bandit import SuccessiveHalving, ThompsonBandit
 
 MEANS = {"a": math.log(0.5), "b": math.log(0.8), "c": math.log(1.1), "d": math.log(0.9), "e": math.log(0.3)}
 
@@ -39,6 +39,15 @@ def test_untried_arms_get_explored():
         bandit.update("known", math.log(0.6))
     picks = {bandit.choose(["known", "new"]) for _ in range(50)}
     assert picks == {"known", "new"}
+
+
+def successive_halving(items, measure, scores, rounds=2):
+    """Round by round, one measurement at a time, as a one-GPU run does."""
+    halving = SuccessiveHalving(items, scores, rounds)
+    while round_items := halving.next_round():
+        for item in round_items:
+            halving.record(item, measure(item))
+    return halving.winner
 
 
 def test_successive_halving_beats_a_lucky_first_timing():

@@ -57,3 +57,26 @@ def test_unknown_arch(cache_dir):
 def test_compile_timeout_is_recorded(cache_dir):
     b = compile_cuda(GOOD, "sm_90a", cache_dir=None, timeout_s=1e-6)
     assert not b.ok and "timed out" in b.error
+
+
+def test_build_pool_compiles_in_processes_and_survives_a_dead_compiler(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from sandbox.build_pool import BuildPool
+
+    monkeypatch.setenv("HGEMM_AGENT_CACHE", str(tmp_path / "cubins"))  # the pool's processes read it at start
+    pool = BuildPool(2)
+    try:
+        built = [f.result(timeout=120) for f in [pool.submit(GOOD + f"// {i}\n", "sm_90a", f"c{i}", 60)
+                                                 for i in range(3)]]
+        assert [b.candidate_id for b in built] == ["c0", "c1", "c2"] and all(b.ok and b.cubin for b in built)
+        assert len(list((tmp_path / "cubins").glob("*.cubin"))) == 3  # the shared cache
+        doomed = pool.submit(GOOD + "// doomed\n", "sm_90a", "d", 60)
+        for pid in list(pool._pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        lost = doomed.result(timeout=60)
+        assert not lost.ok and "compiler process died" in lost.error
+        assert pool.submit(GOOD + "// after\n", "sm_90a", "a", 60).result(timeout=120).ok  # a fresh pool
+    finally:
+        pool.close()

@@ -32,8 +32,15 @@ def run_cli(capsys, *argv):
     (["show", "nope"], "no run 'nope'"),
     (["export", "../etc"], "bad run id"),
     (["frobnicate"], "invalid choice"),
+    (["run", "--mnk", "64_64_64", "--gpus", "0,x"], "distinct GPU indices like 0,1 - got '0,x'"),
+    (["run", "--mnk", "64_64_64", "--gpus", "1,1"], "distinct GPU indices"),
+    (["run", "--mnk", "64_64_64", "--gpus", "0", "--cluster", "tcp://127.0.0.1:1"], "give one of them"),
+    (["run", "--mnk", "64_64_64", "--compile-only", "--gpus", "all"], "--compile-only uses no GPU"),
+    (["run", "--mnk", "64_64_64", "--cluster", "127.0.0.1"], "missing port number"),
+    (["run", "--mnk", "64_64_64", "--cluster", "tcp://127.0.0.1:1"], "cannot reach the Dask scheduler"),
 ])
-def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, argv, message):
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.setattr("sandbox.cluster.CONNECT_TIMEOUT_S", 0.5)
     code, out, err = run_cli(capsys, *argv, "--runs-dir", tmp_path / "runs")
     assert code == 2
     assert message in err and err.count("\n") == 1 and err.startswith("error: ")
@@ -123,9 +130,10 @@ def test_server_bench_without_gpu_says_so_and_writes_nothing(tmp_path, capsys):
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU message")
-def test_run_without_gpu_says_so_and_writes_nothing(tmp_path, capsys):
-    code, _, err = run_cli(capsys, "run", "--mnk", "64_64_64", "--runs-dir", tmp_path / "runs")
-    assert code == 2 and "no usable GPU" in err and "--compile-only" in err
+@pytest.mark.parametrize("gpus", [[], ["--gpus", "all"], ["--gpus", "0,1"]])
+def test_run_without_gpu_says_so_and_writes_nothing(tmp_path, capsys, gpus):
+    code, _, err = run_cli(capsys, "run", "--mnk", "64_64_64", *gpus, "--runs-dir", tmp_path / "runs")
+    assert code == 2 and "no usable GPU" in err and "--compile-only" in err and err.count("\n") == 1
     assert not (tmp_path / "runs").exists()
 
 

@@ -8,9 +8,12 @@ from agent.config import RunConfig
 from agent.loop import SearchLoop
 from agent.proposers.builtin import BuiltinProposer, RandomProposer
 from agent.store import RunStore
-from core.records import Candidate, Problem, Status
+from core.records import Candidate, EvalJob, Problem, Status
 from core.source import NO_FILES
+from sandbox.build_pool import BuildPool
+from sandbox.pool import WorkerPool
 from templates import get_family
+from tests import fake_workers
 from tests.helpers import fake_evaluate, populated_run
 
 P = Problem(1000, 3000, 2000)
@@ -115,3 +118,85 @@ def test_random_proposer_draws_from_the_same_space(tmp_path):
     store.add_problems([P])
     SearchLoop(store, RunConfig(max_candidates=5), RandomProposer(seed=3), "sm_90a", fake_evaluate).run([P])
     assert {c.origin for c in store.candidates(P)} == {"random"}
+
+
+# several GPUs: the same records, every GPU busy, never two jobs on one
+
+Q = Problem(64, 64, 64, "nk")
+
+
+def search(folder, executor, problems=(P, Q), n=6, observer=None, **kw):
+    store = RunStore(folder, create=True)
+    store.add_problems(list(problems))
+    SearchLoop(store, RunConfig(max_candidates=n), BuiltinProposer(), "sm_90a", executor, observer, **kw).run(
+        list(problems))
+    return store
+
+
+def recorded(store, p):
+    return [(c.id, r.status, r.time_us, len(store.speedups(c.id))) for c, r in store.results(p)]
+
+
+def test_one_gpu_worker_records_what_a_plain_evaluate_does(tmp_path):
+    inline = search(tmp_path / "inline", fake_evaluate)
+    with WorkerPool((0,), target=fake_workers.timed_like_fake_evaluate) as pool:
+        pool.start()
+        pooled = search(tmp_path / "pool", pool)
+    for p in (P, Q):
+        assert recorded(inline, p) == recorded(pooled, p)
+        assert inline.winner(p).candidate.id == pooled.winner(p).candidate.id
+
+
+def test_two_gpus_stay_busy_and_every_candidate_is_recorded_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_SLEEP", "0.05")
+    events = []
+    with WorkerPool((0, 1), target=fake_workers.timed_like_fake_evaluate) as pool:
+        pool.start()
+        store = search(tmp_path / "r", pool, n=8, builder=BuildPool(2),
+                       observer=lambda kind, data: events.append((kind, data["problem"])))
+    runs = {0: [], 1: []}
+    for p in (P, Q):
+        results = store.results(p)
+        assert len(results) == len(store.candidates(p)) == len({c.id for c, _ in results}) == 8
+        for c, r in results:  # each result is its own candidate's (no mix-up between jobs in flight)
+            job = EvalJob(c.id, p, c.family, c.params, b"")
+            assert r.status is Status.OK and r.time_us == fake_evaluate(job).time_us
+            runs[r.device["index"]].append((r.device["t0"], r.device["t1"]))
+        assert len(store.speedups(store.winner(p).candidate.id)) >= 3  # measured, then re-measured twice
+    for gpu in runs.values():  # never two jobs on one GPU
+        gpu.sort()
+        assert gpu and all(a[1] <= b[0] for a, b in zip(gpu, gpu[1:], strict=False))
+    assert any(a[0] < b[1] and b[0] < a[1] for a in runs[0] for b in runs[1])  # both GPUs at once
+    # the next shape's candidates take idle GPUs while the previous shape is re-measured
+    assert events.index(("result", Q)) < max(i for i, e in enumerate(events) if e == ("remeasure", P))
+
+
+def test_a_worker_that_dies_mid_run_costs_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_DIE_ONCE", str(tmp_path / "died"))
+    with WorkerPool((0, 1), target=fake_workers.timed_like_fake_evaluate) as pool:
+        pool.start()
+        store = search(tmp_path / "r", pool)
+        assert pool.describe()["retried"] == 1
+    assert (tmp_path / "died").exists()
+    for p in (P, Q):
+        assert len(store.results(p)) == 6 and store.failure_counts(p) == {"ok": 6}
+
+
+def test_resume_after_an_interrupt_with_several_in_flight(tmp_path):
+    def stop_at_the_fourth(kind, data):
+        if kind == "result" and len(store.results(P)) == 4:
+            raise KeyboardInterrupt
+
+    store = RunStore(tmp_path / "r", create=True)
+    store.add_problems([P])
+    with WorkerPool((0, 1), target=fake_workers.timed_like_fake_evaluate) as pool:
+        pool.start()
+        with pytest.raises(KeyboardInterrupt):
+            SearchLoop(store, RunConfig(max_candidates=8), BuiltinProposer(), "sm_90a", pool,
+                       stop_at_the_fourth).run([P])
+    done = {c.id for c, _ in store.results(P)}
+    assert len(done) == 4 and len(store.candidates(P)) > 4  # some were in flight
+    again = []
+    SearchLoop(store, RunConfig(max_candidates=8), BuiltinProposer(), "sm_90a",
+               lambda j: again.append(j.candidate_id) or fake_evaluate(j)).run([P])
+    assert len(store.results(P)) == 8 and not done & set(again[:4])

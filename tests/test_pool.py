@@ -1,4 +1,4 @@
-"""The worker pool: timeouts, crash detection and replacement, with fake workers (no GPU)."""
+"""The worker pool: timeouts, crash detection and replacement, one worker per GPU, with fake workers (no GPU)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from core.records import EvalJob, Problem, Status
-from sandbox.pool import GpuWorker, WorkerUnavailable
+from core.records import EvalJob, Problem, ProfileResult, Status
+from sandbox.pool import GpuWorker, MixedDevices, WorkerPool, WorkerUnavailable
 from tests import fake_workers
 
 
@@ -81,3 +81,111 @@ def test_worker_that_never_starts_times_out():
         w.start()
     assert time.monotonic() - t0 < 5.0
     assert not w.alive()
+
+
+# one worker per GPU
+
+def scripted(cid, **params):
+    return EvalJob(cid, Problem(64, 64, 64), "sm80_mma", params, b"", timeout_s=2.0)
+
+
+def test_jobs_go_to_idle_gpus_and_never_share_one():
+    with WorkerPool((0, 1), target=fake_workers.scripted_worker) as pool:
+        pool.start()
+        assert pool.slots == 2
+        results = [f.result(timeout=30) for f in [pool.submit(scripted(f"j{i}", sleep=0.3)) for i in range(6)]]
+    assert all(r.status is Status.OK for r in results)
+    by_gpu = {}
+    for r in results:
+        by_gpu.setdefault(r.device["index"], []).append((r.device["t0"], r.device["t1"]))
+    assert set(by_gpu) == {0, 1}
+    for runs in by_gpu.values():
+        runs.sort()
+        assert all(a[1] <= b[0] for a, b in zip(runs, runs[1:], strict=False))  # one job at a time per GPU
+
+
+def test_a_job_whose_worker_died_is_retried_once_and_passes(tmp_path):
+    with WorkerPool((0, 1), target=fake_workers.scripted_worker) as pool:
+        pool.start()
+        r = pool.evaluate(scripted("once", die=str(tmp_path / "died")))
+        assert r.status is Status.OK and (tmp_path / "died").exists()
+        assert pool.describe()["retried"] == 1
+        assert pool.evaluate(scripted("next")).status is Status.OK
+
+
+def test_a_job_that_kills_its_retry_too_is_a_fault():
+    with WorkerPool((0, 1), target=fake_workers.scripted_worker) as pool:
+        pool.start()
+        r = pool.evaluate(scripted("killer", die="always"))
+        assert r.status is Status.FAULT and "exit code 9" in r.reason and "retry" in r.reason
+        assert pool.describe()["retried"] == 1
+        assert pool.evaluate(scripted("after")).status is Status.OK  # fresh workers serve the next job
+
+
+def test_a_gpu_whose_worker_cannot_restart_is_retired_and_the_others_go_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_GONE", str(tmp_path))
+    (tmp_path / "0.gone").touch()
+    with WorkerPool((0, 1), target=fake_workers.scripted_worker) as pool:
+        pool.start()
+        futures = [pool.submit(scripted(f"j{i}", sleep=0.2, die=0)) for i in range(4)]  # each kills GPU 0's worker
+        results = [f.result(timeout=30) for f in futures]
+        assert {(r.status, r.device["index"]) for r in results} == {(Status.OK, 1)}
+        assert pool.slots == 1 and pool.describe()["retried"] >= 1
+
+
+def test_when_no_gpu_is_left_the_jobs_say_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_GONE", str(tmp_path))
+    for i in (0, 1):
+        (tmp_path / f"{i}.gone").touch()
+    with WorkerPool((0, 1), target=fake_workers.scripted_worker) as pool:
+        pool.start()
+        assert pool.evaluate(scripted("killer", die="always")).status is Status.FAULT  # on both GPUs
+        with pytest.raises(WorkerUnavailable, match="no GPU worker is left.*is gone"):
+            pool.evaluate(scripted("late"))
+        with pytest.raises(WorkerUnavailable):
+            pool.evaluate(scripted("later"))
+
+
+def test_gpus_of_different_models_are_refused():
+    pool = WorkerPool((0, 1), target=fake_workers.mixed_models_worker)
+    with pytest.raises(MixedDevices, match="not all one model.*GPU 0: fake model 0.*GPU 1: fake model 1"):
+        pool.start()
+    assert not any(w.alive() for w in pool.workers)
+
+
+def test_profiles_run_on_a_worker_thread_with_its_device(tmp_path):
+    seen = []
+
+    def profiler(cubin, family, params, problem, device):
+        seen.append(device)
+        return ProfileResult(True, summary=f"on GPU {device}")
+
+    with WorkerPool((0, 1), target=fake_workers.scripted_worker) as pool:
+        pool.start()
+        r = pool.profile(profiler, scripted("p")).result(timeout=10)
+    assert r.ok and seen[0] in (0, 1) and r.summary == f"on GPU {seen[0]}"
+
+
+@pytest.mark.gpu
+def test_every_gpu_of_the_host_evaluates_a_real_kernel():
+    import torch
+
+    from sandbox.build import compile_cuda
+    from templates import get_family
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        pytest.skip("needs two GPUs")
+    p = Problem(1024, 1024, 1024)
+    family = get_family("sm80_mma")
+    params = family.space(p)[0]
+    with WorkerPool(tuple(range(gpus))) as pool:
+        pool.start()
+        build = compile_cuda(family.render(params, p), pool.facts.arch)
+        assert build.ok, build.log
+        job = EvalJob("real", p, "sm80_mma", params, build.cubin)
+        results = [f.result() for f in [pool.submit(job) for _ in range(2 * gpus)]]
+        assert pool.describe()["serving"] == gpus
+    assert all(r.status is Status.OK for r in results), [r.reason for r in results]
+    times = sorted(r.time_us for r in results)
+    assert times[-1] < 1.2 * times[0]  # the same model, each timing alone on its GPU

@@ -358,3 +358,12 @@ def test_profile_a_real_sm80_kernel():
     assert r.metrics.get("duration_us", 0) > 0
     assert "bound" in r.summary, r.summary
     print(f"\n{os.path.basename(prof.find_ncu())}: {r.summary}\n{json.dumps(r.metrics, indent=1)}")
+
+
+@pytest.mark.parametrize("visible, index, expected", [(None, 1, "1"), ("2,3", 1, "3"), ("GPU-ab, GPU-cd", 0, "GPU-ab")])
+def test_the_profiled_process_sees_only_the_gpu_asked_for(monkeypatch, visible, index, expected):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert prof.visible_device(index) == expected

@@ -17,6 +17,7 @@ from agent.store import RunStore
 from agent.tuning_db import TuningDB, TuningDbError, TuningRecorder, TuningRow
 from core.device import H200
 from core.records import Candidate, EvalResult, Problem, Status, Timing
+from sandbox.executor import InlineExecutor
 from templates import families_for_arch
 from tests.helpers import fake_evaluate, populated_run, sometimes_wrong
 
@@ -107,15 +108,13 @@ def test_import_runs_that_ran_on_a_gpu(tmp_path, capsys):
     assert code == 2 and "no run 'nope'" in capsys.readouterr().err
 
 
-class FakePool:
-    evaluate = staticmethod(fake_evaluate)
-
-    def close(self) -> None:
-        pass
+class FakePool(InlineExecutor):
+    def __init__(self) -> None:
+        super().__init__(fake_evaluate)
 
 
 def test_runs_add_to_the_database_and_a_later_run_learns_from_it(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(agent.runner, "start_pool", lambda arch: (FakePool(), H200))
+    monkeypatch.setattr(agent.runner, "start_pool", lambda arch, gpus=None, cluster=None: (FakePool(), H200))
     db_path, runs = tmp_path / "t.sqlite", tmp_path / "runs"
     assert main(["run", "--mnk", "128_256_64", "--db", str(db_path), "--max-candidates", "2", "--no-profile",
                  "--runs-dir", str(runs)]) == 0

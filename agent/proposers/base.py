@@ -20,10 +20,12 @@ class SearchState:
     tried: list[tuple[Candidate, BuildResult | None, EvalResult]] = field(default_factory=list)
     device: DeviceFacts = H200  # the GPU the candidates run on (the H200 stand-in when compiling only)
     profiles: dict[str, str] = field(default_factory=dict)  # candidate id -> Nsight Compute summary line
+    pending: set[str] = field(default_factory=set)  # ids proposed and in flight (several GPUs), not yet recorded
 
     @property
     def tried_ids(self) -> set[str]:
-        return {c.id for c, _, _ in self.tried}
+        """Ids not to propose again: those recorded and those in flight."""
+        return {c.id for c, _, _ in self.tried} | self.pending
 
 
 def arm_of(c: Candidate) -> str:
