@@ -54,10 +54,10 @@ PROBES = [
      + "\n"),
     ("    wgmma_wait<0>();\n    if (lane == 0",
      "    wgmma_wait<0>();\n    " + _mark(2, "t == 0 && cw == 0") + "\n    if (lane == 0"),
-    ("        // This CTA sums rows",
-     "        " + _mark(6, "t == 0 && cw == 0") + "\n        // This CTA sums rows"),
-    ("        if (SPLIT_K > 1) cluster_sync_relaxed();",
-     "        " + _mark(7, "t == 0 && cw == 0") + "\n        if (SPLIT_K > 1) cluster_sync_relaxed();"),
+    ("    // This CTA sums rows",
+     "    " + _mark(6, "t == 0 && cw == 0") + "\n    // This CTA sums rows"),
+    ("    if (SPLIT_K > 1) cluster_sync_relaxed();",
+     "    " + _mark(7, "t == 0 && cw == 0") + "\n    if (SPLIT_K > 1) cluster_sync_relaxed();"),
     ("    // Multicast: no CTA leaves",
      f"    if (threadIdx.x == 128) {{\n        probe_buf[blockIdx.x * {SLOTS} + 3] = gtime();\n"
      f"        probe_buf[blockIdx.x * {SLOTS}] = probe_t0;\n        probe_buf[blockIdx.x * {SLOTS} + 4] = smid();\n"
