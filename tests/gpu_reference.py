@@ -40,7 +40,7 @@ def _kernel(family: str, params: dict, problem: Problem):
     from sandbox.launch import Kernel
 
     arch = "sm_90a" if torch.cuda.get_device_capability() >= (9, 0) else "sm_80"
-    build = compile_cuda(get_family(family).render(params, problem), arch, cache_dir=None)
+    build = compile_cuda(get_family(family).render(params, problem), arch)
     assert build.ok, build.log[-2000:]
     return Kernel.for_family(build.cubin, family, params, problem)
 
