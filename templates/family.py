@@ -10,7 +10,8 @@ A is M x K row-major; B is K x N row-major (layout "kn") or N x K row-major ("nk
 elements are 16-bit patterns of the problem's dtype (fp16 or bf16), accumulated in fp32. Where the problem has a
 bias, `bias` (N elements of the same dtype) follows K and C = A B + bias, the bias added in fp32 before the one
 rounding to the output dtype. Tensor maps, then workspace and counters, come after these (the launch rule says
-which). M >= 1 is arbitrary, N and K are multiples of 8. Templates see the problem's `b_layout`, `dtype` and `bias`.
+which). M >= 1 is arbitrary, N and K are multiples of 8; A, B, C and the bias start 16-byte aligned (kernels
+move them in 16-byte chunks). Templates see the problem's `b_layout`, `dtype` and `bias`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The sm80_mma family on a CPU-only machine: its space compiles without spills, bad settings are refused, launches
-cover the output."""
+"""The sm80_mma family on a CPU-only machine: its space compiles without spills (fp16 and bf16, with and without a
+bias), bad settings are refused, launches cover the output. On a GPU (marked `gpu`): every epilogue kind computes
+every (dtype, bias) pair right."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from core.records import Problem
 from templates.family import SMEM_PER_BLOCK_MAX_SM80
 from templates.sm80_mma.space import Sm80Mma, Sm80MmaParams
+from tests.gpu_reference import PAIRS, cases, check_kernel
 
 FAMILY = Sm80Mma()
 PROBLEMS = [
@@ -137,3 +139,42 @@ def test_launch_grid_covers_the_output_exactly_once(mnk: str) -> None:
         tiles = [_tile_of(pid, tiles_m, tiles_n, p.raster_group) for pid in range(spec.grid[0])]
         assert sorted(tiles) == [(i, j) for i in range(tiles_m) for j in range(tiles_n)]
         assert spec.grid[1:] == (1, 1)
+
+
+# Each epilogue (shared-memory staged or direct), without and with K groups (the bias added once, to group 0's sums).
+KINDS = {
+    "smem": ({"block_m": 128, "block_n": 128, "warps_m": 2, "warps_n": 2}, (333, 1000, 520)),
+    "direct": ({"block_m": 128, "block_n": 128, "warps_m": 2, "warps_n": 2, "smem_epilogue": False}, (333, 1000, 520)),
+    "k_groups_smem": ({"block_m": 32, "block_n": 64, "warps_m": 1, "warps_n": 2, "warps_k": 4}, (77, 200, 2056)),
+    "k_groups_direct": ({"block_m": 32, "block_n": 64, "warps_m": 1, "warps_n": 2, "warps_k": 4,
+                         "smem_epilogue": False}, (77, 200, 2056)),
+}
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="libnvrtc not available")
+@pytest.mark.parametrize("dtype,bias", PAIRS[1:], ids=lambda x: str(x))
+def test_bf16_and_bias_compile_without_spills_for_both_arches(dtype: str, bias: bool) -> None:
+    jobs = []
+    for params, mnk in KINDS.values():
+        src = FAMILY.render(params, Problem(*mnk, "kn", dtype, bias))
+        assert f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32" in src
+        assert f"cvt.rn.{dtype}x2.f32" in src
+        assert ("int M, int N, int K, const unsigned short* __restrict__ bias)" in src) == bias
+        jobs += [(src, arch) for arch in FAMILY.arches]
+    with ProcessPoolExecutor(os.cpu_count()) as pool:
+        logs = list(pool.map(_compile, *zip(*jobs, strict=True)))
+    for (src, arch), log in zip(jobs, logs, strict=True):
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill", log)]
+        assert spills and not any(spills), f"{arch} spills:\n{log}\n{src[:600]}"
+
+
+def test_gpu_kinds_are_valid_settings() -> None:
+    for params, mnk in KINDS.values():
+        for layout in ("kn", "nk"):
+            FAMILY.launch(params, Problem(*mnk, layout, "bf16", True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params,problem", cases(KINDS))
+def test_every_epilogue_kind_is_exact_and_close_to_torch(params: dict, problem: Problem) -> None:
+    check_kernel("sm80_mma", params, problem)

@@ -1,4 +1,5 @@
-"""The family registry, the naive reference family, and rendering of untrusted (edited) templates."""
+"""The family registry, the naive reference family (fp16 and bf16, with and without a bias; on a GPU, marked `gpu`,
+checked against torch), and rendering of untrusted (edited) templates."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 from core.records import Problem
 from sandbox.build import compile_cuda
 from templates import FAMILIES, families_for_arch, get_family
+from tests.gpu_reference import PAIRS, cases, check_kernel
 
 
 def test_registry():
@@ -18,13 +20,22 @@ def test_registry():
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
-def test_naive_compiles(arch, layout, tmp_path):
-    fam, p = get_family("naive"), Problem(17, 24, 40, layout)
+@pytest.mark.parametrize("dtype,bias", PAIRS, ids=lambda x: str(x))
+def test_naive_compiles(arch, layout, dtype, bias, tmp_path):
+    fam, p = get_family("naive"), Problem(17, 24, 40, layout, dtype, bias)
     for params in fam.space(p):
-        b = compile_cuda(fam.render(params, p), arch, cache_dir=tmp_path)
+        source = fam.render(params, p)
+        assert f"cvt.rn.{dtype}.f32" in source and ("int K, const unsigned short* __restrict__ bias)" in source) == bias
+        b = compile_cuda(source, arch, cache_dir=tmp_path)
         assert b.ok and b.spill_bytes == 0, b.log
         spec = fam.launch(params, p)
         assert spec.grid[0] * spec.block[0] >= p.n and spec.grid[1] * spec.block[1] >= p.m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params,problem", cases({"naive": ({"block_x": 16, "block_y": 16}, (77, 200, 2056))}))
+def test_naive_is_exact_and_close_to_torch(params, problem):
+    check_kernel("naive", params, problem)
 
 
 def test_layout_reaches_the_template():

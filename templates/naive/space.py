@@ -17,7 +17,6 @@ class NaiveParams(Params):
 
 class Naive(Family):
     name = "naive"
-    supports: ClassVar[tuple[tuple[str, bool], ...]] = (("f16", False),)  # bf16 and bias: not yet
     arches = ("sm_90a", "sm_80")
     params_model = NaiveParams
     searched: ClassVar[bool] = False

@@ -114,7 +114,6 @@ def _cost(p: Sm80MmaParams, problem: Problem, device: DeviceFacts) -> float:
 
 class Sm80Mma(Family):
     name: ClassVar[str] = "sm80_mma"
-    supports: ClassVar[tuple[tuple[str, bool], ...]] = (("f16", False),)  # bf16 and bias: not yet
     arches: ClassVar[tuple[str, ...]] = ("sm_90a", "sm_80")
     params_model: ClassVar[type[Params]] = Sm80MmaParams
     description: ClassVar[str] = (

@@ -32,7 +32,7 @@ class Sm90WgmmaParams(Params):
         128, description="rows of C per thread block (16-48 only with swap_ab)")
     block_n: int = Field(256, ge=16, le=256, multiple_of=16,
                          description="columns of C per block = the wgmma N (kn layout: a multiple of 64)")
-    block_k: Literal[64] = Field(64, description="K slice per stage: 64 fp16 = one 128-byte swizzle row")
+    block_k: Literal[64] = Field(64, description="K slice per stage: 64 16-bit elements = one 128-byte swizzle row")
     stages: int = Field(4, ge=2, le=12, description="depth of the shared-memory ring")
     consumers: Literal[1, 2, 3, 4] = Field(2, description="consumer warpgroups; each owns block_m/consumers rows")
     raster_group: int = Field(8, ge=1, le=64, description="tile-rows a block group walks before moving across N")
@@ -52,12 +52,12 @@ class Sm90WgmmaParams(Params):
     split_k: Literal[1, 2, 4, 8] = Field(
         1, description="CTAs per C tile, each over its own contiguous K range (whole block_k tiles), launched as a "
         "thread-block cluster along grid x; they sum their fp32 partial tiles through distributed shared memory "
-        "(each CTA a block_m/split_k row slice, peers in a fixed order: deterministic) and store fp16 C. For long-K "
+        "(each CTA a block_m/split_k row slice, peers in a fixed order: deterministic) and store C. For long-K "
         "problems with few C tiles; 1 = no split, no cluster")
     k_groups: int = Field(
         1, ge=1, le=8, description="CTAs (or split_k clusters) per C tile beyond a cluster, each over its own K "
         "range: they write fp32 partial tiles to a global workspace and the last to arrive at a tile (an atomic "
-        "counter it resets) sums them in group order (deterministic) and stores fp16 C. Fills the SMs where the C "
+        "counter it resets) sums them in group order (deterministic) and stores C. Fills the SMs where the C "
         "tiles are few, without the placement limits of large clusters; 1 = none")
 
     cluster_m: Literal[1, 2] = Field(

@@ -17,7 +17,6 @@ from templates.sm90_wgmma.search import seeds
 
 class Sm90Wgmma(Family):
     name: ClassVar[str] = "sm90_wgmma"
-    supports: ClassVar[tuple[tuple[str, bool], ...]] = (("f16", False),)  # bf16 and bias: not yet
     arches: ClassVar[tuple[str, ...]] = ("sm_90a",)
     params_model: ClassVar[type[Params]] = Sm90WgmmaParams
     description: ClassVar[str] = (
