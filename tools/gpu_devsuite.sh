@@ -1,13 +1,27 @@
 #!/usr/bin/env bash
-# One device call: a search over the whole dev suite, then `bench` on it (logs and the run store land in $OUT).
-# Usage on the GPU machine: [LAYOUT=nk] bash tools/gpu_devsuite.sh SHAPES_FILE BUDGET_MINUTES MAX_CANDIDATES
+# One device call: a search over a shape suite, then `bench` on it (logs, the run store and the tuning database land
+# in $OUT). Each family's first PREBUILD settings a shape are compiled ahead on every core.
+# Usage on the GPU machine: [LAYOUT=nk] [PREBUILD=8] bash tools/gpu_devsuite.sh SHAPES_FILE BUDGET_MINUTES MAX_CANDIDATES
 . tools/gpu_env.sh
 export HGEMM_AGENT_CACHE=$PWD/.cache/cubins
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-timeout 420 python3 -m agent run --shapes "$1" --budget-minutes "$2" --max-candidates "$3" --no-profile --b-layout "${LAYOUT:-kn}" \
-  > "$OUT/devsuite_${LAYOUT:-kn}_run.log" 2>&1
-echo "run rc=$?"; R=$(ls -t runs | grep -v gitkeep | head -1)
-timeout 150 python3 -m agent bench "$R" > "$OUT/devsuite_${LAYOUT:-kn}_bench.log" 2>&1; echo "bench rc=$?"
-cp "runs/$R/run.sqlite" "$OUT/devsuite_${LAYOUT:-kn}.sqlite"; cp "runs/$R/bench/bench.json" "$OUT/devsuite_${LAYOUT:-kn}_bench.json"
-cp "runs/$R/bench/bench.png" "$OUT/devsuite_${LAYOUT:-kn}_bench.png" 2>/dev/null
-tail -45 "$OUT/devsuite_${LAYOUT:-kn}_bench.log"
+export HGEMM_AGENT_TUNING_DB=${HGEMM_AGENT_TUNING_DB:-$OUT/tuning.sqlite}
+L=${LAYOUT:-kn}; T0=$(date +%s)
+timeout 150 python3 tools/prebuild.py "$1" --b-layout "$L" --top "${PREBUILD:-8}" --jobs "$(nproc)" \
+  --cache "$HGEMM_AGENT_CACHE" > "$OUT/devsuite_${L}_prebuild.log" 2>&1
+echo "prebuild rc=$? $(( $(date +%s) - T0 )) s: $(tail -1 "$OUT/devsuite_${L}_prebuild.log")"
+timeout $(( ${2%.*} * 60 + 150 )) python3 -m agent run --shapes "$1" --budget-minutes "$2" --max-candidates "$3" --no-profile \
+  --b-layout "$L" > "$OUT/devsuite_${L}_run.log" 2>&1
+echo "run rc=$? $(( $(date +%s) - T0 )) s"; R=$(ls -t runs | grep -v gitkeep | head -1)
+timeout 200 python3 -m agent bench "$R" > "$OUT/devsuite_${L}_bench.log" 2>&1; echo "bench rc=$? $(( $(date +%s) - T0 )) s"
+cp "runs/$R/run.sqlite" "$OUT/devsuite_${L}.sqlite"; cp "runs/$R/bench/bench.json" "$OUT/devsuite_${L}_bench.json"
+python3 - "$OUT/devsuite_${L}.sqlite" <<'PY'
+import json, sqlite3, sys
+rows = [json.loads(r[0]) for r in sqlite3.connect(sys.argv[1]).execute("SELECT record FROM results")]
+bad = [r for r in rows if r["status"] in ("wrong", "fault", "timeout")]
+print(f"{len(rows)} results: {sum(r['status'] == 'ok' for r in rows)} ok, {len(bad)} rejected, "
+      f"{sum(bool(r.get('fresh')) for r in rows)} re-checked on fresh inputs")
+for r in bad:
+    print("REJECTED", r["candidate_id"], r["status"], r["reason"][:200])
+PY
+tail -42 "$OUT/devsuite_${L}_bench.log"

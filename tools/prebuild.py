@@ -27,12 +27,14 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path(".cache/cubins"))
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--b-layout", choices=("kn", "nk", "both"), default="both")
+    ap.add_argument("--top", type=int, default=0, help="only each family's first N settings a shape (0: all)")
     args = ap.parse_args()
     sources = set()
     for layout in ("kn", "nk") if args.b_layout == "both" else (args.b_layout,):
         for p in read_shapes_file(args.shapes, layout):
             for fam in families_for_arch(args.arch):
-                sources.update(fam.render(params, p) for params in fam.space(p))
+                settings = fam.space(p)
+                sources.update(fam.render(params, p) for params in settings[: args.top or len(settings)])
     t0 = time.time()
     with ThreadPoolExecutor(args.jobs) as pool:
         builds = list(pool.map(lambda s: compile_cuda(s, args.arch, cache_dir=args.cache), sorted(sources)))
