@@ -40,9 +40,10 @@ def build_parser() -> Parser:
 
     r = sub.add_parser("run", help="search kernels for one or more shapes")
     r.add_argument("--mnk", help="M_N_K[,M_N_K...], e.g. 4096_4096_4096")
-    r.add_argument("--shapes", type=Path, help="file with one M_N_K a line, '#' comments")
+    r.add_argument("--shapes", type=Path, help="file with one M_N_K[:layout[:dtype[:bias]]] a line, '#' comments")
     r.add_argument("--b-layout", choices=B_LAYOUTS, default="kn",
                    help="kn: B is K x N row-major (torch.matmul); nk: N x K row-major (nn.Linear weight)")
+    add_dtype_bias(r)
     r.add_argument("--budget-minutes", type=float, default=5.0)
     r.add_argument("--max-candidates", type=int, default=16, help="per shape")
     r.add_argument("--proposer", choices=("builtin", "llm", "mixed"), default="builtin")
@@ -74,11 +75,18 @@ def build_parser() -> Parser:
     bn.add_argument("runs", nargs="*", metavar="RUN")
     bn.add_argument("--shapes", type=Path, help="shapes to bench (default: the runs' shapes)")
     bn.add_argument("--b-layout", choices=B_LAYOUTS, default="kn", help="layout for --shapes")
+    add_dtype_bias(bn)
     bn.add_argument("--mode", choices=("offline", "server"), default="offline")
     bn.add_argument("--target-qps", type=float, default=200.0, help="server mode: mean calls per second")
     bn.add_argument("--seconds", type=float, default=20.0, help="server mode: total duration")
     bn.add_argument("--out", type=Path, help="where bench.json / bench.png go (default: the first run's folder)")
     return p
+
+
+def add_dtype_bias(parser: Parser) -> None:
+    """Defaults for --mnk shapes and for shapes-file lines that do not name their own dtype and bias."""
+    parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="inputs and output (default fp16)")
+    parser.add_argument("--bias", action="store_true", help="C = A B + bias[N] (a fused bias epilogue)")
 
 
 def _join_negative_values(argv: list[str]) -> list[str]:
@@ -116,8 +124,8 @@ def cmd_run(args) -> int:
         raise UsageError("give the shapes: --mnk M_N_K[,...] or --shapes FILE")
     if args.mnk and args.shapes:
         raise UsageError("give --mnk or --shapes, not both")
-    problems = (parse_shape_list(args.mnk, args.b_layout) if args.mnk
-                else read_shapes_file(args.shapes, args.b_layout) if args.shapes else None)
+    problems = (parse_shape_list(args.mnk, args.b_layout, args.dtype, args.bias) if args.mnk
+                else read_shapes_file(args.shapes, args.b_layout, args.dtype, args.bias) if args.shapes else None)
     try:
         llm = LlmSettings.from_env(model=args.llm_model, base_url=args.llm_base_url, max_calls=args.llm_max_calls)
         config = RunConfig(budget_minutes=args.budget_minutes, max_candidates=args.max_candidates,
@@ -198,7 +206,7 @@ def cmd_bench(args) -> int:
         (stores[0].folder / "bench_server.json").write_text(json.dumps(report, indent=1))
         console.print(bench.server_table(report, args.target_qps))
         return 0
-    problems = (read_shapes_file(args.shapes, args.b_layout) if args.shapes
+    problems = (read_shapes_file(args.shapes, args.b_layout, args.dtype, args.bias) if args.shapes
                 else list(dict.fromkeys(p for s in stores for p in s.problems())))
     if not problems:
         raise UsageError("nothing to bench: give RUNs or --shapes FILE")
