@@ -27,3 +27,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def cache_dir(tmp_path):
     return tmp_path / "cubins"
+
+
+@pytest.fixture(scope="session")
+def op_build_dir(tmp_path_factory):
+    """Where the exported op's C++ extension is built: once per test session (a process loads it once anyway)."""
+    folder = tmp_path_factory.mktemp("hgemm_op_build")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HGEMM_OPS_BUILD_DIR", str(folder))
+        yield folder

@@ -105,7 +105,7 @@ def test_show_diff_export_on_a_measured_run(tmp_path, capsys):
     assert code == 0
     exp = tmp_path / "exp"
     assert (exp / "hgemm_ops.py").is_file() and (exp / "manifest.json").is_file()
-    assert (exp / "hgemm_1000_3000_2000_kn.cu").read_text().startswith("// hgemm-agent export")
+    assert (exp / "hgemm_1000_3000_2000_kn_f16.cu").read_text().startswith("// hgemm-agent export")
     assert "64_64_64:nk" in out and "cuBLAS" in out  # the fake timings lose to cuBLAS there
 
 
