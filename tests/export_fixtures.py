@@ -7,6 +7,7 @@ import importlib.util
 import itertools
 import json
 import shutil
+import sys
 from pathlib import Path
 
 from agent.export.writer import DRIVER, RUNTIME
@@ -15,9 +16,11 @@ _names = itertools.count()
 
 
 def load_ops(folder: Path):
-    """A fresh hgemm_ops module from an export folder (its own manifest and launch-path state)."""
-    spec = importlib.util.spec_from_file_location(f"hgemm_ops_test_{next(_names)}", folder / "hgemm_ops.py")
-    mod = importlib.util.module_from_spec(spec)
+    """A fresh hgemm_ops module from an export folder (its own manifest and launch-path state), registered as an
+    import would (torch.compile looks functions' modules up by name)."""
+    name = f"hgemm_ops_test_{next(_names)}"
+    spec = importlib.util.spec_from_file_location(name, folder / "hgemm_ops.py")
+    mod = sys.modules[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 

@@ -39,10 +39,12 @@ def _trace_as_ops(ext) -> None:
     points ext.mm / ext.linear, which skip the dispatcher's Python argument parsing."""
     import torch
 
+    mm_op, linear_op = torch.ops.hgemm.mm.default, torch.ops.hgemm.linear.default
+
     @torch.compiler.substitute_in_graph(ext.mm, skip_signature_check=True)
     def mm(a, b):
-        return torch.ops.hgemm.mm(a, b)
+        return mm_op(a, b)
 
     @torch.compiler.substitute_in_graph(ext.linear, skip_signature_check=True)
     def linear(x, w, bias=None):
-        return torch.ops.hgemm.linear(x, w, bias)
+        return linear_op(x, w, bias)
