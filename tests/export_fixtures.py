@@ -29,7 +29,7 @@ def small_export(folder: Path, keys: list[str]) -> Path:
     """An export folder with the runtime files and a kernel entry (no tensor maps) for each problem key."""
     folder.mkdir(parents=True)
     for f in RUNTIME.iterdir():
-        if f.suffix in (".py", ".cpp"):
+        if f.suffix in (".py", ".cpp", ".h"):
             shutil.copyfile(f, folder / f.name)
     shutil.copyfile(DRIVER, folder / "hgemm_driver.py")
     (folder / "fake.cubin").write_bytes(b"\x7fELF never loaded on the CPU")

@@ -58,7 +58,7 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
         lines.append(ExportLine(p, f"{stem}.cu", f"{ratio:.3f}x of cuBLAS ({cand.id})"))
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     for f in RUNTIME.iterdir():
-        if f.is_file() and f.suffix in (".py", ".cpp"):
+        if f.is_file() and f.suffix in (".py", ".cpp", ".h"):
             shutil.copyfile(f, out / f.name)
     shutil.copyfile(DRIVER, out / "hgemm_driver.py")
     return lines

@@ -1,5 +1,6 @@
-"""Build and load the compiled HGEMM op (hgemm_op.cpp) with torch.utils.cpp_extension: ninja and the host C++
-compiler, against the installed torch; no CUDA toolkit (the op opens the CUDA driver at run time).
+"""Build and load the compiled HGEMM op (hgemm_op.cpp, hgemm_module.cpp and their headers) with
+torch.utils.cpp_extension: ninja and the host C++ compiler, against the installed torch; no CUDA toolkit (the op
+opens the CUDA driver at run time).
 
 Shipped in an hgemm-agent export next to hgemm_ops.py. A build is cached per source and torch version under the
 build folder (the first one takes a few tens of seconds). One extension per process: its TORCH_LIBRARY registers the
@@ -14,21 +15,24 @@ import sys
 from pathlib import Path
 
 PROCESS_KEY = "hgemm_ops_extension"  # sys.modules entry holding the loaded extension
+SOURCES = ("hgemm_op.cpp", "hgemm_module.cpp")
+HEADERS = ("hgemm_op.h", "hgemm_cuda.h")
 
 
-def load(source: Path, build_root: Path, verbose: bool = False):
-    """The extension module (built here if needed); raises whatever the build or the load raised."""
+def load(folder: Path, build_root: Path, verbose: bool = False):
+    """The extension module built from the sources in `folder` (built under build_root if needed); raises whatever
+    the build or the load raised."""
     if PROCESS_KEY in sys.modules:
         return sys.modules[PROCESS_KEY]
     import torch
     from torch.utils.cpp_extension import load as load_extension
 
-    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
-    name = f"hgemm_ops_{digest}"
-    folder = build_root / name
-    folder.mkdir(parents=True, exist_ok=True)
-    ext = load_extension(name=name, sources=[str(source)], build_directory=str(folder), extra_cflags=["-O2"],
-                         extra_ldflags=["-ldl"], with_cuda=False, verbose=verbose)
+    text = b"".join((folder / f).read_bytes() for f in SOURCES + HEADERS)
+    name = f"hgemm_ops_{hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]}"
+    build = build_root / name
+    build.mkdir(parents=True, exist_ok=True)
+    ext = load_extension(name=name, sources=[str(folder / f) for f in SOURCES], build_directory=str(build),
+                         extra_cflags=["-O2"], extra_ldflags=["-ldl"], with_cuda=False, verbose=verbose)
     _trace_as_ops(ext)
     sys.modules[PROCESS_KEY] = ext
     return ext

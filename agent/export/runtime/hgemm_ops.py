@@ -1,8 +1,8 @@
 """Exported HGEMM op: runs the kernels an hgemm-agent run found, on torch tensors; cuBLAS for everything else.
 
 This file is copied as `hgemm_ops.py` next to `manifest.json` (kernels keyed by problem, `M_N_K:layout:dtype[:bias]`),
-the kernels' `.cu` / `.cubin` files, `hgemm_op.cpp` + `hgemm_build.py` (the compiled op) and `hgemm_driver.py`
-(tensor maps and launches through the CUDA driver by ctypes).
+the kernels' `.cu` / `.cubin` files, the compiled op's sources (`hgemm_op.cpp`, `hgemm_module.cpp`, their headers)
+with its build helper `hgemm_build.py`, and `hgemm_driver.py` (tensor maps and launches by ctypes).
 
 - `mm(a, b)` is `torch.matmul(a, b)` (a (*, K), b K x N); `linear(x, w, bias=None)` is `F.linear` (w N x K).
 - `patch(model, matmul=False)` routes each `nn.Linear` whose (N, K, dtype, bias) was tuned through `linear`
@@ -80,7 +80,7 @@ def compiled():
     if os.environ.get("HGEMM_OPS_COMPILED", "1") != "0":
         try:
             build = _sibling("hgemm_build")
-            ext = build.load(HERE / "hgemm_op.cpp", Path(os.environ.get("HGEMM_OPS_BUILD_DIR", HERE / "build")))
+            ext = build.load(HERE, Path(os.environ.get("HGEMM_OPS_BUILD_DIR", HERE / "build")))
             for key, entry in MANIFEST["kernels"].items():
                 ext.add_kernel(_prepared(key, entry))
         except Exception as e:  # no compiler, no ninja, a failed build or load: the Python path still works
