@@ -4,6 +4,10 @@ wanted gradient goes through autograd, and the routing names the tuned kernel or
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -111,3 +115,15 @@ def test_add_kernel_refuses_a_bad_entry(ops):
         ext.add_kernel({**entry, "tensor_maps": [bad_map]})
     with pytest.raises(TypeError, match="positionally"):
         ext.mm(torch.randn(2, 2))
+
+
+def test_without_a_compiler_the_python_path_serves_after_one_warning(tmp_path):
+    folder = small_export(tmp_path / "out", SMALL)
+    code = ("import hgemm_ops, torch; a, b = torch.randn(16, 8).half(), torch.randn(8, 24).half(); "
+            "assert torch.equal(hgemm_ops.mm(a, b), a @ b); hgemm_ops.mm(a, b); print(hgemm_ops.path())")
+    env = {**os.environ, "PATH": str(tmp_path / "no-tools"), "HGEMM_OPS_BUILD_DIR": str(tmp_path / "build")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "python", proc.stderr
+    assert proc.stderr.count("the compiled op is unavailable (") == 1 and "Ninja is required" in proc.stderr
+    assert "Ninja" in (tmp_path / "build" / "error.log").read_text()

@@ -11,9 +11,11 @@
 // buffer and one zeroed counter array serve every kernel that asks for them (the kernels leave the counters zeroed).
 // Tensor maps are encoded once per (kernel, operand, address). Clusters need nothing here: kernels that use them
 // declare __cluster_dims__ in their source, so a plain cuLaunchKernel forms them. The stream is PyTorch's current
-// stream for the device, read through the device-generic c10 API (no CUDA build of torch's headers needed), so
-// launches land in CUDA-graph captures.
+// stream for the device (current_stream below: no CUDA build of torch's headers needed), so launches land in
+// CUDA-graph captures.
 #include "hgemm_op.h"
+
+#include <dlfcn.h>
 
 #include <mutex>
 #include <unordered_map>
@@ -26,7 +28,6 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/library.h>
 
 #include "hgemm_cuda.h"
@@ -84,6 +85,7 @@ DeviceState& device_state(int index) {  // with the device's primary context cur
   auto [it, fresh] = devices.try_emplace(index);
   DeviceState& st = it->second;
   if (fresh) {
+    RelaxedCapture relaxed;
     const Driver& d = driver();
     CUdevice dev = 0;
     check(d.DeviceGet(&dev, index), "cuDeviceGet");
@@ -145,6 +147,23 @@ const CUtensorMap& tensor_map(const Kernel& kern, int device, int index, void* a
                                       s.box.data(), ones.data(), 0, s.swizzle, s.l2, 0),
         "cuTensorMapEncodeTiled");
   return map_cache.emplace(key, map).first->second;
+}
+
+// PyTorch's current stream on a device, from the C shim that AOTInductor's CUDA code calls
+// (aoti_torch_get_current_cuda_stream in libtorch_cuda.so, a plain C function of every CUDA build for many releases;
+// c10::Stream::native_handle() is too recent to count on). Looked up once, when the first kernel launches: the CPU
+// build of torch (CI) has no such library and never gets here.
+CUstream current_stream(int device) {
+  using Getter = int32_t (*)(int32_t, void**);
+  static const Getter getter = [] {
+    void* lib = dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_NOLOAD);
+    void* sym = lib ? dlsym(lib, "aoti_torch_get_current_cuda_stream") : nullptr;
+    TORCH_CHECK(sym, "hgemm: PyTorch's CUDA library is not loaded (no aoti_torch_get_current_cuda_stream)");
+    return reinterpret_cast<Getter>(sym);
+  }();
+  void* stream = nullptr;
+  TORCH_CHECK(getter(device, &stream) == 0, "hgemm: PyTorch's current CUDA stream could not be read");
+  return static_cast<CUstream>(stream);
 }
 
 // ---- routing ------------------------------------------------------------------------------------------------------
@@ -218,10 +237,8 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
   if (bias) params[np++] = &bias_ptr;
   for (size_t i = 0; i < kern.maps.size(); ++i) params[np++] = &maps[i];
   if (scratch) params[np++] = &scratch, params[np++] = &counters;
-  c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
-  auto stream = static_cast<CUstream>(impl.getStream(a.device()).native_handle());
   check(driver().LaunchKernel(fn, kern.grid[0], kern.grid[1], kern.grid[2], kern.block[0], kern.block[1],
-                              kern.block[2], kern.smem, stream, params.data(), nullptr),
+                              kern.block[2], kern.smem, current_stream(device), params.data(), nullptr),
         "cuLaunchKernel");
   return c;
 }

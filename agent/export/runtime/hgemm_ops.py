@@ -78,16 +78,23 @@ def compiled():
         return _ext_state["module"]
     ext = None
     if os.environ.get("HGEMM_OPS_COMPILED", "1") != "0":
+        build_root = Path(os.environ.get("HGEMM_OPS_BUILD_DIR", HERE / "build"))
         try:
-            build = _sibling("hgemm_build")
-            ext = build.load(HERE, Path(os.environ.get("HGEMM_OPS_BUILD_DIR", HERE / "build")))
+            ext = _sibling("hgemm_build").load(HERE, build_root)
             for key, entry in MANIFEST["kernels"].items():
                 ext.add_kernel(_prepared(key, entry))
         except Exception as e:  # no compiler, no ninja, a failed build or load: the Python path still works
-            text = (str(e).strip().splitlines() or [type(e).__name__])
+            text = str(e).strip().splitlines() or [type(e).__name__]
             reason = next((ln for ln in text if "error" in ln.lower()), text[-1])[:200]
-            warnings.warn(f"hgemm_ops: the compiled op is unavailable ({reason}); the Python launch path serves "
-                          "calls (about 20 us more host time each)", RuntimeWarning, stacklevel=2)
+            log = build_root / "error.log"
+            try:
+                log.parent.mkdir(parents=True, exist_ok=True)
+                log.write_text(f"{type(e).__name__}: {e}\n")
+            except OSError:
+                log = None
+            warnings.warn(f"hgemm_ops: the compiled op is unavailable ({reason}{f'; see {log}' if log else ''}); "
+                          "the Python launch path serves calls (about 20 us more host time each)", RuntimeWarning,
+                          stacklevel=2)
             ext = None
     _ext_state["module"] = ext
     return ext
@@ -137,8 +144,8 @@ def _usable(*tensors: torch.Tensor) -> bool:
     device = tensors[0].device
     return (device.type == "cuda" and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-            and all(type(t) in (torch.Tensor, nn.Parameter) and t.device == device and t.is_contiguous()
-                    and t.data_ptr() % 16 == 0 for t in tensors))  # TMA and 16-byte loads need it
+            and all(type(t) in (torch.Tensor, nn.Parameter) and t.device == device and t.dtype == tensors[0].dtype
+                    and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors))  # TMA, 16-byte loads
 
 
 def python_run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
