@@ -44,3 +44,17 @@ def test_e2e_records_prefill_and_decode_shapes(tmp_path, monkeypatch):
     assert Problem(32, inter, hidden, "nk") in read_shapes_file(tmp_path / "shapes_prefill.txt")
     union = read_shapes_file(tmp_path / "shapes_all.txt")
     assert len(union) == len(set(union)) and set(decode4) <= set(union)
+
+
+def test_tables_for_benchmarks_md():
+    e2e, host = load_tool("e2e_llama"), load_tool("host_overhead")
+    table = e2e.markdown([e2e.Row("decode1", "eager", 3.8, 3.3, 3.8 / 3.3, 1e-3),
+                          e2e.Row("decode1", "graphs", note="RuntimeError: capture failed")])
+    assert "| decode1 | eager | 3.800 | 3.300 | 1.152x | 1.0e-03 |" in table and "capture failed" in table
+    timing = {"issue": 6.0, "sync": 30.0}
+    rows = {"64_4096_4096:nk:f16": {"compiled": {"issue": 5.5, "sync": 28.0}, "dispatcher": timing,
+                                    "python": timing, "torch": timing},
+            "1_8_8:kn:f16": {"python": timing, "torch": timing}}  # no compiled op: its columns empty
+    table = host.markdown(rows)
+    assert "| 64_4096_4096:nk:f16 | 5.50 | 6.00 | 6.00 | 6.00 | 28.00 | 30.00 | -0.50 |" in table
+    assert "| 1_8_8:kn:f16 | - | - | 6.00 | 6.00 | - | 30.00 | - |" in table

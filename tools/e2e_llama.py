@@ -196,6 +196,15 @@ def compare(phase: Phase, mode: str, ref, ours, args) -> Row:
     return Row(phase.name, mode, t["ref"], t["ours"], t["ref"] / t["ours"], err)
 
 
+def markdown(rows: list[Row]) -> str:
+    """The table BENCHMARKS.md keeps."""
+    lines = ["| phase | mode | unpatched ms | patched ms | speed-up | logits rel. diff |", "|---" * 6 + "|"]
+    for r in rows:
+        lines.append(f"| {r.phase} | {r.mode} | " + (f"{r.note} | | | |" if r.note else
+                     f"{r.ref_ms:.3f} | {r.ours_ms:.3f} | {r.speedup:.3f}x | {r.rel_err:.1e} |"))
+    return "\n".join(lines)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", help="reuse this run's kernels instead of searching")
@@ -249,6 +258,7 @@ def main(argv=None) -> int:
                 r = rows[-1]
                 print(f"{r.phase:>10} {r.mode:>8}: " + (r.note or f"ref {r.ref_ms:.3f} ms, ours {r.ours_ms:.3f} ms, "
                                                         f"{r.speedup:.3f}x, rel err {r.rel_err:.1e}"), flush=True)
+    print(markdown(rows))
     report = {"run": run, "path": ops.path(), "routed_layers": routed, "device": torch.cuda.get_device_name(),
               "phases": [asdict(p) for p in phases], "rows": [asdict(r) for r in rows]}
     if out_dir:

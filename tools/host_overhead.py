@@ -77,6 +77,19 @@ def measure(fns: dict[str, callable], calls: int, rounds: int) -> dict[str, dict
     return {name: {clock: statistics.median(v) for clock, v in s.items()} for name, s in samples.items()}
 
 
+def markdown(rows: dict[str, dict[str, dict[str, float]]]) -> str:
+    """The table BENCHMARKS.md keeps: µs per call, issue clock for every way, call+sync for ours and torch."""
+    ways_ = ["compiled", "dispatcher", "python", "torch"]
+    lines = ["| problem | " + " | ".join(f"{w} issue" for w in ways_) + " | compiled call+sync | torch call+sync | "
+             "compiled - torch (issue) |", "|---" * 8 + "|"]
+    for key, r in rows.items():
+        cells = [f"{r[w]['issue']:.2f}" if w in r else "-" for w in ways_]
+        cells += [f"{r[w]['sync']:.2f}" if w in r else "-" for w in ("compiled", "torch")]
+        cells.append(f"{r['compiled']['issue'] - r['torch']['issue']:+.2f}" if "compiled" in r else "-")
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("export", type=Path)
@@ -94,6 +107,7 @@ def main(argv=None) -> int:
             r = rows[key]
             print(f"{key:>28}  " + "  ".join(f"{name} {v['issue']:6.2f} / {v['sync']:7.2f}" for name, v in r.items())
                   + "   (µs per call: issue / call+sync)", flush=True)
+    print(markdown(rows))
     report = {"path": ops.path(), "device": torch.cuda.get_device_name(), "calls": args.calls, "rounds": args.rounds,
               "rows": rows}
     if os.environ.get("OUT"):
