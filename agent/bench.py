@@ -1,8 +1,9 @@
 """`bench`: per shape, the best kernel the given runs found (or cuBLAS where none beat it), re-checked and re-timed
 now next to cuBLAS in one worker: warm and cold ratios, TFLOP/s, % of the roofline floor. Table, JSON, PNG.
 
-`--mode server` instead calls the exported op the way a serving process does: one call at a time at random
-(exponential) intervals, latency per call from issue to completion, percentiles for ours and cuBLAS side by side.
+`--mode server` instead calls the exported op the way a serving process does (through its compiled op where that
+builds): one call at a time at random (exponential) intervals, latency per call from issue to completion,
+percentiles for ours and cuBLAS side by side.
 """
 
 from __future__ import annotations
@@ -141,10 +142,12 @@ def rows_table(rows: list[BenchRow], title: str):
 def server_table(report: dict, qps: float):
     from rich.table import Table
 
-    t = Table(title=f"server mode: single calls at {qps:g}/s (exponential gaps), latency µs incl. launch")
-    for col in ("shape", "op", "ours p50", "p90", "p99", "cuBLAS p50", "p90", "p99"):
+    path = {"compiled": "compiled op", "python": "Python launch path"}.get(report["path"], report["path"])
+    t = Table(title=f"server mode: single calls at {qps:g}/s (exponential gaps), latency µs incl. launch; ours "
+                    f"through the {path}")
+    for col in ("problem", "op", "ours p50", "p90", "p99", "cuBLAS p50", "p90", "p99"):
         t.add_column(col)
-    for key, r in report.items():
+    for key, r in report["shapes"].items():
         o, c = r["ours"], r["cublas"]
         t.add_row(key, "kernel" if r["kernel"] else "cuBLAS", *(f"{o[q]:.1f}" for q in ("p50", "p90", "p99")),
                   *(f"{c[q]:.1f}" for q in ("p50", "p90", "p99")))

@@ -42,9 +42,10 @@ def build_parser() -> Parser:
 
     r = sub.add_parser("run", help="search kernels for one or more shapes")
     r.add_argument("--mnk", help="M_N_K[,M_N_K...], e.g. 4096_4096_4096")
-    r.add_argument("--shapes", type=Path, help="file with one M_N_K a line, '#' comments")
+    r.add_argument("--shapes", type=Path, help="file with one M_N_K[:layout[:dtype[:bias]]] a line, '#' comments")
     r.add_argument("--b-layout", choices=B_LAYOUTS, default="kn",
                    help="kn: B is K x N row-major (torch.matmul); nk: N x K row-major (nn.Linear weight)")
+    add_dtype_bias(r)
     r.add_argument("--budget-minutes", type=float, default=5.0)
     r.add_argument("--max-candidates", type=int, default=16, help="per shape")
     r.add_argument("--proposer", choices=("builtin", "llm", "mixed"), default="builtin")
@@ -87,6 +88,7 @@ def build_parser() -> Parser:
     bn.add_argument("runs", nargs="*", metavar="RUN")
     bn.add_argument("--shapes", type=Path, help="shapes to bench (default: the runs' shapes)")
     bn.add_argument("--b-layout", choices=B_LAYOUTS, default="kn", help="layout for --shapes")
+    add_dtype_bias(bn)
     bn.add_argument("--mode", choices=("offline", "server"), default="offline")
     bn.add_argument("--target-qps", type=float, default=200.0, help="server mode: mean calls per second")
     bn.add_argument("--seconds", type=float, default=20.0, help="server mode: total duration")
@@ -106,6 +108,12 @@ def gpu_list(text: str) -> str | tuple[int, ...]:
     if not all(p.strip().isdigit() for p in parts) or len({int(p) for p in parts}) != len(parts):
         raise argparse.ArgumentTypeError(f"expected 'all' or distinct GPU indices like 0,1 - got {text!r}")
     return tuple(int(p) for p in parts)
+
+
+def add_dtype_bias(parser: Parser) -> None:
+    """Defaults for --mnk shapes and for shapes-file lines that do not name their own dtype and bias."""
+    parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="inputs and output (default fp16)")
+    parser.add_argument("--bias", action="store_true", help="C = A B + bias[N] (a fused bias epilogue)")
 
 
 def _join_negative_values(argv: list[str]) -> list[str]:
@@ -157,8 +165,8 @@ def cmd_run(args) -> int:
         raise UsageError("--gpus picks local GPUs, --cluster a Dask cluster's: give one of them")
     if args.compile_only and (args.gpus or args.cluster):
         raise UsageError("--compile-only uses no GPU: drop --gpus / --cluster")
-    problems = (parse_shape_list(args.mnk, args.b_layout) if args.mnk
-                else read_shapes_file(args.shapes, args.b_layout) if args.shapes else None)
+    problems = (parse_shape_list(args.mnk, args.b_layout, args.dtype, args.bias) if args.mnk
+                else read_shapes_file(args.shapes, args.b_layout, args.dtype, args.bias) if args.shapes else None)
     try:
         llm = LlmSettings.from_env(model=args.llm_model, base_url=args.llm_base_url, max_calls=args.llm_max_calls,
                                    max_prompt_tokens=args.llm_max_prompt_tokens)
@@ -224,7 +232,8 @@ def cmd_export(args) -> int:
     out = args.out or store.folder / "export"
     for line in export_run(store, out):
         console.print(f"{line.problem.key}: {line.kernel_file or 'cuBLAS'} - {line.note}")
-    console.print(f"written to {out} (import hgemm_ops; hgemm_ops.mm(a, b) / hgemm_ops.linear(x, w))")
+    console.print(f"written to {out} (import hgemm_ops; hgemm_ops.mm(a, b), hgemm_ops.linear(x, w, bias), "
+                  "hgemm_ops.patch(model))")
     if args.no_check:
         return 0
     status, text = recheck(out)
@@ -251,7 +260,7 @@ def cmd_bench(args) -> int:
         (stores[0].folder / "bench_server.json").write_text(json.dumps(report, indent=1))
         console.print(bench.server_table(report, args.target_qps))
         return 0
-    problems = (read_shapes_file(args.shapes, args.b_layout) if args.shapes
+    problems = (read_shapes_file(args.shapes, args.b_layout, args.dtype, args.bias) if args.shapes
                 else list(dict.fromkeys(p for s in stores for p in s.problems())))
     if not problems:
         raise UsageError("nothing to bench: give RUNs or --shapes FILE")

@@ -89,6 +89,15 @@ def l2_promotion(dims: tuple[int, ...], strides: tuple[int, ...] = ()) -> int:
     return L2_PROMOTION_256B if len(dims) == 1 or pitch % 128 == 0 else L2_PROMOTION_128B
 
 
+def packed_strides(dims: tuple[int, ...]) -> tuple[int, ...]:
+    """Byte strides of dims[1:] of a packed fp16 tensor (innermost dimension first)."""
+    pitches, pitch = [], 2
+    for d in dims[:-1]:
+        pitch *= d
+        pitches.append(pitch)
+    return tuple(pitches)
+
+
 def encode_tiled(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizzle: int = 128,
                  strides: tuple[int, ...] = ()) -> TensorMap:
     """A tiled tensor map over an fp16 tensor at `address`: `dims` and `box` innermost first; rows contiguous, or
@@ -96,12 +105,7 @@ def encode_tiled(address: int, dims: tuple[int, ...], box: tuple[int, ...], swiz
     dims fill zeros; stores outside them are dropped."""
     check_tiled(address, dims, box, swizzle, strides)
     rank = len(dims)
-    if not strides:
-        pitches, pitch = [], 2
-        for d in dims[:-1]:
-            pitch *= d
-            pitches.append(pitch)
-        strides = tuple(pitches)
+    strides = strides or packed_strides(dims)
     scratch = (ctypes.c_uint8 * (TENSOR_MAP_BYTES + 64))()
     aligned = (ctypes.addressof(scratch) + 63) // 64 * 64
     _check(_cuda().cuTensorMapEncodeTiled(

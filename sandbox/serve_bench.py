@@ -1,9 +1,10 @@
 """Serving-style latency of the exported op (run as its own process: python -m sandbox.serve_bench DIR QPS SECONDS).
 
 Single calls at random (exponential) intervals, as a serving process issues them, through `hgemm_ops.mm` /
-`hgemm_ops.linear` exactly as a user calls them; cuBLAS (`torch.matmul`) called the same way, interleaved.
-Latency is host time from the call to the end of `torch.cuda.synchronize()`: launch overhead counts here.
-Prints one JSON line: per shape, p50/p90/p99 in microseconds for ours and cuBLAS.
+`hgemm_ops.linear` exactly as a user calls them (the compiled op where it builds, else the Python launch path: the
+report names which); cuBLAS (`torch.matmul` / `F.linear`) called the same way, interleaved. Latency is host time
+from the call to the end of `torch.cuda.synchronize()`: launch overhead counts here. Prints one JSON line: the launch
+path, and per problem p50/p90/p99 in microseconds for ours and cuBLAS.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 
 def percentiles(xs: list[float]) -> dict[str, float]:
@@ -25,20 +27,29 @@ def percentiles(xs: list[float]) -> dict[str, float]:
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "n": len(s)}
 
 
-def main(folder: str, qps: float, seconds: float) -> dict:
-    spec = importlib.util.spec_from_file_location("hgemm_ops", Path(folder) / "hgemm_ops.py")
-    ops = importlib.util.module_from_spec(spec)
+def load_ops(folder: Path):
+    """The export's hgemm_ops, registered as `import hgemm_ops` would (torch.compile looks modules up by name)."""
+    spec = importlib.util.spec_from_file_location("hgemm_ops", folder / "hgemm_ops.py")
+    ops = sys.modules["hgemm_ops"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ops)
+    return ops
+
+
+def main(folder: str, qps: float, seconds: float) -> dict:
+    ops = load_ops(Path(folder))
     keys = list(ops.MANIFEST["kernels"]) + list(ops.MANIFEST.get("cublas", []))
     rng = random.Random(0)
-    report = {}
+    shapes = {}
     for key in keys:
-        mnk, layout = key.split(":")[:2]
-        m, n, k = (int(x) for x in mnk.split("_"))
-        a = torch.randn(m, k, device="cuda").half()
-        b = torch.randn(k, n, device="cuda").half() if layout == "kn" else torch.randn(n, k, device="cuda").half()
-        ours_op, ref_op = (ops.mm, torch.matmul) if layout == "kn" else (ops.linear, torch.nn.functional.linear)
-        ours, ref = functools.partial(ours_op, a, b), functools.partial(ref_op, a, b)
+        m, n, k, layout, dtype, has_bias = ops.parse_key(key)
+        dt = ops.DTYPES[dtype]
+        a = torch.randn(m, k, device="cuda").to(dt)
+        b = torch.randn(k, n, device="cuda").to(dt) if layout == "kn" else torch.randn(n, k, device="cuda").to(dt)
+        bias = torch.randn(n, device="cuda").to(dt) if has_bias else None
+        if layout == "kn":
+            ours, ref = functools.partial(ops.mm, a, b), functools.partial(torch.matmul, a, b)
+        else:
+            ours, ref = functools.partial(ops.linear, a, b, bias), functools.partial(F.linear, a, b, bias)
         for f in (ours, ref):  # load and warm up outside the measurement
             f()
         torch.cuda.synchronize()
@@ -51,10 +62,11 @@ def main(folder: str, qps: float, seconds: float) -> dict:
                 f()
                 torch.cuda.synchronize()
                 lat[name].append((time.perf_counter() - t0) * 1e6)
-        report[key] = {name: percentiles(v) for name, v in lat.items()}
-        report[key]["kernel"] = key in ops.MANIFEST["kernels"]
-    return report
+        shapes[key] = {name: percentiles(v) for name, v in lat.items()}
+        shapes[key]["kernel"] = key in ops.MANIFEST["kernels"]
+    return {"path": ops.path(), "shapes": shapes}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3]))))
+    with torch.inference_mode():
+        print(json.dumps(main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3]))))

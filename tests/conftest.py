@@ -33,3 +33,12 @@ def cache_dir(tmp_path):
 def _own_tuning_db(tmp_path, monkeypatch):
     """Runs in tests learn from and add to a database of their own, never the user's."""
     monkeypatch.setenv("HGEMM_AGENT_TUNING_DB", str(tmp_path / "tuning.sqlite"))
+
+
+@pytest.fixture(scope="session")
+def op_build_dir(tmp_path_factory):
+    """Where the exported op's C++ extension is built: once per test session (a process loads it once anyway)."""
+    folder = tmp_path_factory.mktemp("hgemm_op_build")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HGEMM_OPS_BUILD_DIR", str(folder))
+        yield folder

@@ -41,3 +41,17 @@ def test_outputs_written(tmp_path):
     data = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert len(data["rows"]) == 2 and data["geomean_warm"] == geomean([r.ratio_warm for r in rows])
     assert paths[0].name == "bench.json"
+
+
+def test_server_table_names_the_launch_path():
+    from rich.console import Console
+
+    from agent.bench import server_table
+
+    lat = {"p50": 20.0, "p90": 21.0, "p99": 30.0, "n": 100}
+    report = {"path": "compiled", "shapes": {"64_4096_4096:nk:f16": {"ours": lat, "cublas": lat, "kernel": True},
+                                             "64_64_64:nk:f16": {"ours": lat, "cublas": lat, "kernel": False}}}
+    console = Console(width=200, record=True)
+    console.print(server_table(report, 200))
+    text = console.export_text()
+    assert "through the compiled op" in text and "64_4096_4096:nk:f16" in text and "cuBLAS" in text

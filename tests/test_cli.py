@@ -22,6 +22,8 @@ def run_cli(capsys, *argv):
     (["run", "--mnk", "a_b_c", "--compile-only"], "malformed shape 'a_b_c'"),
     (["run", "--mnk", "64_60_64", "--compile-only"], "multiples of 8"),
     (["run", "--mnk", "64_64_64", "--b-layout", "tn", "--compile-only"], "invalid choice: 'tn'"),
+    (["run", "--mnk", "64_64_64", "--dtype", "fp32", "--compile-only"], "invalid choice: 'fp32'"),
+    (["run", "--mnk", "64_64_64:nk:fp8", "--compile-only"], "unknown dtype 'fp8'"),
     (["run", "--compile-only"], "give the shapes"),
     (["run", "--mnk", "64_64_64", "--budget-minutes", "0", "--compile-only"], "budget_minutes"),
     (["run", "--mnk", "64_64_64", "--budget-minutes", "x"], "invalid float value"),
@@ -110,6 +112,20 @@ def test_shapes_file_junk_line(tmp_path, capsys):
     assert code == 2 and "shapes.txt:2:" in err and not (tmp_path / "runs").exists()
 
 
+def test_dtype_and_bias_apply_to_plain_shapes_only(tmp_path, capsys):
+    from agent.store import RunStore
+    from core.records import Problem
+
+    f = tmp_path / "shapes.txt"
+    f.write_text("64_64_64\n64_128_64:nk:f16\n")
+    runs = tmp_path / "runs"
+    code, _, _ = run_cli(capsys, "run", "--shapes", f, "--dtype", "bf16", "--bias", "--compile-only",
+                         "--max-candidates", "1", "--no-profile", "--runs-dir", runs)
+    assert code == 0
+    (folder,) = runs.iterdir()
+    assert RunStore(folder).problems() == [Problem(64, 64, 64, "kn", "bf16", True), Problem(64, 128, 64, "nk")]
+
+
 def test_folder_that_is_not_ours(tmp_path, capsys):
     (tmp_path / "runs" / "x").mkdir(parents=True)
     code, _, err = run_cli(capsys, "show", "x", "--runs-dir", tmp_path / "runs")
@@ -166,7 +182,7 @@ def test_show_diff_export_on_a_measured_run(tmp_path, capsys):
     assert code == 0
     exp = tmp_path / "exp"
     assert (exp / "hgemm_ops.py").is_file() and (exp / "manifest.json").is_file()
-    assert (exp / "hgemm_1000_3000_2000_kn.cu").read_text().startswith("// hgemm-agent export")
+    assert (exp / "hgemm_1000_3000_2000_kn_f16.cu").read_text().startswith("// hgemm-agent export")
     assert "64_64_64:nk" in out and "cuBLAS" in out  # the fake timings lose to cuBLAS there
 
 

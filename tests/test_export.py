@@ -1,41 +1,66 @@
-"""export: files per shape, the manifest, and the exported module's cuBLAS fallback (CPU-testable)."""
+"""export: files per problem, the manifest, the launch rule for the run's GPU, and the exported module's Python
+launch path and cuBLAS fallback (CPU-testable; the compiled op is tests/test_export_op.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import agent.export.writer as writer
 from agent.export import export_run, recheck
+from core.device import H200
 from core.records import EvalJob, Problem, Timing
 from tests.conftest import HAS_GPU
+from tests.export_fixtures import load_ops
 from tests.helpers import fake_evaluate, populated_run
 
-
-def load_module(folder):
-    spec = importlib.util.spec_from_file_location("hgemm_ops_under_test", folder / "hgemm_ops.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+RUNTIME_FILES = {"hgemm_ops.py", "hgemm_op.cpp", "hgemm_op.h", "hgemm_module.cpp", "hgemm_cuda.h", "hgemm_build.py",
+                 "hgemm_selfcheck.py", "hgemm_driver.py"}
 
 
 def test_export_writes_kernels_and_fallbacks(tmp_path):
     store = populated_run(tmp_path / "r")
     lines = export_run(store, tmp_path / "out")
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert list(manifest["kernels"]) == ["1000_3000_2000:kn"] and manifest["cublas"] == ["64_64_64:nk"]
-    entry = manifest["kernels"]["1000_3000_2000:kn"]
+    assert list(manifest["kernels"]) == ["1000_3000_2000:kn:f16"] and manifest["cublas"] == ["64_64_64:nk:f16"]
+    entry = manifest["kernels"]["1000_3000_2000:kn:f16"]
     cu = (tmp_path / "out" / entry["file"]).read_text()
-    assert "extern \"C\" __global__" in cu and f"dim3{tuple(entry['grid'])}" in cu
+    assert entry["file"] == "hgemm_1000_3000_2000_kn_f16.cu"
+    assert "extern \"C\" __global__" in cu and f"dim3{tuple(entry['grid'])}" in cu and "fp16 in" in cu
     assert (tmp_path / "out" / entry["cubin"]).read_bytes()[:4] == b"\x7fELF"
     assert [ln.kernel_file is None for ln in lines] == [False, True]
     # a TMA kernel: the manifest and the .cu header carry the tensor maps the op encodes before each launch
     assert [t["operand"] for t in entry["tensor_maps"]][:2] == ["A", "B"]  # + C with a TMA-store epilogue
     assert entry["tensor_maps"][0]["dims"] == [2000, 1000] and "CUtensorMap over A" in cu
-    assert (tmp_path / "out" / "hgemm_driver.py").is_file()
+    assert RUNTIME_FILES <= {p.name for p in (tmp_path / "out").iterdir()}
+
+
+def test_export_uses_the_winner_and_the_runs_gpu(tmp_path, monkeypatch):
+    store = populated_run(tmp_path / "r")
+    small = dataclasses.replace(H200, name="Half H200", sms=66)
+    store.set_meta("device", small.to_dict())
+    seen = []
+    real = writer.get_family
+
+    class Spy:
+        def __init__(self, fam):
+            self.fam = fam
+
+        def launch(self, params, problem, device):
+            seen.append((params, problem, device))
+            return self.fam.launch(params, problem, device)
+
+    monkeypatch.setattr(writer, "get_family", lambda name: Spy(real(name)))
+    export_run(store, tmp_path / "out")
+    win = store.winner(Problem(1000, 3000, 2000))
+    assert seen == [(win.candidate.params, Problem(1000, 3000, 2000), small)]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["device"] == "Half H200" and manifest["kernels"]["1000_3000_2000:kn:f16"]["candidate"] == \
+        win.candidate.id
 
 
 def test_export_records_the_workspace_a_k_groups_kernel_needs(tmp_path):
@@ -45,7 +70,7 @@ def test_export_records_the_workspace_a_k_groups_kernel_needs(tmp_path):
 
     populated = populated_run(tmp_path / "r", problems=(Problem(64, 4096, 16384),), evaluate=k_groups_win)
     export_run(populated, tmp_path / "out")
-    entry = json.loads((tmp_path / "out" / "manifest.json").read_text())["kernels"]["64_4096_16384:kn"]
+    entry = json.loads((tmp_path / "out" / "manifest.json").read_text())["kernels"]["64_4096_16384:kn:f16"]
     assert entry["workspace_bytes"] > 0 and entry["counters"] > 0  # passed after the tensor maps by the op
     cu = (tmp_path / "out" / entry["file"]).read_text()
     assert "scratch buffer" in cu
@@ -53,15 +78,29 @@ def test_export_records_the_workspace_a_k_groups_kernel_needs(tmp_path):
     assert entry["tensor_maps"][1]["strides"] == [8192, 128] and "byte strides (8192, 128)" in cu
 
 
-def test_exported_op_falls_back_to_cublas_off_gpu(tmp_path):
+def test_python_path_falls_back_to_cublas_off_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("HGEMM_OPS_COMPILED", "0")
     export_run(populated_run(tmp_path / "r"), tmp_path / "out")
-    ops = load_module(tmp_path / "out")
-    a, b = torch.randn(64, 64).half(), torch.randn(64, 64).half()
-    assert torch.equal(ops.linear(a, b), torch.matmul(a, b.t()))
-    ops.MANIFEST["kernels"]["16_24_8:kn"] = ops.MANIFEST["kernels"]["1000_3000_2000:kn"]  # small, for the CPU
-    x, w = torch.randn(16, 8).half(), torch.randn(8, 24).half()
+    ops = load_ops(tmp_path / "out")
+    assert ops.path() == "python" and ops.compiled() is None
+    a, b, bias = torch.randn(64, 64).half(), torch.randn(64, 64).half(), torch.randn(64).half()
+    assert torch.equal(ops.linear(a, b), F.linear(a, b)) and torch.equal(ops.linear(a, b, bias), F.linear(a, b, bias))
+    ops.MANIFEST["kernels"]["16_24_8:kn:f16"] = ops.MANIFEST["kernels"]["1000_3000_2000:kn:f16"]  # CPU-sized
+    x, w = torch.randn(2, 8, 8).half(), torch.randn(8, 24).half()
+    assert ops.problem_key(x, w, None, "kn") == "16_24_8:kn:f16"  # leading dims fold into M
     assert torch.equal(ops.mm(x, w), torch.matmul(x, w))  # CPU tensors: the kernel is not usable, cuBLAS path
     assert ops.driver.TENSOR_MAP_BYTES == 128  # the copied driver module loaded beside it
+
+
+def test_problem_keys_of_calls(tmp_path, monkeypatch):
+    monkeypatch.setenv("HGEMM_OPS_COMPILED", "0")
+    export_run(populated_run(tmp_path / "r"), tmp_path / "out")
+    ops = load_ops(tmp_path / "out")
+    x, w = torch.randn(3, 5, 16, dtype=torch.bfloat16), torch.randn(24, 16, dtype=torch.bfloat16)
+    assert ops.problem_key(x, w, torch.zeros(24), "nk") == "15_24_16:nk:bf16:bias"
+    assert ops.problem_key(x.float(), w.float(), None, "nk") is None
+    assert ops.problem_key(x, w, None, "kn") is None  # K does not match
+    assert ops.parse_key("15_24_16:nk:bf16:bias") == (15, 24, 16, "nk", "bf16", True)
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU path")
@@ -75,6 +114,7 @@ def test_recheck_without_gpu_says_so(tmp_path):
 def test_exported_tma_kernel_rechecks_on_the_gpu(tmp_path):
     out = tmp_path / "out"
     export_run(populated_run(tmp_path / "r"), out)
-    assert json.loads((out / "manifest.json").read_text())["kernels"]["1000_3000_2000:kn"]["tensor_maps"]
+    assert json.loads((out / "manifest.json").read_text())["kernels"]["1000_3000_2000:kn:f16"]["tensor_maps"]
     status, text = recheck(out)
     assert status == "ok", text
+    assert "compiled op: built and loaded" in text and "first call inside a CUDA-graph capture: ok" in text

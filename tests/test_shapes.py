@@ -28,10 +28,44 @@ def test_unknown_layout():
         parse_shape("64_64_64", "tn")
 
 
+@pytest.mark.parametrize("text, defaults, problem", [
+    ("16_4096_4096:nk", {}, Problem(16, 4096, 4096, "nk")),
+    ("16_4096_4096:kn", {"b_layout": "nk", "dtype": "bf16"}, Problem(16, 4096, 4096, "kn", "bf16")),
+    ("16_4096_4096:nk:bf16", {"bias": True}, Problem(16, 4096, 4096, "nk", "bf16")),  # a dtype names its bias too
+    ("16_4096_4096:nk:fp16:bias", {}, Problem(16, 4096, 4096, "nk", "f16", True)),
+    ("16_4096_4096:nk:f16", {"dtype": "bf16"}, Problem(16, 4096, 4096, "nk", "f16")),
+    ("16_4096_4096", {"b_layout": "nk", "dtype": "fp16", "bias": True}, Problem(16, 4096, 4096, "nk", "f16", True)),
+    ("16_4096_4096", {"dtype": "bf16"}, Problem(16, 4096, 4096, "kn", "bf16")),
+])
+def test_layout_dtype_and_bias_fields(text, defaults, problem):
+    assert parse_shape(text, **defaults) == problem
+    assert parse_shape(problem.key) == problem  # the key the tables print reads back as the same problem
+
+
+@pytest.mark.parametrize("text, match", [
+    ("64_64_64:tn", "unknown B layout 'tn'"), ("64_64_64:nk:fp32", "unknown dtype 'fp32'"),
+    ("64_64_64:nk:bf16:relu", "expected 'bias'"), ("64_64_64:nk:bf16:bias:x", "malformed"),
+    ("64_64_64::bf16", "malformed"), ("64_64_64:", "malformed"),
+])
+def test_bad_fields(text, match):
+    with pytest.raises(ShapeError, match=match):
+        parse_shape(text)
+
+
 def test_shapes_file_with_comments(tmp_path):
     f = tmp_path / "s.txt"
     f.write_text("# header\n64_64_64  # tiny\n\n1024_1024_1024\n")
     assert read_shapes_file(f) == [Problem(64, 64, 64), Problem(1024, 1024, 1024)]
+
+
+def test_shapes_file_mixes_plain_and_full_lines(tmp_path):
+    f = tmp_path / "s.txt"
+    f.write_text("# recorded\n64_64_64\n8_1024_4096:nk:bf16:bias  # calls: 4\n8_1024_4096:nk:bf16\n")
+    assert read_shapes_file(f, "nk", "fp16") == [Problem(64, 64, 64, "nk"), Problem(8, 1024, 4096, "nk", "bf16", True),
+                                                 Problem(8, 1024, 4096, "nk", "bf16")]
+    f.write_text("64_64_64\n64_64_64:nk:int8\n")
+    with pytest.raises(ShapeError, match=r"s.txt:2: unknown dtype 'int8'"):
+        read_shapes_file(f)
 
 
 def test_shapes_file_junk_line_names_its_number(tmp_path):

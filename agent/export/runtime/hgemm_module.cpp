@@ -1,0 +1,135 @@
+// The compiled HGEMM op's Python module (its name is the extension's): registering kernels from the manifest, and
+// mm / linear entry points that take tensors positionally and call hgemm::call directly, without the dispatcher's
+// Python argument parsing (hgemm_ops.py calls these in eager mode; torch.compile sees the registered ops instead).
+#include <torch/csrc/autograd/python_variable.h>
+
+#include "hgemm_op.h"
+
+namespace {
+
+namespace py = pybind11;
+
+template <size_t N, typename T>
+void fill(std::array<T, N>& out, const std::vector<int64_t>& values, const char* what) {
+  TORCH_CHECK_VALUE(values.size() <= N, "add_kernel: ", what, " has more than ", N, " values");
+  for (size_t i = 0; i < values.size(); ++i) out[i] = static_cast<T>(values[i]);
+}
+
+// add_kernel(entry: dict): key, m, n, k, nk, bf16, bias, arch, cubin (bytes), grid, block, smem_bytes,
+// workspace_bytes, counters, tensor_maps (dicts: operand 0-2, dims, strides (bytes, all but the first), box,
+// swizzle and l2 (the driver's enum values)). Replaces a kernel registered for the same problem.
+PyObject* py_add_kernel(PyObject*, PyObject* arg) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(PyDict_Check(arg), "add_kernel takes a dict");
+  const auto entry = py::reinterpret_borrow<py::dict>(arg);
+  auto kern = std::make_shared<hgemm::Kernel>();
+  kern->key = entry["key"].cast<std::string>();
+  kern->arch = entry["arch"].cast<std::string>();
+  kern->cubin = entry["cubin"].cast<py::bytes>();
+  kern->m = entry["m"].cast<int64_t>(), kern->n = entry["n"].cast<int64_t>(), kern->k = entry["k"].cast<int64_t>();
+  const auto grid = entry["grid"].cast<std::vector<int64_t>>(), block = entry["block"].cast<std::vector<int64_t>>();
+  TORCH_CHECK_VALUE(grid.size() == 3 && block.size() == 3, "add_kernel: grid and block take 3 values");
+  fill(kern->grid, grid, "grid");
+  fill(kern->block, block, "block");
+  kern->smem = entry["smem_bytes"].cast<unsigned>();
+  kern->workspace_bytes = entry["workspace_bytes"].cast<size_t>();
+  kern->counters = entry["counters"].cast<size_t>();
+  for (const auto& item : entry["tensor_maps"].cast<py::list>()) {
+    const auto m = item.cast<py::dict>();
+    hgemm::MapSpec s;
+    s.operand = m["operand"].cast<int>();
+    const auto dims = m["dims"].cast<std::vector<int64_t>>(), box = m["box"].cast<std::vector<int64_t>>();
+    const auto strides = m["strides"].cast<std::vector<int64_t>>();
+    TORCH_CHECK_VALUE(!dims.empty() && box.size() == dims.size() && strides.size() + 1 == dims.size() &&
+                          s.operand >= 0 && s.operand < 3,
+                      "add_kernel: a tensor map covers A, B or C with one box size per dimension and a byte "
+                      "stride for each dimension but the first");
+    s.rank = dims.size();
+    fill(s.dims, dims, "dims");
+    fill(s.box, box, "box");
+    fill(s.strides, strides, "strides");
+    s.swizzle = m["swizzle"].cast<int>();
+    s.l2 = m["l2"].cast<int>();
+    kern->maps.push_back(s);
+  }
+  TORCH_CHECK_VALUE(kern->maps.size() <= 3, "add_kernel: at most 3 tensor maps (A, B, C)");
+  const hgemm::ProblemKey problem{kern->m, kern->n, kern->k, entry["nk"].cast<bool>(), entry["bf16"].cast<bool>(),
+                                  entry["bias"].cast<bool>()};
+  hgemm::add_kernel(problem, std::move(kern));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_kernels(PyObject*, PyObject*) {
+  HANDLE_TH_ERRORS
+  return py::cast(hgemm::kernel_keys()).release().ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+// (a, b) or (x, w[, bias]): tensors, bias possibly None.
+std::optional<at::Tensor> tensors(PyObject* const* args, Py_ssize_t nargs, bool nk, const char* usage) {
+  TORCH_CHECK_TYPE(nargs == 2 || (nk && nargs == 3), usage, " takes tensors, positionally");
+  TORCH_CHECK_TYPE(THPVariable_Check(args[0]) && THPVariable_Check(args[1]), usage, ": a and b must be tensors");
+  if (nargs < 3 || args[2] == Py_None) return std::nullopt;
+  TORCH_CHECK_TYPE(THPVariable_Check(args[2]), usage, ": bias must be a tensor or None");
+  return THPVariable_Unpack(args[2]);
+}
+
+PyObject* fast_call(PyObject* const* args, Py_ssize_t nargs, bool nk) {
+  const auto bias = tensors(args, nargs, nk, nk ? "linear(x, w, bias=None)" : "mm(a, b)");
+  const at::Tensor& a = THPVariable_Unpack(args[0]);
+  const at::Tensor& b = THPVariable_Unpack(args[1]);
+  at::Tensor c;
+  {
+    py::gil_scoped_release no_gil;  // as torch's own ops: a launch may wait for room in the queue
+    c = hgemm::call(a, b, bias, nk);
+  }
+  return THPVariable_Wrap(std::move(c));
+}
+
+PyObject* py_mm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  return fast_call(args, nargs, false);
+  END_HANDLE_TH_ERRORS
+}
+PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  return fast_call(args, nargs, true);
+  END_HANDLE_TH_ERRORS
+}
+
+// explain(a, b, bias, nk) -> str
+PyObject* py_explain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == 4, "explain(a, b, bias, nk)");
+  const auto bias = tensors(args, 3, true, "explain(a, b, bias, nk)");
+  return py::cast(hgemm::explain(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), bias,
+                                 PyObject_IsTrue(args[3]) == 1))
+      .release()
+      .ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+template <typename F>
+PyCFunction fastcall(F f) {
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f));
+}
+
+PyMethodDef methods[] = {
+    {"add_kernel", py_add_kernel, METH_O, "register one exported kernel (a manifest entry, prepared)"},
+    {"kernels", py_kernels, METH_NOARGS, "the problem keys of the registered kernels"},
+    {"mm", fastcall(py_mm), METH_FASTCALL, "mm(a, b): torch.matmul(a, b), b K x N"},
+    {"linear", fastcall(py_linear), METH_FASTCALL, "linear(x, w, bias=None): F.linear(x, w, bias)"},
+    {"explain", fastcall(py_explain), METH_FASTCALL, "explain(a, b, bias, nk): the kernel a call runs, or why not"},
+    {nullptr, nullptr, 0, nullptr}};
+
+#define HGEMM_STR2(x) #x
+#define HGEMM_STR(x) HGEMM_STR2(x)
+#define HGEMM_CAT2(a, b) a##b
+#define HGEMM_CAT(a, b) HGEMM_CAT2(a, b)
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, HGEMM_STR(TORCH_EXTENSION_NAME), "the compiled HGEMM op", -1,
+                          methods};
+
+}  // namespace
+
+PyMODINIT_FUNC HGEMM_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module_def); }

@@ -1,0 +1,312 @@
+"""Exported HGEMM op: runs the kernels an hgemm-agent run found, on torch tensors; cuBLAS for everything else.
+
+This file is copied as `hgemm_ops.py` next to `manifest.json` (kernels keyed by problem, `M_N_K:layout:dtype[:bias]`),
+the kernels' `.cu` / `.cubin` files, the compiled op's sources (`hgemm_op.cpp`, `hgemm_module.cpp`, their headers)
+with its build helper `hgemm_build.py`, and `hgemm_driver.py` (tensor maps and launches by ctypes).
+
+- `mm(a, b)` is `torch.matmul(a, b)` (a (*, K), b K x N); `linear(x, w, bias=None)` is `F.linear` (w N x K).
+- `patch(model, matmul=False)` routes each `nn.Linear` whose (N, K, dtype, bias) was tuned through `linear`
+  (and, with matmul=True, `torch.matmul` / `@` / `mm` on tuned K x N shapes); `unpatch(model)` undoes it.
+- Each call runs the exported kernel where its M, N, K, layout, dtype and bias were tuned (and beat cuBLAS), the
+  operands are contiguous, 16-byte aligned tensors of one CUDA device and no gradient is wanted; anything else is
+  `torch.matmul` / `F.linear`, with the same result it would have had.
+- Launches go through the compiled op (`hgemm::mm` / `hgemm::linear`, C++, built on first use and cached under
+  `build/`; `compiled()` builds it) where it builds, else through the Python launch path (about 20 µs more host
+  time a call), with a one-line warning. `HGEMM_OPS_COMPILED=0` chooses the Python path; `HGEMM_OPS_BUILD_DIR`
+  moves the build. Under `torch.compile` the calls trace as the ops `torch.ops.hgemm.mm` / `.linear`.
+- Kernels with a `workspace_bytes` share one scratch buffer and one counter array per GPU: do not run two of them at
+  the same time on different streams. `python hgemm_ops.py` runs `selfcheck()` (hgemm_selfcheck.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import types
+import warnings
+import weakref
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+HERE = Path(__file__).resolve().parent
+MANIFEST = json.loads((HERE / "manifest.json").read_text())
+DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def _sibling(name: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+driver = _sibling("hgemm_driver")
+
+
+def parse_key(key: str) -> tuple[int, int, int, str, str, bool]:
+    """'M_N_K:layout:dtype[:bias]' -> (m, n, k, layout, dtype, bias)."""
+    mnk, layout, dtype, *rest = key.split(":")
+    m, n, k = (int(x) for x in mnk.split("_"))
+    return m, n, k, layout, dtype, rest == ["bias"]
+
+
+def problem_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str) -> str | None:
+    """The manifest key of a @ B (+ bias), B given K x N ("kn") or N x K ("nk"); None where it is no GEMM of ours."""
+    if b.dim() != 2 or a.dim() < 1 or a.dtype not in DTYPE_NAMES:
+        return None
+    k = a.shape[-1]
+    n = b.shape[1] if layout == "kn" else b.shape[0]
+    if k == 0 or (b.shape[0] if layout == "kn" else b.shape[1]) != k:
+        return None
+    return f"{a.numel() // k}_{n}_{k}:{layout}:{DTYPE_NAMES[a.dtype]}" + (":bias" if bias is not None else "")
+
+
+# ---- the compiled op ------------------------------------------------------------------------------------------------
+_ext_state: dict = {}  # "module": the loaded extension or None, once tried
+
+
+def compiled():
+    """The compiled op's Python module with this export's kernels registered (built on the first call), or None
+    where it cannot be built or loaded here (one warning says why)."""
+    if "module" in _ext_state:
+        return _ext_state["module"]
+    ext = None
+    if os.environ.get("HGEMM_OPS_COMPILED", "1") != "0":
+        build_root = Path(os.environ.get("HGEMM_OPS_BUILD_DIR", HERE / "build"))
+        try:
+            ext = _sibling("hgemm_build").load(HERE, build_root)
+            for key, entry in MANIFEST["kernels"].items():
+                ext.add_kernel(_prepared(key, entry))
+        except Exception as e:  # no compiler, no ninja, a failed build or load: the Python path still works
+            text = str(e).strip().splitlines() or [type(e).__name__]
+            reason = next((ln for ln in text if "error" in ln.lower()), text[-1])[:200]
+            log = build_root / "error.log"
+            try:
+                log.parent.mkdir(parents=True, exist_ok=True)
+                log.write_text(f"{type(e).__name__}: {e}\n")
+            except OSError:
+                log = None
+            warnings.warn(f"hgemm_ops: the compiled op is unavailable ({reason}{f'; see {log}' if log else ''}); "
+                          "the Python launch path serves calls (about 20 us more host time each)", RuntimeWarning,
+                          stacklevel=2)
+            ext = None
+    _ext_state["module"] = ext
+    return ext
+
+
+def _prepared(key: str, entry: dict) -> dict:
+    """A manifest entry as the compiled op's add_kernel takes it: problem fields, cubin bytes, and each tensor map
+    as cuTensorMapEncodeTiled's arguments (checked and derived here, by the driver module's rules)."""
+    m, n, k, layout, dtype, bias = parse_key(key)
+    maps = []
+    for t in entry.get("tensor_maps", []):
+        dims, box, strides = tuple(t["dims"]), tuple(t["box"]), tuple(t.get("strides") or ())
+        driver.check_tiled(16, dims, box, t["swizzle"], strides)
+        maps.append({"operand": driver.OPERANDS.index(t["operand"]), "dims": dims, "box": box,
+                     "strides": strides or driver.packed_strides(dims), "swizzle": driver.SWIZZLE[t["swizzle"]],
+                     "l2": driver.l2_promotion(dims, strides)})
+    return {"key": key, "m": m, "n": n, "k": k, "nk": layout == "nk", "bf16": dtype == "bf16", "bias": bias,
+            "arch": entry["arch"], "cubin": (HERE / entry["cubin"]).read_bytes(), "grid": entry["grid"],
+            "block": entry["block"], "smem_bytes": entry["smem_bytes"],
+            "workspace_bytes": entry.get("workspace_bytes", 0), "counters": entry.get("counters", 0),
+            "tensor_maps": maps}
+
+
+# ---- the Python launch path (where the compiled op is unavailable) ------------------------------------------------
+_loaded: dict[str, object] = {}
+
+
+def _kernel(entry: dict):
+    import cupy
+
+    key = entry["file"]
+    if key not in _loaded:
+        major, minor = torch.cuda.get_device_capability()
+        arch = "sm_90a" if major == 9 else f"sm_{major}{minor}"
+        cubin = HERE / entry["cubin"]
+        if entry["arch"] == arch and cubin.is_file():
+            module = cupy.RawModule(path=str(cubin))
+        else:  # another GPU: compile the source for it
+            module = cupy.RawModule(code=(HERE / entry["file"]).read_text(), options=("-std=c++17",), backend="nvrtc")
+        fn = module.get_function("hgemm")
+        fn.max_dynamic_shared_size_bytes = entry["smem_bytes"]
+        _loaded[key] = fn
+    return _loaded[key]
+
+
+def _usable(*tensors: torch.Tensor) -> bool:
+    device = tensors[0].device
+    return (device.type == "cuda" and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and all(type(t) in (torch.Tensor, nn.Parameter) and t.device == device and t.dtype == tensors[0].dtype
+                    and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors))  # TMA, 16-byte loads
+
+
+def python_run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
+    """The Python launch path: the kernel through hgemm_driver (ctypes), or cuBLAS."""
+    key = problem_key(a, b, bias, layout)
+    entry = MANIFEST["kernels"].get(key) if key else None
+    operands = (a, b) if bias is None else (a, b, bias)
+    if entry is None or (bias is not None and bias.shape != (b.shape[0],)) or not _usable(*operands):
+        return F.linear(a, b, bias) if layout == "nk" else torch.matmul(a, b)
+    m, n, k = parse_key(key)[:3]
+    c = torch.empty(*a.shape[:-1], n, dtype=a.dtype, device=a.device)
+    driver.launch(_kernel(entry).kernel.ptr, tuple(entry["grid"]), tuple(entry["block"]), entry["smem_bytes"],
+                  torch.cuda.current_stream(a.device).cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()),
+                  (m, n, k), [(t["operand"], t["dims"], t["box"], t["swizzle"], t.get("strides", ()))
+                              for t in entry.get("tensor_maps", [])],
+                  entry.get("workspace_bytes", 0), entry.get("counters", 0),
+                  None if bias is None else bias.data_ptr())
+    return c
+
+
+class PythonPath:
+    """The Python launch path behind the compiled op's two calls."""
+
+    @staticmethod
+    def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return python_run(a, b, None, "kn")
+
+    @staticmethod
+    def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return python_run(x, w, bias, "nk")
+
+
+class _Unresolved:
+    """Before the first call: pick the compiled op or the Python path, then step aside."""
+
+    @staticmethod
+    def mm(a, b):
+        return torch.matmul(a, b) if torch.compiler.is_compiling() else _resolve().mm(a, b)
+
+    @staticmethod
+    def linear(x, w, bias=None):
+        return F.linear(x, w, bias) if torch.compiler.is_compiling() else _resolve().linear(x, w, bias)
+
+
+_eager = _Unresolved  # the compiled op's module, or PythonPath, once resolved
+
+
+def _resolve():
+    global _eager
+    ext = compiled()
+    _eager = ext if ext is not None else PythonPath
+    return _eager
+
+
+def path() -> str:
+    """Which launch path calls take: 'compiled' or 'python' (resolving it if no call has yet)."""
+    return "python" if (_resolve() if _eager is _Unresolved else _eager) is PythonPath else "compiled"
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.matmul(a, b) with b of shape K x N (row-major)."""
+    return _eager.mm(a, b)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias): x @ w.T (+ bias) with w of shape N x K (an nn.Linear weight)."""
+    return _eager.linear(x, w, bias)
+
+
+# ---- patching a model -----------------------------------------------------------------------------------------------
+_NO_FORWARD = object()  # the module had no forward of its own (the class's)
+_patched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Linear -> its own forward before patch()
+_wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its own forward before MatmulMode
+
+
+def _tuned(layout: str) -> set[tuple]:
+    """(N, K, dtype, bias) of the exported kernels with this B layout, any M."""
+    return {(n, k, DTYPES[dtype], bias) for key in MANIFEST["kernels"]
+            for _, n, k, lay, dtype, bias in [parse_key(key)] if lay == layout}
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _eager.linear(x, self.weight, self.bias)
+
+
+MATMULS = {torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm}
+
+
+class MatmulMode(TorchFunctionMode):
+    """Routes torch.matmul / Tensor.matmul / @ / mm whose (M, N, K, dtype) was tuned with B K x N (or whose B is a
+    transposed view of a tuned N x K weight) through the exported op; every other call runs as it was."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in MATMULS and not kwargs and len(args) == 2:
+            a, b = args
+            if problem_key(a, b, None, "kn") in MANIFEST["kernels"]:
+                return _eager.mm(a, b)
+            if b.dim() == 2 and problem_key(a, b.t(), None, "nk") in MANIFEST["kernels"]:
+                return _eager.linear(a, b.t())
+        return func(*args, **(kwargs or {}))
+
+
+def patch(model: nn.Module, matmul: bool = False) -> int:
+    """Route `model`'s tuned nn.Linear layers (the class's own forward, weight N x K with a tuned (N, K, dtype,
+    bias)) through `linear`; each call still checks its M and operands and falls back to F.linear where they were
+    not tuned. matmul=True also runs the model's forward under MatmulMode (a TorchFunctionMode: it costs host time
+    on every torch call inside). Returns how many layers were routed; `unpatch(model)` restores the model exactly."""
+    _resolve()
+    tuned = _tuned("nk")
+    routed = 0
+    for module in model.modules():
+        if (module in _patched or not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward
+                or (module.out_features, module.in_features, module.weight.dtype, module.bias is not None)
+                not in tuned):
+            continue
+        _patched[module] = module.__dict__.get("forward", _NO_FORWARD)
+        module.forward = types.MethodType(_linear_forward, module)
+        routed += 1
+    if matmul and model not in _wrapped:
+        inner = model.forward
+        _wrapped[model] = model.__dict__.get("forward", _NO_FORWARD)
+
+        def forward(*args, **kwargs):
+            with MatmulMode():
+                return inner(*args, **kwargs)
+
+        model.forward = forward
+    return routed
+
+
+def unpatch(model: nn.Module) -> int:
+    """Undo patch(model) (and any patch of its submodules); returns how many modules were restored."""
+    restored = 0
+    for saved in (_wrapped, _patched):  # the MatmulMode wrapper first: it was put on last
+        for module in model.modules():
+            if module in saved:
+                own = saved.pop(module)
+                if own is _NO_FORWARD:
+                    del module.forward
+                else:
+                    module.forward = own
+                restored += 1
+    return restored
+
+
+def explain(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, layout: str = "kn") -> str:
+    """Which kernel the compiled op runs for these operands, or why it calls cuBLAS instead."""
+    ext = compiled()
+    return ext.explain(a, b, bias, layout == "nk") if ext is not None else "the compiled op is unavailable"
+
+
+def selfcheck(factor: float = 2.0) -> list[str]:
+    """hgemm_selfcheck.py: every exported kernel through each launch path against an fp64 reference and cuBLAS,
+    then the compiled op in a CUDA graph, on a side stream and under torch.compile."""
+    ops = types.SimpleNamespace(MANIFEST=MANIFEST, DTYPES=DTYPES, parse_key=parse_key, problem_key=problem_key,
+                                compiled=compiled, PythonPath=PythonPath, mm=mm, linear=linear)
+    return _sibling("hgemm_selfcheck").selfcheck(ops, factor)
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        print("no CUDA device: the exported kernels were not re-checked")
+        raise SystemExit(3)
+    print("\n".join(selfcheck()))

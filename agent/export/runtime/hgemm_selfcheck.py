@@ -1,0 +1,86 @@
+"""Self-check of an exported HGEMM op, run by `python hgemm_ops.py` in a fresh process (needs a CUDA GPU).
+
+Every exported kernel on fresh random inputs, through each launch path there is (the compiled op and the Python
+path), against an fp64 reference and cuBLAS (its error may be at most `factor` times cuBLAS's); then the compiled
+op where CUDA graphs, side streams and torch.compile put it: its very first call inside a CUDA-graph capture (the
+kernel loads and the scratch buffers are allocated there), a call on a side stream, a 3-D input under
+torch.compile(fullgraph=True), and an untuned shape, which must give exactly cuBLAS's result. Raises
+AssertionError on the first failure.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+
+def operands(ops: types.SimpleNamespace, key: str) -> tuple:
+    m, n, k, layout, dtype, bias = ops.parse_key(key)
+    dt = ops.DTYPES[dtype]
+    a = torch.randn(m, k, device="cuda").to(dt)
+    b = torch.randn(k, n, device="cuda").to(dt) if layout == "kn" else torch.randn(n, k, device="cuda").to(dt)
+    return a, b, torch.randn(n, device="cuda").to(dt) if bias else None, layout
+
+
+def call(path, a, b, bias, layout) -> torch.Tensor:
+    return path.mm(a, b) if layout == "kn" else path.linear(a, b, bias)
+
+
+def cublas(a, b, bias, layout) -> torch.Tensor:
+    return torch.matmul(a, b) if layout == "kn" else F.linear(a, b, bias)
+
+
+def verdict(label: str, out: torch.Tensor, a, b, bias, layout, factor: float) -> str:
+    b_kn = b if layout == "kn" else b.t()
+    ref = a.double() @ b_kn.double() + (bias.double() if bias is not None else 0)
+    size = torch.linalg.norm(ref)
+    err = float(torch.linalg.norm(out.double().reshape(ref.shape) - ref) / size)
+    cub = float(torch.linalg.norm(cublas(a, b, bias, layout).double() - ref) / size)
+    ok = out.numel() == ref.numel() and bool(torch.isfinite(out).all()) and err <= factor * cub + 1e-6
+    line = f"{label}: {'ok' if ok else 'FAILED'} rel err {err:.2e} (cuBLAS {cub:.2e})"
+    assert ok, line
+    return line
+
+
+def selfcheck(ops: types.SimpleNamespace, factor: float = 2.0) -> list[str]:
+    ext = ops.compiled()
+    kernels = list(ops.MANIFEST["kernels"])
+    lines = [f"compiled op: {'built and loaded' if ext else 'unavailable (see the warning): Python path only'}"]
+    torch.manual_seed(0)
+    if ext is not None and kernels:
+        a, b, bias, layout = args = operands(ops, kernels[0])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call(ext, *args)
+        graph.replay()
+        torch.cuda.synchronize()
+        lines.append(verdict(f"{kernels[0]} compiled, first call inside a CUDA-graph capture", out, *args, factor))
+    paths = {"compiled": ext, "python": ops.PythonPath} if ext is not None else {"python": ops.PythonPath}
+    with torch.no_grad():
+        for key in kernels:
+            args = operands(ops, key)
+            for name, path in paths.items():
+                out = call(path, *args)
+                torch.cuda.synchronize()
+                lines.append(verdict(f"{key} {name}", out, *args, factor))
+    if ext is None or not kernels:
+        return lines + [f"{key}: cuBLAS (no kernel beat it)" for key in ops.MANIFEST.get("cublas", [])]
+    a, b, bias, layout = args = operands(ops, kernels[-1])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = call(ext, *args)
+    side.synchronize()
+    lines.append(verdict(f"{kernels[-1]} compiled, on a side stream", out, *args, factor))
+    traced = torch.compile(lambda a3, b, bias: call(ops, a3, b, bias, layout), fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        out = traced(a.unsqueeze(0), b, bias)
+    lines.append(verdict(f"{kernels[-1]} under torch.compile(fullgraph=True), a 3-D input", out, *args, factor))
+    untuned = torch.cat([a, a[:1]])  # one row more than the tuned M
+    if ops.problem_key(untuned, b, bias, layout) not in ops.MANIFEST["kernels"]:
+        same = torch.equal(call(ext, untuned, b, bias, layout), cublas(untuned, b, bias, layout))
+        lines.append(f"{kernels[-1]} with M + 1 (not tuned): {'cuBLAS, same result' if same else 'FAILED'}")
+        assert same, lines[-1]
+    return lines + [f"{key}: cuBLAS (no kernel beat it)" for key in ops.MANIFEST.get("cublas", [])]

@@ -1,0 +1,113 @@
+"""Record the GEMMs a piece of PyTorch code runs and write them as a shapes file that `run --shapes` reads.
+
+    with agent.record_gemm_shapes("shapes.txt"):
+        model(input_ids)
+
+What counts as a GEMM here is what the exported op computes: C[M,N] = A[M,K] @ B (+ bias[N]) with one B for all of
+A's rows. Recorded: `F.linear` / `nn.Linear` (B is the N x K weight: layout nk, `:bias` when it has one),
+`torch.matmul`, `Tensor.matmul`, `@`, `torch.mm` (B K x N: layout kn) and `torch.addmm` with a bias vector (kn:bias).
+A's leading dimensions fold into M (a (batch, seq, K) input is M = batch * seq), as the op folds them. A B that
+is a transposed view of a row-major N x K tensor (`x @ w.t()`) records as nk, its real layout. Not recorded, and
+counted by reason in the file's header: batched products with a B per batch (`bmm`, `baddbmm`, `matmul` with a 3-D
+B), matrix-vector products (a 1-D B), dtypes other than fp16 and bf16, mixed dtypes, `addmm` with a full C
+or scaling, strided B views and shapes the kernels do not take (N or K not a multiple of 8).
+
+Calls run exactly as they would without the recorder (a TorchFunctionMode only looks at them).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from core.records import Problem
+
+DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+MATMULS = {torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm}
+BATCHED = {torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm}
+ADDMMS = {torch.addmm, torch.Tensor.addmm}
+
+
+class GemmRecorder(TorchFunctionMode):
+    """Counts each distinct Problem the code inside it runs (`problems`), and each call it skipped by reason
+    (`skipped`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.problems: Counter[Problem] = Counter()
+        self.skipped: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._look(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _look(self, func, args, kwargs) -> None:
+        if func is torch.nn.functional.linear:
+            x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            self._add(x, w.t(), bias)
+        elif func in MATMULS:
+            self._add(args[0], args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2")), None)
+        elif func is torch.Tensor.__rmatmul__:
+            self._add(args[1], args[0], None)
+        elif func in ADDMMS:
+            bias, a, b = args[:3]
+            if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1 or bias.dim() != 1:
+                self.skipped["addmm with a full C or scaling (not a bias vector)"] += 1
+            else:
+                self._add(a, b, bias)
+        elif func in BATCHED:
+            self.skipped["bmm/baddbmm (a B per batch)"] += 1
+
+    def _add(self, a: torch.Tensor, b_kn: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """a @ b_kn (+ bias), b_kn the K x N view of B, whatever its storage."""
+        if b_kn.dim() != 2:
+            self.skipped["matmul with a batched B" if b_kn.dim() > 2 else "matrix-vector product"] += 1
+            return
+        if a.dim() < 1 or a.shape[-1] != b_kn.shape[0]:
+            return  # torch raises on these itself
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in (a, b_kn, bias) if t is not None})
+        if len(dtypes) != 1 or getattr(torch, dtypes[0]) not in DTYPES:
+            self.skipped[f"dtype {'/'.join(dtypes)} (only float16 and bfloat16 are tuned)"] += 1
+            return
+        dtype = a.dtype
+        if b_kn.is_contiguous():
+            layout = "kn"
+        elif b_kn.t().is_contiguous():
+            layout = "nk"
+        else:
+            self.skipped["B is a strided view (neither K x N nor N x K row-major)"] += 1
+            return
+        k, n = b_kn.shape
+        m = a.numel() // k if k else 0
+        try:
+            self.problems[Problem(m, n, k, layout, DTYPES[dtype], bias is not None)] += 1
+        except ValueError as e:
+            self.skipped[f"not a kernel shape ({e})"] += 1
+
+    def text(self) -> str:
+        """The shapes file: a comment header, then one M_N_K:layout:dtype[:bias] line per problem, first seen
+        first."""
+        calls = sum(self.problems.values())
+        head = [f"# GEMM shapes recorded by hgemm-agent (agent.record_gemm_shapes): {calls} calls, "
+                f"{len(self.problems)} distinct problems"]
+        if self.skipped:
+            head.append(f"# skipped {sum(self.skipped.values())} calls: "
+                        + "; ".join(f"{n} {why}" for why, n in self.skipped.items()))
+        head.append("# search them: python -m agent run --shapes THIS_FILE")
+        return "\n".join(head + [f"{p.key}  # {n} call{'s' if n > 1 else ''}" for p, n in self.problems.items()]) + "\n"
+
+
+@contextmanager
+def record_gemm_shapes(path: str | Path) -> Iterator[GemmRecorder]:
+    """Record the GEMMs run inside the block; on leaving it normally, write them to `path` (a shapes file)."""
+    recorder = GemmRecorder()
+    with recorder:
+        yield recorder
+    Path(path).write_text(recorder.text())

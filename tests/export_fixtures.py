@@ -1,0 +1,40 @@
+"""Export folders for the tests of the exported op: loading hgemm_ops from one, and a hand-made export whose
+manifest names small problems (so CPU tensors can have tuned shapes; its cubins are never loaded on the CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from agent.export.writer import DRIVER, RUNTIME
+
+_names = itertools.count()
+
+
+def load_ops(folder: Path):
+    """A fresh hgemm_ops module from an export folder (its own manifest and launch-path state), registered as an
+    import would (torch.compile looks functions' modules up by name)."""
+    name = f"hgemm_ops_test_{next(_names)}"
+    spec = importlib.util.spec_from_file_location(name, folder / "hgemm_ops.py")
+    mod = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def small_export(folder: Path, keys: list[str]) -> Path:
+    """An export folder with the runtime files and a kernel entry (no tensor maps) for each problem key."""
+    folder.mkdir(parents=True)
+    for f in RUNTIME.iterdir():
+        if f.suffix in (".py", ".cpp", ".h"):
+            shutil.copyfile(f, folder / f.name)
+    shutil.copyfile(DRIVER, folder / "hgemm_driver.py")
+    (folder / "fake.cubin").write_bytes(b"\x7fELF never loaded on the CPU")
+    entry = {"file": "fake.cu", "cubin": "fake.cubin", "arch": "sm_90a", "grid": [1, 1, 1], "block": [128, 1, 1],
+             "smem_bytes": 0, "tensor_maps": [], "workspace_bytes": 0, "counters": 0}
+    (folder / "manifest.json").write_text(json.dumps({"run": "test", "kernels": {k: entry for k in keys},
+                                                      "cublas": []}))
+    return folder

@@ -1,0 +1,60 @@
+"""tools/e2e_llama.py and tools/host_overhead.py on the CPU: they import, refuse to time without a GPU, and the
+end-to-end tool records a (small) Llama's prefill and decode GEMMs where transformers is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.shapes import read_shapes_file
+from core.records import Problem
+from tests.conftest import HAS_GPU
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", TOOLS / f"{name}.py")
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU refusal")
+def test_tools_import_and_refuse_to_time_without_a_gpu(tmp_path, capsys):
+    assert load_tool("host_overhead").main([str(tmp_path)]) == 2
+    assert load_tool("e2e_llama").main(["--tiny", "--device", "cpu"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_e2e_records_prefill_and_decode_shapes(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.delenv("OUT", raising=False)
+    e2e = load_tool("e2e_llama")
+    assert e2e.main(["--record-only", "--tiny", "--device", "cpu", "--layers", "2", "--prefill-tokens", "32",
+                     "--decode-batches", "1,4", "--context", "8", "--work", str(tmp_path)]) == 0
+    decode4 = read_shapes_file(tmp_path / "shapes_decode4.txt")
+    hidden, inter, kv, vocab = 256, 512, 64, 1024  # the tiny config: 8 heads of 32, 2 KV heads
+    assert set(decode4) == {Problem(4, hidden, hidden, "nk"), Problem(4, kv, hidden, "nk"),
+                            Problem(4, inter, hidden, "nk"), Problem(4, hidden, inter, "nk"),
+                            Problem(4, vocab, hidden, "nk")}  # q/o, k/v, gate/up, down, lm_head (last position)
+    assert Problem(32, inter, hidden, "nk") in read_shapes_file(tmp_path / "shapes_prefill.txt")
+    union = read_shapes_file(tmp_path / "shapes_all.txt")
+    assert len(union) == len(set(union)) and set(decode4) <= set(union)
+
+
+def test_tables_for_benchmarks_md():
+    e2e, host = load_tool("e2e_llama"), load_tool("host_overhead")
+    table = e2e.markdown([e2e.Row("decode1", "eager", 3.8, 3.3, 3.8 / 3.3, 1e-3),
+                          e2e.Row("decode1", "graphs", note="RuntimeError: capture failed")])
+    assert "| decode1 | eager | 3.800 | 3.300 | 1.152x | 1.0e-03 |" in table and "capture failed" in table
+    timing = {"issue": 6.0, "sync": 30.0}
+    rows = {"64_4096_4096:nk:f16": {"compiled": {"issue": 5.5, "sync": 28.0}, "dispatcher": timing,
+                                    "python": timing, "torch": timing},
+            "1_8_8:kn:f16": {"python": timing, "torch": timing}}  # no compiled op: its columns empty
+    table = host.markdown(rows)
+    assert "| 64_4096_4096:nk:f16 | 5.50 | 6.00 | 6.00 | 6.00 | 28.00 | 30.00 | -0.50 |" in table
+    assert "| 1_8_8:kn:f16 | - | - | 6.00 | 6.00 | - | 30.00 | - |" in table

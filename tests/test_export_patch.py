@@ -1,0 +1,115 @@
+"""hgemm_ops.patch / unpatch on small modules (CPU), through the compiled op and through the Python path: which
+layers are routed, that results do not change, that unpatch restores the model exactly, matmul=True, gradients,
+and torch.compile over a patched model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.export_fixtures import load_ops, small_export
+
+KEYS = ["16_24_8:nk:f16", "16_24_8:nk:bf16:bias", "16_24_8:kn:f16"]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tuned = nn.Linear(8, 24, bias=False).half()  # (N, K) = (24, 8) f16, no bias: tuned
+        self.tuned_bias = nn.Linear(8, 24).bfloat16()  # bf16 with a bias: tuned
+        self.biased = nn.Linear(8, 24).half()  # f16 tuned without a bias only: not routed
+        self.untuned = nn.Linear(24, 8, bias=False).half()
+        self.table = nn.Parameter(torch.randn(8, 24).half())  # K x N
+
+    def forward(self, x):  # x: (2, 8, 8) -> M = 16
+        h = self.tuned(x)
+        return self.untuned(h), self.tuned_bias(x.bfloat16()), self.biased(x), x @ self.table, self.tuned(x[0])
+
+
+class Spy:
+    """Stands in for the launch path, counting calls by name and passing them on."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def mm(self, a, b):
+        self.calls.append(("mm", tuple(a.shape)))
+        return self.inner.mm(a, b)
+
+    def linear(self, x, w, bias=None):
+        self.calls.append(("linear", tuple(x.shape), bias is not None))
+        return self.inner.linear(x, w, bias)
+
+
+@pytest.fixture(params=["compiled", "python"])
+def ops(request, tmp_path, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setenv("HGEMM_OPS_COMPILED", "0")
+    else:
+        request.getfixturevalue("op_build_dir")
+    mod = load_ops(small_export(tmp_path / "out", KEYS))
+    assert mod.path() == request.param
+    return mod
+
+
+def test_patch_routes_tuned_layers_and_unpatch_restores(ops):
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(2, 8, 8).half()
+    before = {name: dict(m.__dict__) for name, m in net.named_modules()}
+    with torch.no_grad():
+        want = net(x)
+        assert ops.patch(net) == 2 and ops.patch(net) == 0  # patching twice changes nothing more
+        assert "forward" in net.tuned.__dict__ and "forward" in net.tuned_bias.__dict__
+        assert "forward" not in net.biased.__dict__ and "forward" not in net.untuned.__dict__
+        spy = ops._eager = Spy(ops._eager)
+        got = net(x)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    # M is checked per call: the call with M = 8 goes through the op too, which falls back to F.linear itself
+    assert spy.calls == [("linear", (2, 8, 8), False), ("linear", (2, 8, 8), True), ("linear", (8, 8), False)]
+    assert ops.unpatch(net) == 2 and ops.unpatch(net) == 0
+    assert {name: dict(m.__dict__) for name, m in net.named_modules()} == before
+
+
+def test_matmul_mode_and_own_forwards(ops):
+    net, x = Net(), torch.randn(2, 8, 8).half()
+    own = net.tuned.forward  # a forward of its own, as hooks and wrappers set: restored as it was
+    net.tuned.forward = own
+
+    class Custom(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    net.custom = Custom(8, 24, bias=False).half()  # a subclass with its own forward: never routed
+    with torch.no_grad():
+        want = net(x)
+        assert ops.patch(net, matmul=True) == 2
+        spy = ops._eager = Spy(ops._eager)
+        got = net(x)
+        torch.matmul(x, net.table)  # outside the model's forward: not routed
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert ("mm", (2, 8, 8)) in spy.calls and sum(c[0] == "mm" for c in spy.calls) == 1
+    assert ops.unpatch(net) == 3  # the model's wrapper and two layers
+    assert net.tuned.forward is own and "forward" not in net.__dict__ and "forward" not in net.custom.__dict__
+
+
+def test_gradients_through_a_patched_model(ops):
+    torch.manual_seed(1)
+    lin = nn.Linear(8, 24, bias=False).half()
+    x = torch.randn(16, 8).half()
+    lin(x).float().square().sum().backward()
+    want = lin.weight.grad.clone()
+    lin.weight.grad = None
+    ops.patch(lin)
+    lin(x).float().square().sum().backward()
+    assert torch.equal(lin.weight.grad, want)
+
+
+def test_torch_compile_over_a_patched_model(ops):
+    net, x = Net(), torch.randn(2, 8, 8).half()
+    with torch.no_grad():
+        want = net(x)
+        ops.patch(net)
+        compiled = torch.compile(net, fullgraph=True, backend="aot_eager")
+        got = compiled(x)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
