@@ -34,6 +34,7 @@ class BenchRow:
     floor_pct: float
     ratio_cupti: float | None = None  # the same ratio from CUPTI kernel durations (no launch gaps)
     note: str = ""
+    dtype: str = "f16"  # and "+bias" where the problem adds one
 
 
 def best_across(stores: list[RunStore], problem: Problem) -> tuple[RunStore, str, float] | None:
@@ -52,7 +53,8 @@ def row_from(problem: Problem, kernel: str, r: EvalResult, note: str = "") -> Be
     cupti = (r.cublas_warm.cupti_us / ours_w.cupti_us) if r.cublas_warm.cupti_us and ours_w.cupti_us else None
     return BenchRow(problem.mnk, problem.b_layout, kernel, w, r.cublas_warm.median_us, c, r.cublas_cold.median_us,
                     r.cublas_warm.median_us / w, r.cublas_cold.median_us / c if c > 0 else float("nan"),
-                    problem.flops / w / 1e6, 100 * problem.floor_us() / w, cupti, note)
+                    problem.flops / w / 1e6, 100 * problem.floor_us() / w, cupti, note,
+                    problem.dtype + ("+bias" if problem.bias else ""))
 
 
 def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], progress=print) -> list[BenchRow]:
@@ -102,7 +104,7 @@ def write_outputs(rows: list[BenchRow], folder: Path, device: dict) -> list[Path
     ax.bar([x - 0.2 for x in xs], [r.ratio_warm for r in rows], 0.4, label="warm L2")
     ax.bar([x + 0.2 for x in xs], [r.ratio_cold for r in rows], 0.4, label="cold L2")
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(list(xs), [f"{r.shape}:{r.b_layout}" for r in rows], rotation=70, fontsize=7)
+    ax.set_xticks(list(xs), [f"{r.shape}:{r.b_layout}:{r.dtype}" for r in rows], rotation=70, fontsize=7)
     ax.set_ylabel("t_cuBLAS / t_ours")
     ax.set_title(f"{device.get('name', 'GPU')}: speed-up over cuBLAS (device time)")
     ax.legend()
@@ -127,11 +129,11 @@ def rows_table(rows: list[BenchRow], title: str):
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("shape", "B", "kernel", "ours µs", "cuBLAS µs", "ratio warm", "ratio cold", "ratio CUPTI", "TFLOP/s",
-                "% floor"):
+    for col in ("shape", "B", "dtype", "kernel", "ours µs", "cuBLAS µs", "ratio warm", "ratio cold", "ratio CUPTI",
+                "TFLOP/s", "% floor"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r.shape, r.b_layout, r.kernel, f"{r.ours_warm_us:,.2f}", f"{r.cublas_warm_us:,.2f}",
+        t.add_row(r.shape, r.b_layout, r.dtype, r.kernel, f"{r.ours_warm_us:,.2f}", f"{r.cublas_warm_us:,.2f}",
                   f"{r.ratio_warm:.3f}x", f"{r.ratio_cold:.3f}x", f"{r.ratio_cupti:.3f}x" if r.ratio_cupti else "-",
                   f"{r.tflops:.0f}", f"{r.floor_pct:.0f}%")
     t.caption = (f"geomean ratio: warm {geomean([r.ratio_warm for r in rows]):.3f}x, "

@@ -454,3 +454,11 @@ def test_cli_compile_only_run_records_a_patched_sm90_candidate(server, tmp_path,
     out = capsys.readouterr().out
     assert f"patch of B {patched.id}" in out and "+" + MARKER in out and "@@ edit 1 of 1 @@" in out
     store.close()
+
+
+def test_prompt_names_the_dtype_and_the_bias_epilogue(server):
+    problem = Problem(256, 256, 256, "nk", "bf16", True)
+    server.push(Reply(proposals(GOOD)))
+    make(server).propose(SearchState(problem, "sm_90a", ThompsonBandit()))
+    prompt = server.requests[0].text
+    assert "bf16 inputs and output" in prompt and "C += bias[N]" in prompt and "fp16 output" not in prompt

@@ -82,7 +82,7 @@ def problem_view(state: SearchState) -> dict[str, Any]:
     p = state.problem
     cublas = sorted(r.cublas_warm.median_us for _, _, r in state.tried if r.cublas_warm)
     return {
-        "m": p.m, "n": p.n, "k": p.k, "mnk": p.mnk, "b_layout": p.b_layout, "dtype": p.dtype,
+        "m": p.m, "n": p.n, "k": p.k, "mnk": p.mnk, "b_layout": p.b_layout, "dtype": p.dtype, "bias": p.bias,
         "b_meaning": "B is K x N row-major (torch.matmul)" if p.b_layout == "kn"
         else "B is N x K row-major (nn.Linear weight)",
         "gflop": round(p.flops / 1e9, 3),
