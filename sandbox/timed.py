@@ -81,10 +81,13 @@ class TimedBuffers:
         if self.checker is not None:  # what the inputs were: a kernel must not change them
             self.snapshot = [t.bits.clone() for t in self.inputs]
 
+    def inputs_of(self, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A, B and the bias (None without one) of operand set s (B is shared where it does not rotate)."""
+        return self.a[s], self.b[s % self.b_sets], None if self.bias is None else self.bias[s][0]
+
     def args(self, i: int) -> tuple:
-        bias = None if self.bias is None else self.bias[i % self.a_sets][0]
-        return (self.a[i % self.a_sets], self.b[i % self.b_sets], self.c[i % self.outputs],
-                self.p.m, self.p.n, self.p.k, bias)
+        a, b, bias = self.inputs_of(i % self.a_sets)
+        return a, b, self.c[i % self.outputs], self.p.m, self.p.n, self.p.k, bias
 
     def subject(self) -> Subject:
         overhead = None
@@ -127,16 +130,14 @@ class TimedBuffers:
         first_of: dict[int, int] = {}
         for o, s in enumerate(self.set_of):
             first_of.setdefault(s, o)
-        for s, o in first_of.items():
-            a, b, bias = self.a[s], self.b[s % self.b_sets], None if self.bias is None else self.bias[s][0]
-            self.checker.verify_rows(self.c[o], a, b, bias, f"the timed launches left a wrong result ({where}, "
-                                     f"output {o})")
-        if not self.checker.deterministic:  # no bits to compare with: verify a sample of the other outputs
-            for o in torch.randperm(self.outputs, generator=self.checker.gen, device="cuda")[:NONDETERMINISTIC_SAMPLE]:
-                s = self.set_of[int(o)]
-                a, b, bias = self.a[s], self.b[s % self.b_sets], None if self.bias is None else self.bias[s][0]
-                self.checker.verify_rows(self.c[int(o)], a, b, bias, f"the timed launches left a wrong result "
-                                         f"({where}, output {int(o)})")
+        checked = list(first_of.values())
+        if not self.checker.deterministic:  # no bits to compare with: verify a sample of the other outputs too
+            checked += [int(o) for o in torch.randperm(self.outputs, generator=self.checker.gen,
+                                                        device="cuda")[:NONDETERMINISTIC_SAMPLE]]
+        for o in checked:
+            self.checker.verify_rows(self.c[o], *self.inputs_of(self.set_of[o]),
+                                     f"the timed launches left a wrong result ({where}, output {o})")
+        if not self.checker.deterministic:
             return
         twin = torch.tensor([first_of[s] for s in self.set_of], device="cuda")
         differs = (self.c.bits != self.c.bits[twin]).any(dim=1).nonzero()
