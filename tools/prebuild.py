@@ -8,15 +8,15 @@ The cache key includes the NVRTC version, so prebuilt cubins are used only where
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.shapes import read_shapes_file  # noqa: E402
-from sandbox.build import compile_cuda  # noqa: E402
+from sandbox.build_pool import BuildPool  # noqa: E402
 from templates import families_for_arch  # noqa: E402
 
 
@@ -36,8 +36,12 @@ def main() -> None:
                 settings = fam.space(p)
                 sources.update(fam.render(params, p) for params in settings[: args.top or len(settings)])
     t0 = time.time()
-    with ThreadPoolExecutor(args.jobs) as pool:
-        builds = list(pool.map(lambda s: compile_cuda(s, args.arch, cache_dir=args.cache), sorted(sources)))
+    os.environ["HGEMM_AGENT_CACHE"] = str(args.cache)  # the build processes' cache (they start after this)
+    pool = BuildPool(max(1, args.jobs))
+    try:
+        builds = [f.result() for f in [pool.submit(s, args.arch, "", 120.0) for s in sorted(sources)]]
+    finally:
+        pool.close()
     bad = [b for b in builds if not b.ok]
     print(f"{len(builds)} sources, {sum(b.cached for b in builds)} cached, {len(bad)} failed, {time.time() - t0:.0f} s")
     for b in bad:

@@ -7,9 +7,10 @@
 
 Per shape (M_N_K[:kn|nk|both], or lines of a shapes file): space()'s first --top settings and each --params setting,
 each followed by every --update applied to it (with a shallower ring where its own no longer fits). Each is rendered,
-compiled by sandbox.build.compile_cuda (NVRTC, the cubin cache, --jobs processes) and evaluated by the sandboxed GPU
-worker (sandbox.pool.WorkerPool): the full correctness checks, then warm and cold-L2 device time next to cuBLAS in
-the same process. Rows print as they finish; everything goes to --json (default $OUT/sweep.json where $OUT is set).
+compiled by sandbox.build.compile_cuda in a BuildPool (NVRTC, the cubin cache, --jobs processes) and evaluated by the
+sandboxed GPU worker (sandbox.pool.WorkerPool): the full correctness checks, then warm and cold-L2 device time next
+to cuBLAS in the same process. Rows print as they finish; everything goes to --json (default $OUT/sweep.json where
+$OUT is set).
 Exit code 1 where a setting failed to render or compile, was wrong, faulted or hung; 2 for bad arguments.
 """
 
@@ -17,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,13 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent.shapes import ShapeError, parse_shape  # noqa: E402
 from core.device import H200, DeviceFacts  # noqa: E402
 from core.records import BuildResult, Candidate, EvalJob, EvalResult, Problem, Status  # noqa: E402
-from sandbox.build import DEFAULT_CACHE, compile_cuda  # noqa: E402
+from sandbox.build import DEFAULT_CACHE  # noqa: E402
+from sandbox.build_pool import BuildPool  # noqa: E402
 from templates import get_family  # noqa: E402
 from templates.family import Family  # noqa: E402
 
 FAILED = (Status.COMPILE_ERROR, Status.WRONG, Status.FAULT, Status.TIMEOUT)
 HEADER = (f"{'shape':>15} {'B':>2} {'setting':<40} {'status':<13} {'µs':>8} {'cuBLAS µs':>9} {'warm':>6} {'cold':>6} "
           f"{'regs/spill':>10}")
+
+COMPILE_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -147,11 +149,13 @@ def build(rows: list[Row], family: Family, template: str | None, arch: str, cach
             except ValueError as e:
                 row.result = EvalResult(row.candidate_id, Status.INVALID, str(e))
     sources = list(dict.fromkeys(r.source for r in rows if r.result is None))
-    # processes, not threads: compile_cuda runs each compile in a two-thread pool of its own (to bound its time);
-    # spawned, not forked: a forked copy of a pool the parent already used has no threads to run anything
-    with ProcessPoolExecutor(max(1, min(jobs, len(sources))), mp_context=multiprocessing.get_context("spawn")) as ex:
-        futures = {s: ex.submit(compile_cuda, s, arch, cache_dir=cache) for s in sources}
+    os.environ["HGEMM_AGENT_CACHE"] = str(cache)  # the build processes' cache (they start after this)
+    pool = BuildPool(max(1, min(jobs, len(sources))))
+    try:
+        futures = {s: pool.submit(s, arch, "", COMPILE_TIMEOUT_S) for s in sources}
         built = {s: f.result() for s, f in futures.items()}
+    finally:
+        pool.close()
     for row in rows:
         if row.result is None:
             row.build = built[row.source]
