@@ -275,6 +275,19 @@ def test_tiny_m_gets_swapped_roles_first(problem):
     assert ("p, 1, 1, 1, 0;" if problem.b_layout == "kn" else "p, 1, 1, 0, 0;") in src
 
 
+@pytest.mark.parametrize("problem", [Problem(1, 1024, 4096, "nk"), Problem(32, 1024, 4096, "kn")], ids=lambda p: p.key)
+def test_tiny_m_few_tiles_split_k_as_far_as_k_allows(problem):
+    """Decode's k/v projections: 16 tiles of 64 columns; K = 4096 holds 64 k-tiles, too few for 8 parts of at least
+    MIN_K_TILES each, so the split takes 4 (rather than none)."""
+    space = FAMILY.space(problem)
+    assert space[0]["swap_ab"] and space[0]["split_k"] * space[0]["k_groups"] == 4
+    parts = [p["split_k"] * p["k_groups"] for p in space if p["swap_ab"]]
+    assert max(parts) == 4 and parts.count(4) >= 3  # a cluster of 4, 4 groups, pairs in 2 groups
+    for p in space[:3]:
+        b = compile_cuda(FAMILY.render(p, problem), "sm_90a", cache_dir=None)
+        assert b.ok and b.spill_bytes == 0 and b.stack_bytes == 0, b.log[-1500:]
+
+
 @pytest.mark.parametrize("problem", [Problem(64, 4096, 16384), Problem(49, 4096, 4096), Problem(1024, 1024, 1024)],
                          ids=lambda p: p.key)
 def test_wider_problems_get_no_swapped_roles(problem):

@@ -39,6 +39,7 @@ def _cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
 # Clusters of 8, 4, 2 CTAs that run at once per CTA slot of an SM: clusters must fit inside one GPC, so the 132 SMs
 # hold fewer than 132 / size (64x64 tiles, split_k=8, 1 block per SM: 16 clusters measured clearly slower per CTA
 # than 8 or 11 on the H200; 32 clusters of 4 ran on 120 SMs, the last 2 clusters in a second wave).
+MIN_K_TILES = 16  # the fewest k-tiles a CTA of a split tile gets (its pipeline's fill and the sum amortised)
 CLUSTERS_PER_SLOT = {2: 66, 4: 30, 8: 14}
 
 
@@ -108,12 +109,14 @@ def _split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90Wg
 
 def _group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     """K-group settings for skinny problems (M <= 64) whose 64-row tiles fill at most half the SMs: 64 x 64, 128, 256
-    tiles with k_groups = as many CTAs per tile as one wave holds (at most 8, each CTA at least 16 k-tiles), the
-    deepest ring that fits; none for other problems. Measured on the H200: 64_4096_16384 64x64 with 2 groups
-    1.03-1.14x of cuBLAS (the best single-CTA tiles 0.91-1.03x), 16_4096_4096 64x128 with 4 groups 0.80-0.96x
-    (0.45-0.69x); on M = 128-1024 the fp32 partials cost more than the extra SMs bring (0.33-0.77x).
-    Two CTAs a tile go first as a cluster pair (split_k=2), whose sum through distributed shared memory costs less
-    than the workspace: 64_4096_16384 64x64 37.6 against 38.6 us kn, 39.1 against 40.2 us nk."""
+    tiles with k_groups = as many CTAs per tile as one wave holds (at most 8, each CTA at least MIN_K_TILES
+    k-tiles), the deepest ring that fits; none for other problems. (Fewer groups where K is short, as the swapped
+    settings take, would bring 64 x 256 tiles here, which spill in the sum: not without a register model of it.)
+    Measured on the H200: 64_4096_16384 64x64 with 2 groups 1.03-1.14x of cuBLAS (the best single-CTA tiles
+    0.91-1.03x), 16_4096_4096 64x128 with 4 groups 0.80-0.96x (0.45-0.69x); on M = 128-1024 the fp32 partials
+    cost more than the extra SMs bring (0.33-0.77x). Two CTAs a tile go first as a cluster pair (split_k=2),
+    whose sum through distributed shared memory costs less than the workspace: 64_4096_16384 64x64 37.6 against
+    38.6 us kn, 39.1 against 40.2 us nk."""
     k_tiles = -(-problem.k // 64)
     if problem.m > 64 or -(-problem.n // 64) > sms // 2:
         return []
@@ -121,7 +124,7 @@ def _group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     for bn in (64, 128, 256):
         tiles = -(-problem.n // bn)
         groups = min(8, sms // tiles)
-        if bn > -(-problem.n // 64) * 64 or groups < 2 or k_tiles // groups < 16:
+        if bn > -(-problem.n // 64) * 64 or groups < 2 or k_tiles // groups < MIN_K_TILES:
             continue
         ways = ([{"split_k": 2}] if groups == 2 else []) + [{"k_groups": groups}]
         for way in ways:
@@ -152,7 +155,8 @@ def _swap_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     """Swapped-role settings for tiny M (at most 48 rows: block_m = M rounded up to 16), block_n 64, 128, 256, the
     deepest ring that fits (up to 12 stages: the tiles are small; two CTAs an SM where the tiles outnumber the SMs).
     Where the tiles fill fewer than half the SMs and K is long, each tile's K is split over as many CTAs as one wave
-    holds (at most 8, each CTA at least 16 k-tiles): in one cluster where that many clusters run at once, in K
+    holds (at most 8, and fewer where each would get under MIN_K_TILES k-tiles: decode's k/v projections, N = 1024
+    and K = 4096, split 4 ways rather than not at all): in one cluster where that many clusters run at once, in K
     groups, and in pairs of K groups; none for other problems."""
     if problem.m > 48:
         return []
@@ -163,9 +167,9 @@ def _swap_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
         tiles = -(-problem.n // bn)
         if bn > -(-problem.n // 64) * 64:
             continue
-        parts = min(8, sms // tiles)
+        parts = min(8, sms // tiles, k_tiles // MIN_K_TILES)  # fewer parts where K is too short for a full wave
         ways: list[dict[str, int]] = [{"min_blocks": 2}] if tiles > sms else [{}]  # two CTAs an SM: one wave
-        if tiles < sms // 2 and k_tiles // parts >= 16:
+        if tiles < sms // 2 and parts >= 2:
             ways = [{"split_k": parts}] if tiles <= CLUSTERS_PER_SLOT.get(parts, 0) else []
             ways += [{"k_groups": parts}] + ([{"split_k": 2, "k_groups": parts // 2}] if parts >= 4 else [])
         elif tiles < sms // 2 and bn > 64:
