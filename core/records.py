@@ -60,13 +60,9 @@ class Problem:
         """A, B and C (and the bias), each element 2 bytes."""
         return 2 * (self.m * self.k + self.k * self.n + self.m * self.n + (self.n if self.bias else 0))
 
-    @property
-    def min_bytes(self) -> float:
-        return float(self.operand_bytes)
-
     def floor_us(self, peak_tflops: float = 800.0, peak_tbps: float = 4.3) -> float:
         """Roofline floor: the larger of the arithmetic and memory times, launch latency excluded."""
-        return max(self.flops / (peak_tflops * 1e6), self.min_bytes / (peak_tbps * 1e6))
+        return max(self.flops / (peak_tflops * 1e6), self.operand_bytes / (peak_tbps * 1e6))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ from distributed import Client, KilledWorker, get_worker
 from distributed.comm import connect
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from core.device import DeviceFacts
 from core.records import EvalJob, EvalResult, ProfileResult, Status
 from sandbox.executor import Executor, Job, Profiler, WorkerUnavailable, died_twice
 from sandbox.pool import STARTUP_TIMEOUT_S, GpuWorker, MixedDevices, same_model
@@ -159,10 +158,6 @@ class DaskExecutor(Executor):
     @property
     def info(self) -> dict[str, Any]:
         return next(iter(self.infos.values()))
-
-    @property
-    def facts(self) -> DeviceFacts:
-        return DeviceFacts.from_dict(self.info)
 
     @property
     def slots(self) -> int:

@@ -44,8 +44,12 @@ class Executor(ABC):
 
     @property
     @abstractmethod
+    def info(self) -> dict[str, Any]:
+        """The facts a GPU worker reported (every GPU of a run is the same model), as a dict."""
+
+    @property
     def facts(self) -> DeviceFacts:
-        """The GPUs' facts (every GPU of a run is the same model)."""
+        return DeviceFacts.from_dict(self.info)
 
     @property
     @abstractmethod
@@ -84,8 +88,8 @@ class InlineExecutor(Executor):
         self._evaluate = evaluate
 
     @property
-    def facts(self) -> DeviceFacts:
-        return H200  # a function has no GPU to report: the one we measure on stands in
+    def info(self) -> dict[str, Any]:
+        return H200.to_dict()  # a function has no GPU to report: the one we measure on stands in
 
     @property
     def slots(self) -> int:

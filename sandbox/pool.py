@@ -17,7 +17,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from core.device import DeviceFacts
 from core.records import EvalJob, EvalResult, Status
 from sandbox.executor import Executor, Job, Profiler, WorkerUnavailable, died_twice
 
@@ -195,10 +194,6 @@ class WorkerPool(Executor):
     @property
     def info(self) -> dict[str, Any]:
         return self.workers[0].info
-
-    @property
-    def facts(self) -> DeviceFacts:
-        return DeviceFacts.from_dict(self.info)
 
     @property
     def slots(self) -> int:

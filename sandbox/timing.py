@@ -41,19 +41,6 @@ class Subject:
     after_replay: Fn = _nothing
 
 
-def estimate_us(fn: Fn, iters: int = 5) -> float:
-    """A rough per-launch time from a few eager launches (after a warm-up), to size deadlines."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000.0 / iters
-
-
 def graph_estimate_us(fn: Fn, launches: int = 20) -> float:
     """Per-launch time from a short graph (its second replay: the first uploads it); eager launches would
     measure the host, not the GPU. The graph's own start is spread over its launches: with 10 a 10 us kernel was

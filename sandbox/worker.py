@@ -81,8 +81,8 @@ class GpuContext:
 
         family, p = get_family(job.family), job.problem
         kernel = Kernel.for_family(job.cubin, job.family, job.params, p, self.facts)
-        expected_s = max(p.flops / (self.facts.tensor_tflops * 1e6), p.operand_bytes / (self.facts.hbm_tbps * 1e6))
-        say(job.timeout_s + 2.0 + 400 * expected_s * 1e-6)
+        expected_us = max(p.flops / (self.facts.tensor_tflops * 1e6), p.operand_bytes / (self.facts.hbm_tbps * 1e6))
+        say(job.timeout_s + 2.0 + 400 * expected_us * 1e-6)
         seed = job.seed if job.seed is not None else secrets.randbits(48)  # inputs a kernel cannot predict
         checker = Checker(kernel, p, deterministic=family.deterministic, scrub=self.scrub, seed=seed)
         checker.check_all(p)
@@ -91,7 +91,7 @@ class GpuContext:
             return extra
         # warm, cold (and maybe fresh) graphs of >= 1 ms replays for the candidate and cuBLAS, every replay's outputs
         # verified, inputs re-randomised between cold replays: seconds at most
-        say(job.timeout_s + TIMING_DEADLINE_S + 2000 * expected_s * 1e-6)
+        say(job.timeout_s + TIMING_DEADLINE_S + 2000 * expected_us * 1e-6)
         timings = time_candidate(p, kernel, checker, self.flush)
         warm = timings["warm"]
         if warm.median_us < p.flops / (self.facts.tensor_tflops * 1e6):

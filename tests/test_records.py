@@ -12,7 +12,7 @@ def test_problem_floor_and_key():
     assert p.key == "8192_8192_8192:kn:f16"
     assert p.floor_us() == p.flops / 800e6  # compute-bound
     tiny = Problem(16, 4096, 4096)
-    assert tiny.floor_us() == tiny.min_bytes / 4.3e6  # memory-bound
+    assert tiny.floor_us() == tiny.operand_bytes / 4.3e6  # memory-bound
 
 
 def test_candidate_id_is_content_addressed():
