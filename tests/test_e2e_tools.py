@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from agent.shapes import read_shapes_file
 from core.records import Problem
@@ -58,3 +59,20 @@ def test_tables_for_benchmarks_md():
     table = host.markdown(rows)
     assert "| 64_4096_4096:nk:f16 | 5.50 | 6.00 | 6.00 | 6.00 | 28.00 | 30.00 | -0.50 |" in table
     assert "| 1_8_8:kn:f16 | - | - | 6.00 | 6.00 | - | 30.00 | - |" in table
+
+
+def test_what_replacing_gemms_can_move_and_which_calls_were_routed():
+    e2e = load_tool("e2e_llama")
+    assert e2e.needed_gemm_speedup(0.5, 1.10) == pytest.approx(0.5 / (1 / 1.1 - 0.5))
+    assert e2e.needed_gemm_speedup(0.05, 1.10) == float("inf")  # 95% of the time is elsewhere
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+
+    class Ops:  # explain() as the export answers it: the first layer's shape is tuned, the second's not
+        @staticmethod
+        def explain(x, w, bias, layout):
+            assert layout == "nk"
+            return "kernel 2_16_8:nk:f16" if w.shape == (16, 8) else "shape not tuned"
+
+    x = torch.randn(2, 8)
+    assert e2e.routed_calls(Ops, model, lambda: model(x)) == (1, 2)
+    assert not model[0]._forward_pre_hooks  # the hooks are gone afterwards

@@ -196,6 +196,49 @@ def compare(phase: Phase, mode: str, ref, ours, args) -> Row:
     return Row(phase.name, mode, t["ref"], t["ours"], t["ref"] / t["ours"], err)
 
 
+def routed_calls(ops, model, step) -> tuple[int, int]:
+    """(nn.Linear calls that ran an exported kernel, nn.Linear calls) in one call of `step` through `model`."""
+    hits = [0, 0]
+
+    def look(module, inputs):
+        hits[1] += 1
+        hits[0] += ops.explain(inputs[0], module.weight, module.bias, "nk").startswith("kernel")
+
+    handles = [m.register_forward_pre_hook(look) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        step()
+    finally:
+        for h in handles:
+            h.remove()
+    return hits[0], hits[1]
+
+
+GEMM_OPS = ("aten::mm", "aten::addmm")  # where F.linear / torch.matmul on 2-D weights launch their kernels
+
+
+def gemm_share(step) -> float:
+    """The share of one step's GPU kernel time spent in GEMM kernels (those launched under aten::mm / aten::addmm),
+    by the PyTorch profiler: what replacing GEMMs can move at most (Amdahl)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    # the kernels themselves (an operator's self device time counts the kernels it launched a second time)
+    total = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+    return sum(e.device_time_total for e in events if e.key in GEMM_OPS) / total if total else 0.0
+
+
+def needed_gemm_speedup(share: float, target: float) -> float:
+    """How much faster every GEMM must get for the whole step to be `target` times faster (inf: not reachable)."""
+    rest = 1 / target - (1 - share)
+    return share / rest if rest > 0 else float("inf")
+
+
 def markdown(rows: list[Row]) -> str:
     """The table BENCHMARKS.md keeps."""
     lines = ["| phase | mode | unpatched ms | patched ms | speed-up | logits rel. diff |", "|---" * 6 + "|"]
@@ -247,8 +290,16 @@ def main(argv=None) -> int:
     ours = copy.deepcopy(model)
     routed = ops.patch(ours)
     print(f"launch path: {ops.path()}; {routed} linear layers routed; run {run}")
-    rows = []
+    rows, phase_facts = [], {}
     with torch.inference_mode():
+        for phase in phases:  # what the patch can move in each phase: its GEMMs' share, the calls it routes
+            share = gemm_share(make_step(model, model, config, phase, args.device))
+            hit, calls = routed_calls(ops, ours, make_step(ours, ours, config, phase, args.device))
+            need = needed_gemm_speedup(share, 1.10)
+            phase_facts[phase.name] = {"gemm_share": share, "kernel_calls": hit, "linear_calls": calls,
+                                       "gemm_speedup_for_1.10x": need}
+            print(f"{phase.name:>10}: GEMMs {share:.0%} of kernel time (1.10x end to end needs GEMMs {need:.2f}x "
+                  f"faster); {hit} of {calls} linear calls run an exported kernel", flush=True)
         eager = {"ref": model, "ours": ours}
         for mode in args.modes.split(","):
             models = {n: torch.compile(m) for n, m in eager.items()} if mode == "compile" else eager
@@ -260,7 +311,7 @@ def main(argv=None) -> int:
                                                         f"{r.speedup:.3f}x, rel err {r.rel_err:.1e}"), flush=True)
     print(markdown(rows))
     report = {"run": run, "path": ops.path(), "routed_layers": routed, "device": torch.cuda.get_device_name(),
-              "phases": [asdict(p) for p in phases], "rows": [asdict(r) for r in rows]}
+              "phases": [asdict(p) for p in phases], "phase_facts": phase_facts, "rows": [asdict(r) for r in rows]}
     if out_dir:
         (out_dir / "e2e_llama.json").write_text(json.dumps(report, indent=1))
     return 0

@@ -109,28 +109,35 @@ def _split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90Wg
 
 def _group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     """K-group settings for skinny problems (M <= 64) whose 64-row tiles fill at most half the SMs: 64 x 64, 128, 256
-    tiles with k_groups = as many CTAs per tile as one wave holds (at most 8, each CTA at least MIN_K_TILES
-    k-tiles), the deepest ring that fits; none for other problems. (Fewer groups where K is short, as the swapped
-    settings take, would bring 64 x 256 tiles here, which spill in the sum: not without a register model of it.)
+    tiles with as many CTAs per tile as one wave holds (at most 8), first with each CTA at least MIN_K_TILES / 2
+    k-tiles, then at least MIN_K_TILES; the deepest ring that fits; none for other problems. A tile's CTAs are K
+    groups, or cluster pairs in K groups (the pair sums through distributed shared memory, which costs less than the
+    workspace), pairs first. 64 x 256 tiles only as one pair, or in a wave of groups: their sums spill in others
+    (fewer groups where K is short; pairs in groups).
     Measured on the H200: 64_4096_16384 64x64 with 2 groups 1.03-1.14x of cuBLAS (the best single-CTA tiles
-    0.91-1.03x), 16_4096_4096 64x128 with 4 groups 0.80-0.96x (0.45-0.69x); on M = 128-1024 the fp32 partials
-    cost more than the extra SMs bring (0.33-0.77x). Two CTAs a tile go first as a cluster pair (split_k=2),
-    whose sum through distributed shared memory costs less than the workspace: 64_4096_16384 64x64 37.6 against
-    38.6 us kn, 39.1 against 40.2 us nk."""
+    0.91-1.03x), a cluster pair 37.6 against 38.6 us kn; 64_1024_4096 nk (decode's k/v projections at batch 64)
+    64x64 in 4 pairs of 8 k-tiles 1.23x, 8 groups 1.10x, 4 groups of 16 k-tiles 1.06x, the best unsplit tiles
+    0.66-0.80x; on M = 128-1024 the fp32 partials cost more than the extra SMs bring (0.33-0.77x)."""
     k_tiles = -(-problem.k // 64)
     if problem.m > 64 or -(-problem.n // 64) > sms // 2:
         return []
     found = []
     for bn in (64, 128, 256):
         tiles = -(-problem.n // bn)
-        groups = min(8, sms // tiles)
-        if bn > -(-problem.n // 64) * 64 or groups < 2 or k_tiles // groups < MIN_K_TILES:
+        if bn > -(-problem.n // 64) * 64:
             continue
-        ways = ([{"split_k": 2}] if groups == 2 else []) + [{"k_groups": groups}]
-        for way in ways:
-            v = deepest({"block_m": 64, "block_n": bn, "consumers": 1, **way})
-            if v is not None:
-                found.append(v)
+        for floor in (MIN_K_TILES // 2, MIN_K_TILES):
+            groups = min(8, sms // tiles, k_tiles // floor)
+            if groups < 2:
+                continue
+            if bn == 256 and groups < min(8, sms // tiles):
+                continue  # 64 x 256 sums spill in fewer groups than a wave holds (where K is short)
+            pairs = groups == 2 or (groups >= 4 and bn < 256)  # and as pairs in groups
+            ways = [{"split_k": 2, "k_groups": groups // 2}] if pairs else []
+            for way in ways + [{"k_groups": groups}]:
+                v = deepest({"block_m": 64, "block_n": bn, "consumers": 1, **way})
+                if v is not None:
+                    found.append(v)
     return found
 
 
