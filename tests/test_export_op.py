@@ -90,6 +90,25 @@ def test_meta_fake_and_torch_compile_see_the_op(ops):
         assert torch.equal(eager(x, w, b), f(x, w, b))
 
 
+def test_inductor_realizes_an_input_shared_by_several_calls_once(ops):
+    """The ops take any strides (falling back where not contiguous): inductor computes x once for q, k and v, not
+    a copy of it for each call (measured: prefill under torch.compile 0.98x of the unpatched model before)."""
+    assert all(torch.Tag.flexible_layout in op.default.tags for op in (torch.ops.hgemm.mm, torch.ops.hgemm.linear))
+    from torch._inductor.utils import run_and_get_code
+
+    w1, w2 = torch.randn(24, 8).half(), torch.randn(24, 8).half()
+
+    def f(x):
+        h = (x * x.float().pow(2).mean(-1, keepdim=True).rsqrt()).half()  # a norm, as before q/k/v projections
+        return ops.linear(h, w1) + ops.linear(h, w2)
+
+    x = torch.randn(2, 5, 8).half()
+    with torch.no_grad():
+        out, (code, *_) = run_and_get_code(torch.compile(f, fullgraph=True), x)
+    assert torch.allclose(out.float(), f(x).float(), atol=1e-2)
+    assert code.count("empty_strided_cpu((2, 5, 8)") == 1, code  # the norm's output, written once
+
+
 def test_a_wanted_gradient_goes_through_autograd(ops):
     x, w = torch.randn(4, 8, requires_grad=True), torch.randn(24, 8, requires_grad=True)
     for linear in (ops.linear, torch.ops.hgemm.linear):

@@ -294,8 +294,8 @@ at::Tensor linear_autograd(c10::DispatchKeySet ks, const at::Tensor& x, const at
 }  // namespace
 
 TORCH_LIBRARY(hgemm, m) {
-  m.def("mm(Tensor a, Tensor b) -> Tensor");
-  m.def("linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
+  m.def("mm(Tensor a, Tensor b) -> Tensor", {at::Tag::flexible_layout});
+  m.def("linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor", {at::Tag::flexible_layout});
 }
 TORCH_LIBRARY_IMPL(hgemm, CUDA, m) {
   m.impl("mm", &mm_cuda);
