@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from agent.config import RunConfig
@@ -105,6 +107,20 @@ def test_budget_stops_the_search(tmp_path):
     SearchLoop(store, RunConfig(budget_minutes=1e-9, max_candidates=50), BuiltinProposer(), "sm_90a",
                fake_evaluate).run([P])
     assert len(store.results(P)) <= 1
+
+
+@pytest.mark.parametrize("wall_s, most", [(0.001, 10), (2.0, 5)])
+def test_a_shape_keeps_room_in_its_budget_for_its_re_measurement(tmp_path, wall_s, most):
+    """Evaluations that take 2 s each (as the worker reports): in a 12 s share, re-measuring 4 leaders takes 6
+    evaluations (12 s), so the shape stops proposing after 4-5 candidates instead of overrunning its share."""
+    def slow(job):
+        return dataclasses.replace(fake_evaluate(job), wall_s=wall_s)
+
+    store = RunStore(tmp_path / "r", create=True)
+    store.add_problems([P])
+    SearchLoop(store, RunConfig(budget_minutes=0.2, max_candidates=10), BuiltinProposer(), "sm_90a", slow).run([P])
+    tried = len(store.results(P))
+    assert 2 <= tried <= most and (wall_s > 1 or tried == most)
 
 
 def test_remeasure_records_extra_measurements(tmp_path):
