@@ -18,8 +18,8 @@ Every candidate, before it is timed, on the target shape and on edge shapes:
   output (out-of-bounds writes), inputs compared bit for bit afterwards (a kernel must not write its inputs),
   shared memory filled with NaN before each launch (reads of uninitialised shared memory),
 - the same inputs launched twice must give identical bits unless the family declares itself nondeterministic.
-`verify_rows` checks a random sample of rows the same way; the timing checks (sandbox/timed.py) use it on every
-output of every timed replay.
+`verify_batch` checks several outputs at once the same way; the timing checks (sandbox/timed.py) use it on a random
+sample of rows of every output of every timed replay.
 """
 
 from __future__ import annotations
@@ -179,25 +179,42 @@ class Checker:
     def verify(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: str,
                what: str = "wrong result") -> None:
         """The error bounds against the fp64 reference, relative to cuBLAS's own error on the same inputs."""
-        if not torch.isfinite(out).all():
-            raise CheckFailed(f"{what}: NaN or Inf in the output ({shape})")
-        ref, cublas = reference(a, self.b_as_kn(b), bias)
-        out = out.double()
-        err, cub_err = _rel_fro(out, ref), _rel_fro(cublas, ref)
-        diff, cub_diff = (out - ref).abs(), (cublas - ref).abs()
-        too_far = diff > ERR_FACTOR * cub_diff.max() + _ulp(ref, self.dtype)
-        if err > ERR_FACTOR * cub_err + 1e-6 or too_far.any():
-            where = too_far.nonzero()[0].tolist() if too_far.any() else "overall"
-            raise CheckFailed(f"{what}: relative error {err:.2e} vs cuBLAS {cub_err:.2e}, "
-                              f"first bad element {where} ({shape})")
-        self.rel_err, self.cublas_rel_err = max(self.rel_err, err), max(self.cublas_rel_err, cub_err)
+        self.verify_batch(out[None], a[None], b[None], None if bias is None else bias[None], shape, [what])
 
-    def verify_rows(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                    what: str, samples: int = 64) -> None:
-        """`verify` on a random sample of the rows of one output (cheap: an fp64 product of those rows only)."""
-        rows = torch.randperm(out.shape[0], generator=self.gen, device="cuda")[:samples]
-        self.verify(out[rows], a[rows], b, bias, f"M={out.shape[0]} N={out.shape[1]} K={a.shape[1]}, "
-                    f"{len(rows)} sampled rows", what)
+    def verify_batch(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                     shape: str, what: list[str]) -> None:
+        """`verify` on S outputs at once, with one host synchronisation: out [S, M, N], a [S, M, K], b [S, K, N]
+        ([S, N, K] for nk) and bias [S, N] or None, where S may be 1 for b and bias (shared); what[i] names output
+        i in a finding. Each output passes or fails exactly as it would alone."""
+        b_kn = b if self.problem.b_layout == "kn" else b.transpose(-1, -2)
+        ref = a.double() @ b_kn.double()
+        if bias is not None:
+            ref += bias.double()[:, None, :]
+        if a.shape[0] == 1:  # cuBLAS as the user calls it: torch.matmul, or addmm with the bias fused
+            cublas = (a[0] @ b_kn[0] if bias is None else torch.addmm(bias[0], a[0], b_kn[0]))[None]
+        elif bias is None:
+            cublas = a @ b_kn
+        else:
+            cublas = torch.baddbmm(bias[:, None, :].expand(a.shape[0], -1, -1), a, b_kn.expand(a.shape[0], -1, -1))
+        out, cublas = out.double(), cublas.double()
+        finite = torch.isfinite(out).flatten(1).all(1)
+        err, cub_err = _rel_fro(out, ref), _rel_fro(cublas, ref)
+        diff, cub_diff = (out - ref).abs(), (cublas - ref).abs().flatten(1).amax(1)
+        too_far = diff > ERR_FACTOR * cub_diff[:, None, None] + _ulp(ref, self.dtype)
+        bad = ~finite | (err > ERR_FACTOR * cub_err + 1e-6) | too_far.flatten(1).any(1)
+        flags, errs, cub_errs = torch.stack([bad.double(), err, cub_err]).tolist()  # the one synchronisation
+        if any(flags):
+            i = flags.index(1.0)
+            if not finite[i]:
+                raise CheckFailed(f"{what[i]}: NaN or Inf in the output ({shape})")
+            where = too_far[i].nonzero()[0].tolist() if too_far[i].any() else "overall"
+            raise CheckFailed(f"{what[i]}: relative error {errs[i]:.2e} vs cuBLAS {cub_errs[i]:.2e}, "
+                              f"first bad element {where} ({shape})")
+        self.rel_err, self.cublas_rel_err = max(self.rel_err, *errs), max(self.cublas_rel_err, *cub_errs)
+
+    def sample_rows(self, m: int, outputs: int, samples: int = 64) -> torch.Tensor:
+        """For each of `outputs` M-row outputs, its own random sample of row indices: [outputs, min(M, samples)]."""
+        return torch.rand(outputs, m, generator=self.gen, device="cuda").argsort(dim=1)[:, :samples]
 
     def check_exact(self, a: GuardedStack, b: GuardedStack, c: GuardedStack, bias: GuardedStack | None,
                     low: int) -> None:
@@ -255,8 +272,9 @@ def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
     return bool(torch.equal(x.view(torch.int16), y.view(torch.int16)))
 
 
-def _rel_fro(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float(torch.linalg.norm(x - ref) / torch.linalg.norm(ref).clamp_min(1e-30))
+def _rel_fro(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per matrix of a batch [S, M, N]: ||x - ref|| / ||ref|| (Frobenius), on the device."""
+    return torch.linalg.norm((x - ref).flatten(1), dim=1) / torch.linalg.norm(ref.flatten(1), dim=1).clamp_min(1e-30)
 
 
 def _ulp(ref: torch.Tensor, dtype: str) -> torch.Tensor:

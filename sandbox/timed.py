@@ -134,9 +134,7 @@ class TimedBuffers:
         if not self.checker.deterministic:  # no bits to compare with: verify a sample of the other outputs too
             checked += [int(o) for o in torch.randperm(self.outputs, generator=self.checker.gen,
                                                         device="cuda")[:NONDETERMINISTIC_SAMPLE]]
-        for o in checked:
-            self.checker.verify_rows(self.c[o], *self.inputs_of(self.set_of[o]),
-                                     f"the timed launches left a wrong result ({where}, output {o})")
+        self._verify_outputs(checked, where)
         if not self.checker.deterministic:
             return
         twin = torch.tensor([first_of[s] for s in self.set_of], device="cuda")
@@ -147,6 +145,25 @@ class TimedBuffers:
                               f"{int(twin[o])} on the same inputs ({where})")
 
 
+    def _verify_outputs(self, outputs: list[int], where: str) -> None:
+        """A random sample of rows of each of these outputs (its own) against its operands (fp64 reference and
+        cuBLAS's error), in batches whose B, in fp64, stays within VERIFY_BYTES."""
+        p = self.p
+        per_batch = max(1, VERIFY_BYTES // (10 * p.k * p.n))  # each output's B gathered, then in fp64
+        for start in range(0, len(outputs), per_batch):
+            part = outputs[start:start + per_batch]
+            out = torch.tensor(part, device="cuda")
+            sets = torch.tensor([self.set_of[o] for o in part], device="cuda")
+            b = self.b.all[:1] if self.b_sets == 1 else self.b.all[sets % self.b_sets]
+            bias = None if self.bias is None else self.bias.all[sets, 0]
+            rows = self.checker.sample_rows(p.m, len(part))
+            self.checker.verify_batch(
+                self.c.all[out[:, None], rows], self.a.all[sets[:, None], rows], b, bias,
+                f"M={p.m} N={p.n} K={p.k}, {rows.shape[1]} sampled rows of each",
+                [f"the timed launches left a wrong result ({where}, output {o})" for o in part])
+
+
+VERIFY_BYTES = 1 << 30
 # A candidate's cold time may exceed its warm time by cuBLAS's own gap plus this much before its warm time is
 # suspected of reuse: a share of cuBLAS's cold time, and a fixed slack (launch and flush noise).
 GAP_SLACK_SHARE, GAP_SLACK_US = 0.10, 1.0
