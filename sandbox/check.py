@@ -42,6 +42,13 @@ RANGE_SCALE = 2.0 ** 9  # bf16 range check: each input x 2^9, so |C| ~ 2^18 sqrt
 
 # launch(A, B, C, M, N, K, bias): bias is None where the problem has none
 Launch = Callable[..., None]
+DEVICE = "cuda"  # where the checks' tensors live: the worker's GPU (CPU tests of the checks' logic set "cpu")
+
+
+def synchronize() -> None:
+    """Wait for the device (a CUDA fault surfaces here, as an exception the worker reports)."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 class CheckFailed(Exception):
@@ -61,7 +68,7 @@ class GuardedStack:
     def __post_init__(self) -> None:
         self.margin = 256 * self.cols + 4096  # a whole tile-row overrun stays inside the margin
         self.slot = self.rows * self.cols + self.margin
-        self.flat = torch.full((self.margin + self.count * self.slot,), GUARD, dtype=torch.int16, device="cuda")
+        self.flat = torch.full((self.margin + self.count * self.slot,), GUARD, dtype=torch.int16, device=DEVICE)
         slots = self.flat[self.margin:].view(self.count, self.slot)
         self.bits = slots[:, : self.rows * self.cols]  # a strided view of every tensor's elements
         self.all = self.bits.view(self.dtype).view(self.count, self.rows, self.cols)
@@ -118,7 +125,7 @@ class Checker:
         self.launch, self.problem, self.deterministic = launch, problem, deterministic
         self.dtype = problem.dtype
         self.scrub = scrub or (lambda: None)
-        self.gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.gen = torch.Generator(device=DEVICE).manual_seed(seed)
         self.rel_err = self.cublas_rel_err = 0.0
 
     def buffers(self, m: int, n: int, k: int) -> tuple[GuardedStack, GuardedStack, GuardedStack, GuardedStack | None]:
@@ -137,12 +144,12 @@ class Checker:
         inputs = [t for t in (a, b, bias) if t is not None]
         before = [t.tensor.clone() for t in inputs]
         if garbage:
-            c.tensor.copy_(torch.rand(c.rows, c.cols, generator=self.gen, device="cuda") * 1000 - 500)
+            c.tensor.copy_(torch.rand(c.rows, c.cols, generator=self.gen, device=DEVICE) * 1000 - 500)
         else:
             c.poison()
         self.scrub()
         self.launch(a.tensor, b.tensor, c.tensor, c.rows, c.cols, a.cols, None if bias is None else bias.tensor[0])
-        torch.cuda.synchronize()  # a CUDA fault surfaces here, as an exception the worker reports
+        synchronize()
         shape = self._shape(c, a)
         if not all(t.guards_intact() for t in (*inputs, c)):
             raise CheckFailed(f"out-of-bounds write: a guard region next to an operand changed ({shape})")
@@ -159,7 +166,7 @@ class Checker:
     def randomise(self, *tensors: GuardedStack | None, scale: float = 1.0) -> None:
         for t in tensors:
             if t is not None:
-                t.tensor.copy_(torch.randn(t.rows, t.cols, generator=self.gen, device="cuda") * scale)
+                t.tensor.copy_(torch.randn(t.rows, t.cols, generator=self.gen, device=DEVICE) * scale)
 
     def check_random(self, a: GuardedStack, b: GuardedStack, c: GuardedStack, bias: GuardedStack | None,
                      scale: float = 1.0) -> torch.Tensor:
@@ -214,14 +221,14 @@ class Checker:
 
     def sample_rows(self, m: int, outputs: int, samples: int = 64) -> torch.Tensor:
         """For each of `outputs` M-row outputs, its own random sample of row indices: [outputs, min(M, samples)]."""
-        return torch.rand(outputs, m, generator=self.gen, device="cuda").argsort(dim=1)[:, :samples]
+        return torch.rand(outputs, m, generator=self.gen, device=DEVICE).argsort(dim=1)[:, :samples]
 
     def check_exact(self, a: GuardedStack, b: GuardedStack, c: GuardedStack, bias: GuardedStack | None,
                     low: int) -> None:
         """Integer inputs from {low..1} (and such a bias): every result the dtype holds exactly must come out exact."""
         for t in (a, b, bias):
             if t is not None:
-                t.tensor.copy_(torch.randint(low, 2, (t.rows, t.cols), generator=self.gen, device="cuda"))
+                t.tensor.copy_(torch.randint(low, 2, (t.rows, t.cols), generator=self.gen, device=DEVICE))
         out, ref = self._run_integers(a, b, c, bias)
         bad = (ref.abs() <= EXACT_LIMIT[self.dtype]) & (out != ref)
         self._name_first(bad, out, ref, f"wrong result on integer inputs {{{low}..1}}", c, a)
@@ -231,9 +238,9 @@ class Checker:
         output must be the exact result rounded once to the dtype, bit for bit. The sums reach past the dtype's exact
         integers, so a sum rounded twice (before the bias is added, or through fp16 on the way to bf16) shows."""
         for t in (a, b):
-            t.tensor.copy_(torch.randint(-8, 9, (t.rows, t.cols), generator=self.gen, device="cuda"))
+            t.tensor.copy_(torch.randint(-8, 9, (t.rows, t.cols), generator=self.gen, device=DEVICE))
         if bias is not None:
-            bias.tensor.copy_(torch.randint(-256, 257, (1, bias.cols), generator=self.gen, device="cuda") / 4)
+            bias.tensor.copy_(torch.randint(-256, 257, (1, bias.cols), generator=self.gen, device=DEVICE) / 4)
         out, ref = self._run_integers(a, b, c, bias)
         rounded = ref.to(TORCH_DTYPE[self.dtype]).double()
         self._name_first(out != rounded, out, rounded, "wrong result on integer inputs {-8..8}, rounded once", c, a)

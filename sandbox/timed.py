@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from core.records import Problem, Timing
+from sandbox import check
 from sandbox.check import TORCH_DTYPE, Checker, CheckFailed, GuardedStack, same_bits
 from sandbox.timing import L2Flush, Subject, graph_estimate_us, launches_for, measure
 
@@ -110,7 +111,7 @@ class TimedBuffers:
     def after_replay(self) -> None:
         self.replays += 1
         if self.checker is not None:
-            torch.cuda.synchronize()
+            check.synchronize()
             self.verify()
 
     def verify(self) -> None:
@@ -133,11 +134,11 @@ class TimedBuffers:
         checked = list(first_of.values())
         if not self.checker.deterministic:  # no bits to compare with: verify a sample of the other outputs too
             checked += [int(o) for o in torch.randperm(self.outputs, generator=self.checker.gen,
-                                                        device="cuda")[:NONDETERMINISTIC_SAMPLE]]
+                                                        device=check.DEVICE)[:NONDETERMINISTIC_SAMPLE]]
         self._verify_outputs(checked, where)
         if not self.checker.deterministic:
             return
-        twin = torch.tensor([first_of[s] for s in self.set_of], device="cuda")
+        twin = torch.tensor([first_of[s] for s in self.set_of], device=check.DEVICE)
         differs = (self.c.bits != self.c.bits[twin]).any(dim=1).nonzero()
         if len(differs):
             o = int(differs[0])
@@ -152,9 +153,13 @@ class TimedBuffers:
         per_batch = max(1, VERIFY_BYTES // (10 * p.k * p.n))  # each output's B gathered, then in fp64
         for start in range(0, len(outputs), per_batch):
             part = outputs[start:start + per_batch]
-            out = torch.tensor(part, device="cuda")
-            sets = torch.tensor([self.set_of[o] for o in part], device="cuda")
-            b = self.b.all[:1] if self.b_sets == 1 else self.b.all[sets % self.b_sets]
+            out = torch.tensor(part, device=check.DEVICE)
+            sets = torch.tensor([self.set_of[o] for o in part], device=check.DEVICE)
+            if self.b_sets == 1 or len(part) == 1:  # a view of the one B, not a copy
+                j = self.set_of[part[0]] % self.b_sets
+                b = self.b.all[j:j + 1]
+            else:
+                b = self.b.all[sets % self.b_sets]
             bias = None if self.bias is None else self.bias.all[sets, 0]
             rows = self.checker.sample_rows(p.m, len(part))
             self.checker.verify_batch(

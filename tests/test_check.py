@@ -63,3 +63,81 @@ def test_a_shared_b_serves_every_output_of_a_batch():
     c.verify_batch(out, a, shared, None, "batch", [f"output {i}" for i in range(4)])
     with pytest.raises(CheckFailed, match="^output 1"):  # each its own B: output 0's is the shared one
         c.verify_batch(out, a, b, None, "batch", [f"output {i}" for i in range(4)])
+
+
+# ---- the checks and the timed buffers' verification end to end, on the CPU, with a CPU "kernel" ----------------
+
+P = Problem(40, 24, 64, "kn", "f16", True)
+
+
+def cpu_gemm(fault=None):
+    """A launch(A, B, C, M, N, K, bias) computing on the CPU as a correct kernel does (fp32 sums, one rounding);
+    fault(call, c) may then spoil the output of the call-th launch."""
+    calls = []
+
+    def launch(a, b, c, m, n, k, bias=None):
+        acc = a.float() @ (b.float() if P.b_layout == "kn" else b.float().t())
+        c.copy_((acc + (0 if bias is None else bias.float())).half())
+        if fault:
+            fault(len(calls), c)
+        calls.append(1)
+
+    return launch
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    from sandbox import check
+
+    monkeypatch.setattr(check, "DEVICE", "cpu")
+
+
+def test_the_full_checks_pass_a_correct_kernel_and_name_a_wrong_one(on_cpu):
+    Checker(cpu_gemm(), P, seed=1).check_all(P)
+
+    def drop_bias_row(call, c):  # the last row without its bias
+        c[-1] -= 1.0
+
+    with pytest.raises(CheckFailed, match="wrong result"):
+        Checker(cpu_gemm(drop_bias_row), P, seed=1).check_all(P)
+
+
+def replay(buffers, subject):
+    buffers.before_replay()
+    for i in range(subject.launches):
+        if subject.overhead:
+            subject.overhead(i)
+        subject.launch(i)
+    buffers.after_replay()
+
+
+@pytest.mark.parametrize("mode", ["warm", "cold", "fresh"])
+def test_every_timed_output_is_verified(on_cpu, mode):
+    from sandbox.timed import TimedBuffers
+
+    def timed(fault=None):
+        checker = Checker(cpu_gemm(), P, seed=2)
+        buffers = TimedBuffers(P, cpu_gemm(fault), 6, mode, checker)
+        subject = buffers.subject()
+        subject.overhead = None if mode == "cold" else subject.overhead  # no L2 to flush on the CPU
+        for _ in range(2):
+            replay(buffers, subject)
+
+    timed()  # a correct kernel passes every replay
+
+    def garbage(call, c):  # launch 9 (the second replay's fourth) writes finite garbage
+        if call == 9:
+            c.copy_(torch.full_like(c, 3.0))
+
+    # cold and fresh: every launch's output is checked against its own inputs; warm: launch 3's output against
+    # the first output of its operand set, bit for bit
+    found = "differs from output 1" if mode == "warm" else "left a wrong result .*output 3"
+    with pytest.raises(CheckFailed, match=found):
+        timed(garbage)
+
+    def skip(call, c):
+        if call == 8:
+            c.view(torch.int16).fill_(0x7E00)  # as if never written: the poison stays
+
+    with pytest.raises(CheckFailed, match="left an output unwritten: output 2"):
+        timed(skip)
