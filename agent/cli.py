@@ -232,7 +232,7 @@ def cmd_export(args) -> int:
     out = args.out or store.folder / "export"
     for line in export_run(store, out):
         console.print(f"{line.problem.key}: {line.kernel_file or 'cuBLAS'} - {line.note}")
-    console.print(f"written to {out} (import hgemm_ops; hgemm_ops.mm(a, b), hgemm_ops.linear(x, w, bias), "
+    console.print(f"written to {out} (import hgemm_ops; hgemm_ops.mm(a, b, bias=None), hgemm_ops.linear(x, w, bias), "
                   "hgemm_ops.patch(model))")
     if args.no_check:
         return 0

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 
 def percentiles(xs: list[float]) -> dict[str, float]:
@@ -40,16 +39,11 @@ def main(folder: str, qps: float, seconds: float) -> dict:
     keys = list(ops.MANIFEST["kernels"]) + list(ops.MANIFEST.get("cublas", []))
     rng = random.Random(0)
     shapes = {}
+    check = ops._sibling("hgemm_selfcheck")
     for key in keys:
-        m, n, k, layout, dtype, has_bias = ops.parse_key(key)
-        dt = ops.DTYPES[dtype]
-        a = torch.randn(m, k, device="cuda").to(dt)
-        b = torch.randn(k, n, device="cuda").to(dt) if layout == "kn" else torch.randn(n, k, device="cuda").to(dt)
-        bias = torch.randn(n, device="cuda").to(dt) if has_bias else None
-        if layout == "kn":
-            ours, ref = functools.partial(ops.mm, a, b), functools.partial(torch.matmul, a, b)
-        else:
-            ours, ref = functools.partial(ops.linear, a, b, bias), functools.partial(F.linear, a, b, bias)
+        a, b, bias, layout = check.operands(ops, key)
+        ours = functools.partial(check.call, ops, a, b, bias, layout)  # hgemm_ops.mm / .linear, as a user calls them
+        ref = functools.partial(check.cublas, a, b, bias, layout)
         for f in (ours, ref):  # load and warm up outside the measurement
             f()
         torch.cuda.synchronize()

@@ -17,7 +17,7 @@ from agent.export import export_run
 from tests.export_fixtures import load_ops, small_export
 from tests.helpers import populated_run
 
-SMALL = ["16_24_8:kn:f16", "16_24_8:nk:f16", "16_24_8:nk:bf16:bias"]
+SMALL = ["16_24_8:kn:f16", "16_24_8:nk:f16", "16_24_8:nk:bf16:bias", "16_24_8:kn:bf16:bias"]
 
 
 @pytest.fixture
@@ -43,6 +43,9 @@ def test_cpu_tensors_get_torchs_results(ops, dtype):
     for mm in (ops.mm, torch.ops.hgemm.mm):
         assert torch.equal(mm(a, w.t()), torch.matmul(a, w.t()))
         assert torch.equal(mm(a[0, 0], w.t()), torch.matmul(a[0, 0], w.t()))  # 1-D a, as torch.matmul takes it
+        # with a bias: torch.addmm, as transformers' Conv1D calls it on the rows folded (a K x N weight)
+        kn = w.t().contiguous()
+        assert torch.equal(mm(a, kn, bias), torch.addmm(bias, a.view(-1, 8), kn).view(2, 8, 24))
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         ops.mm(a, w)  # torch's own error for a K mismatch
 
@@ -56,6 +59,10 @@ def test_explain_names_the_kernel_or_the_reason(ops):
     w, bias = torch.randn(24, 8).bfloat16(), torch.randn(24).bfloat16()
     assert ops.explain(a.bfloat16(), w, bias, "nk") == "operands are not on one CUDA device (tuned: " \
         "16_24_8:nk:bf16:bias)"
+    assert ops.explain(a.bfloat16(), b.bfloat16(), bias, "kn") == "operands are not on one CUDA device (tuned: " \
+        "16_24_8:kn:bf16:bias)"
+    assert ops.explain(a.bfloat16(), b.bfloat16(), bias[:8], "kn") == "bias is not a vector of N (tuned: " \
+        "16_24_8:kn:bf16:bias)"
     assert ops.explain(a.bfloat16(), w, None, "nk") == "shape not tuned"  # bf16 was tuned with a bias only
     assert ops.explain(a[1:], b) == "shape not tuned"
     assert ops.explain(a.float(), b.float()) == "dtype is neither float16 nor bfloat16"

@@ -10,7 +10,7 @@ from torch import nn
 
 from tests.export_fixtures import load_ops, small_export
 
-KEYS = ["16_24_8:nk:f16", "16_24_8:nk:bf16:bias", "16_24_8:kn:f16"]
+KEYS = ["16_24_8:nk:f16", "16_24_8:nk:bf16:bias", "16_24_8:kn:f16", "16_24_8:kn:f16:bias"]
 
 
 class Net(nn.Module):
@@ -27,15 +27,29 @@ class Net(nn.Module):
         return self.untuned(h), self.tuned_bias(x.bfloat16()), self.biased(x), x @ self.table, self.tuned(x[0])
 
 
+class Conv1D(nn.Module):
+    """transformers.pytorch_utils.Conv1D as GPT-2 uses it: torch.addmm(b, x, W) with W K x N (nx x nf)."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.randn(nf))
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
 class Spy:
     """Stands in for the launch path, counting calls by name and passing them on."""
 
     def __init__(self, inner):
         self.inner, self.calls = inner, []
 
-    def mm(self, a, b):
-        self.calls.append(("mm", tuple(a.shape)))
-        return self.inner.mm(a, b)
+    def mm(self, a, b, bias=None):
+        self.calls.append(("mm", tuple(a.shape), bias is not None))
+        return self.inner.mm(a, b, bias)
 
     def linear(self, x, w, bias=None):
         self.calls.append(("linear", tuple(x.shape), bias is not None))
@@ -71,6 +85,37 @@ def test_patch_routes_tuned_layers_and_unpatch_restores(ops):
     assert {name: dict(m.__dict__) for name, m in net.named_modules()} == before
 
 
+def test_gpt2_style_conv1d_layers_are_routed_through_mm_with_their_bias(ops):
+    torch.manual_seed(2)
+    tuned, untuned = Conv1D(24, 8).half(), Conv1D(8, 24).half()  # (K, N) = (8, 24) tuned with a bias; (24, 8) not
+    x = torch.randn(2, 8, 8).half()
+    with torch.no_grad():
+        want = untuned(tuned(x))
+        model = nn.Sequential(tuned, untuned)
+        assert ops.patch(model) == 1 and "forward" in tuned.__dict__ and "forward" not in untuned.__dict__
+        spy = ops._eager = Spy(ops._eager)
+        assert torch.equal(model(x), want)  # on the CPU the op computes addmm itself: the same bits
+    assert spy.calls == [("mm", (2, 8, 8), True)]
+    assert ops.unpatch(model) == 1 and "forward" not in tuned.__dict__
+
+
+def test_matmul_mode_routes_addmm_with_a_bias_vector(ops):
+    w, bias, x = torch.randn(8, 24).half(), torch.randn(24).half(), torch.randn(16, 8).half()
+
+    class Net(nn.Module):
+        def forward(self, x):
+            return torch.addmm(bias, x, w), torch.addmm(bias, x, w, beta=2.0)  # the second: scaled, not ours
+
+    net = Net()
+    with torch.no_grad():
+        want = net(x)
+        ops.patch(net, matmul=True)
+        spy = ops._eager = Spy(ops._eager)
+        got = net(x)
+    assert all(torch.equal(g, v) for g, v in zip(got, want, strict=True))
+    assert spy.calls == [("mm", (16, 8), True)]
+
+
 def test_matmul_mode_and_own_forwards(ops):
     net, x = Net(), torch.randn(2, 8, 8).half()
     own = net.tuned.forward  # a forward of its own, as hooks and wrappers set: restored as it was
@@ -88,7 +133,7 @@ def test_matmul_mode_and_own_forwards(ops):
         got = net(x)
         torch.matmul(x, net.table)  # outside the model's forward: not routed
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
-    assert ("mm", (2, 8, 8)) in spy.calls and sum(c[0] == "mm" for c in spy.calls) == 1
+    assert ("mm", (2, 8, 8), False) in spy.calls and sum(c[0] == "mm" for c in spy.calls) == 1
     assert ops.unpatch(net) == 3  # the model's wrapper and two layers
     assert net.tuned.forward is own and "forward" not in net.__dict__ and "forward" not in net.custom.__dict__
 
@@ -113,3 +158,25 @@ def test_torch_compile_over_a_patched_model(ops):
         compiled = torch.compile(net, fullgraph=True, backend="aot_eager")
         got = compiled(x)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_a_gpt2_records_and_routes_every_projection(tmp_path, monkeypatch):
+    """Hugging Face GPT-2 (Conv1D projections with biases, a tied lm_head): its recorded shapes, exported, route
+    every projection; the output is unchanged (on the CPU the op computes what PyTorch does)."""
+    transformers = pytest.importorskip("transformers")
+    from agent.recorder import record_gemm_shapes
+
+    monkeypatch.setenv("HGEMM_OPS_COMPILED", "0")
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).half().eval()
+    ids = torch.randint(128, (2, 8))
+    with torch.no_grad(), record_gemm_shapes(tmp_path / "shapes.txt") as rec:
+        want = model(ids).logits
+    keys = sorted(p.key for p in rec.problems)
+    assert "16_192_64:kn:f16:bias" in keys and "16_64_256:kn:f16:bias" in keys  # c_attn, mlp c_proj
+    ops = load_ops(small_export(tmp_path / "out", keys))
+    with torch.no_grad():
+        assert ops.patch(model) == 2 * 4 + 1  # c_attn, attn c_proj, c_fc, mlp c_proj per block; lm_head
+        assert torch.equal(model(ids).logits, want)
+    assert ops.unpatch(model) == 9

@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -30,19 +31,17 @@ from sandbox.serve_bench import load_ops  # noqa: E402
 
 
 def ways(ops, key: str) -> dict[str, callable]:
-    m, n, k, layout, dtype, has_bias = ops.parse_key(key)
-    dt = ops.DTYPES[dtype]
-    a = torch.randn(m, k, device="cuda").to(dt)
-    b = torch.randn(k, n, device="cuda").to(dt) if layout == "kn" else torch.randn(n, k, device="cuda").to(dt)
-    bias = torch.randn(n, device="cuda").to(dt) if has_bias else None
+    check = ops._sibling("hgemm_selfcheck")
+    a, b, bias, layout = check.operands(ops, key)
     ext = ops.compiled()
-    if layout == "kn":
-        out = {"compiled": lambda: ext.mm(a, b), "dispatcher": lambda: torch.ops.hgemm.mm.default(a, b),
-               "python": lambda: ops.PythonPath.mm(a, b), "torch": lambda: torch.matmul(a, b)}
+    dispatcher = types.SimpleNamespace(mm=torch.ops.hgemm.mm.default, linear=torch.ops.hgemm.linear.default)
+    if layout == "nk":
+        torch_call = lambda: F.linear(a, b, bias)  # noqa: E731
     else:
-        out = {"compiled": lambda: ext.linear(a, b, bias),
-               "dispatcher": lambda: torch.ops.hgemm.linear.default(a, b, bias),
-               "python": lambda: ops.PythonPath.linear(a, b, bias), "torch": lambda: F.linear(a, b, bias)}
+        torch_call = (lambda: torch.matmul(a, b)) if bias is None else (lambda: torch.addmm(bias, a, b))
+    out = {"compiled": lambda: check.call(ext, a, b, bias, layout),
+           "dispatcher": lambda: check.call(dispatcher, a, b, bias, layout),
+           "python": lambda: check.call(ops.PythonPath, a, b, bias, layout), "torch": torch_call}
     return out if ext is not None else {name: f for name, f in out.items() if name in ("python", "torch")}
 
 

@@ -46,8 +46,8 @@ def _trace_as_ops(ext) -> None:
     mm_op, linear_op = torch.ops.hgemm.mm.default, torch.ops.hgemm.linear.default
 
     @torch.compiler.substitute_in_graph(ext.mm, skip_signature_check=True)
-    def mm(a, b):
-        return mm_op(a, b)
+    def mm(a, b, bias=None):
+        return mm_op(a, b, bias)
 
     @torch.compiler.substitute_in_graph(ext.linear, skip_signature_check=True)
     def linear(x, w, bias=None):

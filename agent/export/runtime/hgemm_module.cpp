@@ -66,9 +66,9 @@ PyObject* py_kernels(PyObject*, PyObject*) {
   END_HANDLE_TH_ERRORS
 }
 
-// (a, b) or (x, w[, bias]): tensors, bias possibly None.
-std::optional<at::Tensor> tensors(PyObject* const* args, Py_ssize_t nargs, bool nk, const char* usage) {
-  TORCH_CHECK_TYPE(nargs == 2 || (nk && nargs == 3), usage, " takes tensors, positionally");
+// (a, b[, bias]): tensors, bias possibly None.
+std::optional<at::Tensor> tensors(PyObject* const* args, Py_ssize_t nargs, const char* usage) {
+  TORCH_CHECK_TYPE(nargs == 2 || nargs == 3, usage, " takes tensors, positionally");
   TORCH_CHECK_TYPE(THPVariable_Check(args[0]) && THPVariable_Check(args[1]), usage, ": a and b must be tensors");
   if (nargs < 3 || args[2] == Py_None) return std::nullopt;
   TORCH_CHECK_TYPE(THPVariable_Check(args[2]), usage, ": bias must be a tensor or None");
@@ -76,7 +76,7 @@ std::optional<at::Tensor> tensors(PyObject* const* args, Py_ssize_t nargs, bool 
 }
 
 PyObject* fast_call(PyObject* const* args, Py_ssize_t nargs, bool nk) {
-  const auto bias = tensors(args, nargs, nk, nk ? "linear(x, w, bias=None)" : "mm(a, b)");
+  const auto bias = tensors(args, nargs, nk ? "linear(x, w, bias=None)" : "mm(a, b, bias=None)");
   const at::Tensor& a = THPVariable_Unpack(args[0]);
   const at::Tensor& b = THPVariable_Unpack(args[1]);
   at::Tensor c;
@@ -102,7 +102,7 @@ PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* py_explain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 4, "explain(a, b, bias, nk)");
-  const auto bias = tensors(args, 3, true, "explain(a, b, bias, nk)");
+  const auto bias = tensors(args, 3, "explain(a, b, bias, nk)");
   return py::cast(hgemm::explain(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), bias,
                                  PyObject_IsTrue(args[3]) == 1))
       .release()
@@ -118,7 +118,7 @@ PyCFunction fastcall(F f) {
 PyMethodDef methods[] = {
     {"add_kernel", py_add_kernel, METH_O, "register one exported kernel (a manifest entry, prepared)"},
     {"kernels", py_kernels, METH_NOARGS, "the problem keys of the registered kernels"},
-    {"mm", fastcall(py_mm), METH_FASTCALL, "mm(a, b): torch.matmul(a, b), b K x N"},
+    {"mm", fastcall(py_mm), METH_FASTCALL, "mm(a, b, bias=None): torch.matmul(a, b) (+ bias, fused), b K x N"},
     {"linear", fastcall(py_linear), METH_FASTCALL, "linear(x, w, bias=None): F.linear(x, w, bias)"},
     {"explain", fastcall(py_explain), METH_FASTCALL, "explain(a, b, bias, nk): the kernel a call runs, or why not"},
     {nullptr, nullptr, 0, nullptr}};

@@ -1,7 +1,8 @@
 // The compiled HGEMM op of an hgemm-agent export (built by hgemm_build.py with torch.utils.cpp_extension and the
 // host compiler; no CUDA toolkit: hgemm_cuda.h opens the CUDA driver at run time).
 //
-// Registers hgemm::mm(a, b) (torch.matmul with a K x N B) and hgemm::linear(x, w, bias=None) (F.linear) with
+// Registers hgemm::mm(a, b, bias=None) (torch.matmul with a K x N B; with a bias, torch.addmm as transformers'
+// Conv1D calls it) and hgemm::linear(x, w, bias=None) (F.linear) with
 // TORCH_LIBRARY; hgemm_module.cpp adds Python entry points that skip the dispatcher's Python argument parsing. A
 // call runs an exported kernel where its (M, N, K, layout, dtype, bias) was tuned and its operands are plain,
 // contiguous, 16-byte aligned CUDA tensors of one device, with no gradient wanted; anything else goes to
@@ -243,22 +244,33 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
   return c;
 }
 
+// What the call means, computed by PyTorch: F.linear, torch.matmul, or with a K x N B and a bias the fused addmm
+// (at::linear of B's transpose: torch.addmm(bias, a, b) for a 2-D a, the same folded for more dimensions).
+at::Tensor fallback(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk) {
+  if (nk) return at::linear(a, b, bias);
+  return bias && bias->defined() ? at::linear(a, b.t(), bias) : at::matmul(a, b);
+}
+
 at::Tensor run(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk) {
   const at::Tensor* bp = bias && bias->defined() ? &*bias : nullptr;
   if (auto kern = choose(a, b, bp, nk, nullptr))
     if (auto c = launch(*kern, a, b, bp)) return *c;
-  return nk ? at::linear(a, b, bias) : at::matmul(a, b);
+  return fallback(a, b, bias, nk);
 }
 
 // ---- the registered ops ---------------------------------------------------------------------------------------------
-at::Tensor mm_cuda(const at::Tensor& a, const at::Tensor& b) { return run(a, b, std::nullopt, false); }
+at::Tensor mm_cuda(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias) {
+  return run(a, b, bias, false);
+}
 at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   return run(x, w, bias, true);
 }
 // Every other backend, and meta / fake tensors (shapes for torch.compile): what the op means.
-at::Tensor mm_plain(const at::Tensor& a, const at::Tensor& b) { return at::matmul(a, b); }
+at::Tensor mm_plain(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias) {
+  return fallback(a, b, bias, false);
+}
 at::Tensor linear_plain(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  return at::linear(x, w, bias);
+  return fallback(x, w, bias, true);
 }
 
 bool wants_grad(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias) {
@@ -266,35 +278,29 @@ bool wants_grad(const at::Tensor& a, const at::Tensor& b, const std::optional<at
          (a.requires_grad() || b.requires_grad() || (bias && bias->defined() && bias->requires_grad()));
 }
 
-const auto& mm_op() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("hgemm::mm", "").typed<at::Tensor(const at::Tensor&,
-                                                                                        const at::Tensor&)>();
-  return op;
-}
-const auto& linear_op() {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("hgemm::linear", "").typed<
-      at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
-  return op;
+using OpSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+
+// hgemm::linear where nk, else hgemm::mm (both take a, b, bias).
+const c10::TypedOperatorHandle<OpSignature>& registered(bool nk) {
+  static const auto mm = c10::Dispatcher::singleton().findSchemaOrThrow("hgemm::mm", "").typed<OpSignature>();
+  static const auto linear =
+      c10::Dispatcher::singleton().findSchemaOrThrow("hgemm::linear", "").typed<OpSignature>();
+  return nk ? linear : mm;
 }
 
-// Where a gradient is wanted the call is at::matmul / at::linear, differentiated as usual; otherwise below autograd.
-at::Tensor mm_autograd(c10::DispatchKeySet ks, const at::Tensor& a, const at::Tensor& b) {
-  if (wants_grad(a, b, std::nullopt)) return at::matmul(a, b);
+// Where a gradient is wanted the call is what it means in PyTorch, differentiated as usual; otherwise below autograd.
+template <bool NK>
+at::Tensor autograd(c10::DispatchKeySet ks, const at::Tensor& a, const at::Tensor& b,
+                    const std::optional<at::Tensor>& bias) {
+  if (wants_grad(a, b, bias)) return fallback(a, b, bias, NK);
   at::AutoDispatchBelowADInplaceOrView below;
-  return mm_op().redispatch(ks & c10::after_autograd_keyset, a, b);
-}
-at::Tensor linear_autograd(c10::DispatchKeySet ks, const at::Tensor& x, const at::Tensor& w,
-                           const std::optional<at::Tensor>& bias) {
-  if (wants_grad(x, w, bias)) return at::linear(x, w, bias);
-  at::AutoDispatchBelowADInplaceOrView below;
-  return linear_op().redispatch(ks & c10::after_autograd_keyset, x, w, bias);
+  return registered(NK).redispatch(ks & c10::after_autograd_keyset, a, b, bias);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(hgemm, m) {
-  m.def("mm(Tensor a, Tensor b) -> Tensor", {at::Tag::flexible_layout});
+  m.def("mm(Tensor a, Tensor b, Tensor? bias=None) -> Tensor", {at::Tag::flexible_layout});
   m.def("linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor", {at::Tag::flexible_layout});
 }
 TORCH_LIBRARY_IMPL(hgemm, CUDA, m) {
@@ -306,8 +312,8 @@ TORCH_LIBRARY_IMPL(hgemm, CompositeExplicitAutograd, m) {
   m.impl("linear", &linear_plain);
 }
 TORCH_LIBRARY_IMPL(hgemm, Autograd, m) {
-  m.impl("mm", &mm_autograd);
-  m.impl("linear", &linear_autograd);
+  m.impl("mm", &autograd<false>);
+  m.impl("linear", &autograd<true>);
 }
 
 namespace hgemm {
@@ -332,8 +338,8 @@ at::Tensor call(const at::Tensor& a, const at::Tensor& b, const std::optional<at
                                             c10::DispatchKey::Functionalize});
   if (c10::impl::TorchDispatchModeTLS::any_modes_set() || a.key_set().has_any(wrapped) ||
       b.key_set().has_any(wrapped) || (bias && bias->key_set().has_any(wrapped)))
-    return nk ? linear_op().call(a, b, bias) : mm_op().call(a, b);
-  if (wants_grad(a, b, bias)) return nk ? at::linear(a, b, bias) : at::matmul(a, b);
+    return registered(nk).call(a, b, bias);
+  if (wants_grad(a, b, bias)) return fallback(a, b, bias, nk);
   return run(a, b, bias, nk);
 }
 

@@ -4,9 +4,11 @@ This file is copied as `hgemm_ops.py` next to `manifest.json` (kernels keyed by 
 the kernels' `.cu` / `.cubin` files, the compiled op's sources (`hgemm_op.cpp`, `hgemm_module.cpp`, their headers)
 with its build helper `hgemm_build.py`, and `hgemm_driver.py` (tensor maps and launches by ctypes).
 
-- `mm(a, b)` is `torch.matmul(a, b)` (a (*, K), b K x N); `linear(x, w, bias=None)` is `F.linear` (w N x K).
-- `patch(model, matmul=False)` routes each `nn.Linear` whose (N, K, dtype, bias) was tuned through `linear`
-  (and, with matmul=True, `torch.matmul` / `@` / `mm` on tuned K x N shapes); `unpatch(model)` undoes it.
+- `mm(a, b, bias=None)` is `torch.matmul(a, b)` (a (*, K), b K x N), with a bias `torch.addmm(bias, a, b)` (the
+  bias fused); `linear(x, w, bias=None)` is `F.linear` (w N x K).
+- `patch(model, matmul=False)` routes each `nn.Linear` whose (N, K, dtype, bias) was tuned through `linear`, and
+  each transformers `Conv1D` (GPT-2's projections: x @ W + b with W K x N) through `mm`; with matmul=True also
+  `torch.matmul` / `@` / `mm` / `addmm` on tuned shapes; `unpatch(model)` undoes it.
 - Each call runs the exported kernel where its M, N, K, layout, dtype and bias were tuned (and beat cuBLAS), the
   operands are contiguous, 16-byte aligned tensors of one CUDA device and no gradient is wanted; anything else is
   `torch.matmul` / `F.linear`, with the same result it would have had.
@@ -148,13 +150,22 @@ def _usable(*tensors: torch.Tensor) -> bool:
                     and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors))  # TMA, 16-byte loads
 
 
+def fallback(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
+    """What the call means, computed by PyTorch (cuBLAS): F.linear, torch.matmul, or with a K x N B and a bias the
+    fused addmm (F.linear of B's transpose: torch.addmm(bias, a, b) for a 2-D a)."""
+    if layout == "nk":
+        return F.linear(a, b, bias)
+    return torch.matmul(a, b) if bias is None else F.linear(a, b.t(), bias)
+
+
 def python_run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
     """The Python launch path: the kernel through hgemm_driver (ctypes), or cuBLAS."""
     key = problem_key(a, b, bias, layout)
     entry = MANIFEST["kernels"].get(key) if key else None
     operands = (a, b) if bias is None else (a, b, bias)
-    if entry is None or (bias is not None and bias.shape != (b.shape[0],)) or not _usable(*operands):
-        return F.linear(a, b, bias) if layout == "nk" else torch.matmul(a, b)
+    n = b.shape[0] if layout == "nk" else b.shape[-1]
+    if entry is None or (bias is not None and bias.shape != (n,)) or not _usable(*operands):
+        return fallback(a, b, bias, layout)
     m, n, k = parse_key(key)[:3]
     c = torch.empty(*a.shape[:-1], n, dtype=a.dtype, device=a.device)
     driver.launch(_kernel(entry).kernel.ptr, tuple(entry["grid"]), tuple(entry["block"]), entry["smem_bytes"],
@@ -170,8 +181,8 @@ class PythonPath:
     """The Python launch path behind the compiled op's two calls."""
 
     @staticmethod
-    def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return python_run(a, b, None, "kn")
+    def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return python_run(a, b, bias, "kn")
 
     @staticmethod
     def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,8 +193,8 @@ class _Unresolved:
     """Before the first call: pick the compiled op or the Python path, then step aside."""
 
     @staticmethod
-    def mm(a, b):
-        return torch.matmul(a, b) if torch.compiler.is_compiling() else _resolve().mm(a, b)
+    def mm(a, b, bias=None):
+        return fallback(a, b, bias, "kn") if torch.compiler.is_compiling() else _resolve().mm(a, b, bias)
 
     @staticmethod
     def linear(x, w, bias=None):
@@ -205,9 +216,9 @@ def path() -> str:
     return "python" if (_resolve() if _eager is _Unresolved else _eager) is PythonPath else "compiled"
 
 
-def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.matmul(a, b) with b of shape K x N (row-major)."""
-    return _eager.mm(a, b)
+def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.matmul(a, b) with b of shape K x N (row-major); with a bias, torch.addmm(bias, a, b)."""
+    return _eager.mm(a, b, bias)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -231,38 +242,58 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _eager.linear(x, self.weight, self.bias)
 
 
+def _conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return _eager.mm(x, self.weight, self.bias)
+
+
+def _conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2's projections: torch.addmm(bias, x, W), W K x N), with its own forward."""
+    return (type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
+            and module.weight.dim() == 2 and getattr(module, "nf", None) == module.weight.shape[1])
+
+
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm}
+ADDMMS = {torch.addmm, torch.Tensor.addmm}
 
 
 class MatmulMode(TorchFunctionMode):
-    """Routes torch.matmul / Tensor.matmul / @ / mm whose (M, N, K, dtype) was tuned with B K x N (or whose B is a
-    transposed view of a tuned N x K weight) through the exported op; every other call runs as it was."""
+    """Routes torch.matmul / Tensor.matmul / @ / mm, and addmm with a bias vector, whose (M, N, K, dtype, bias) was
+    tuned with B K x N (or whose B is a transposed view of a tuned N x K weight) through the exported op; every
+    other call runs as it was."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in MATMULS and not kwargs and len(args) == 2:
-            a, b = args
-            if problem_key(a, b, None, "kn") in MANIFEST["kernels"]:
-                return _eager.mm(a, b)
-            if b.dim() == 2 and problem_key(a, b.t(), None, "nk") in MANIFEST["kernels"]:
-                return _eager.linear(a, b.t())
+        if not kwargs and ((func in MATMULS and len(args) == 2) or (func in ADDMMS and len(args) == 3)):
+            bias, a, b = (None, *args) if func in MATMULS else args
+            if bias is None or bias.dim() == 1:
+                if problem_key(a, b, bias, "kn") in MANIFEST["kernels"]:
+                    return _eager.mm(a, b, bias)
+                if b.dim() == 2 and problem_key(a, b.t(), bias, "nk") in MANIFEST["kernels"]:
+                    return _eager.linear(a, b.t(), bias)
         return func(*args, **(kwargs or {}))
 
 
 def patch(model: nn.Module, matmul: bool = False) -> int:
     """Route `model`'s tuned nn.Linear layers (the class's own forward, weight N x K with a tuned (N, K, dtype,
-    bias)) through `linear`; each call still checks its M and operands and falls back to F.linear where they were
-    not tuned. matmul=True also runs the model's forward under MatmulMode (a TorchFunctionMode: it costs host time
-    on every torch call inside). Returns how many layers were routed; `unpatch(model)` restores the model exactly."""
+    bias)) through `linear`, and its tuned transformers Conv1D layers (weight K x N) through `mm`; each call still
+    checks its M and operands and falls back to PyTorch (the same call) where they were not tuned. matmul=True also
+    runs the model's forward under MatmulMode (a TorchFunctionMode: it costs host time on every torch call inside).
+    Returns how many layers were routed; `unpatch(model)` restores the model exactly."""
     _resolve()
-    tuned = _tuned("nk")
+    tuned = {"nk": _tuned("nk"), "kn": _tuned("kn")}
     routed = 0
     for module in model.modules():
-        if (module in _patched or not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward
-                or (module.out_features, module.in_features, module.weight.dtype, module.bias is not None)
-                not in tuned):
+        if module in _patched:
+            continue
+        if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+            layout, (n, k), forward = "nk", module.weight.shape, _linear_forward
+        elif _conv1d(module):
+            layout, (k, n), forward = "kn", module.weight.shape, _conv1d_forward
+        else:
+            continue
+        if (n, k, module.weight.dtype, module.bias is not None) not in tuned[layout]:
             continue
         _patched[module] = module.__dict__.get("forward", _NO_FORWARD)
-        module.forward = types.MethodType(_linear_forward, module)
+        module.forward = types.MethodType(forward, module)
         routed += 1
     if matmul and model not in _wrapped:
         inner = model.forward

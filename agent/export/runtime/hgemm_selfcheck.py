@@ -25,11 +25,15 @@ def operands(ops: types.SimpleNamespace, key: str) -> tuple:
 
 
 def call(path, a, b, bias, layout) -> torch.Tensor:
-    return path.mm(a, b) if layout == "kn" else path.linear(a, b, bias)
+    return path.mm(a, b, bias) if layout == "kn" else path.linear(a, b, bias)
 
 
 def cublas(a, b, bias, layout) -> torch.Tensor:
-    return torch.matmul(a, b) if layout == "kn" else F.linear(a, b, bias)
+    """What PyTorch computes for the call (a kn bias as torch.addmm fuses it)."""
+    if layout == "nk":
+        return F.linear(a, b, bias)
+    return torch.matmul(a, b) if bias is None else torch.addmm(bias, a.reshape(-1, a.shape[-1]), b).view(
+        *a.shape[:-1], b.shape[1])
 
 
 def verdict(label: str, out: torch.Tensor, a, b, bias, layout, factor: float) -> str:
