@@ -8,6 +8,7 @@ Kernels are launched through the driver (`sandbox.driver`) on `torch.cuda.curren
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
 import warnings
@@ -52,7 +53,12 @@ class Kernel:
         from templates import get_family
 
         fam = get_family(family)
-        return cls(cubin, lambda m, n, k: fam.launch(params, dataclasses.replace(problem, m=m, n=n, k=k), device))
+
+        @functools.lru_cache(maxsize=32)  # a spec per size: timed graphs capture hundreds of launches of one size
+        def rule(m: int, n: int, k: int) -> LaunchSpec:
+            return fam.launch(params, dataclasses.replace(problem, m=m, n=n, k=k), device)
+
+        return cls(cubin, rule)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, m: int, n: int, k: int,
                  bias: torch.Tensor | None = None) -> None:
