@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tests.export_fixtures import load_ops, small_export
@@ -99,12 +100,14 @@ def test_gpt2_style_conv1d_layers_are_routed_through_mm_with_their_bias(ops):
     assert ops.unpatch(model) == 1 and "forward" not in tuned.__dict__
 
 
-def test_matmul_mode_routes_addmm_with_a_bias_vector(ops):
+def test_matmul_mode_routes_addmm_with_a_bias_vector_and_functional_linear(ops):
     w, bias, x = torch.randn(8, 24).half(), torch.randn(24).half(), torch.randn(16, 8).half()
+    w_nk, b16 = torch.randn(24, 8).bfloat16(), torch.randn(24).bfloat16()
 
     class Net(nn.Module):
         def forward(self, x):
-            return torch.addmm(bias, x, w), torch.addmm(bias, x, w, beta=2.0)  # the second: scaled, not ours
+            return (torch.addmm(bias, x, w), torch.addmm(bias, x, w, beta=2.0),  # the second: scaled, not ours
+                    F.linear(x.bfloat16(), w_nk, bias=b16), F.linear(x, w.t().contiguous()))  # both tuned
 
     net = Net()
     with torch.no_grad():
@@ -113,7 +116,7 @@ def test_matmul_mode_routes_addmm_with_a_bias_vector(ops):
         spy = ops._eager = Spy(ops._eager)
         got = net(x)
     assert all(torch.equal(g, v) for g, v in zip(got, want, strict=True))
-    assert spy.calls == [("mm", (16, 8), True)]
+    assert spy.calls == [("mm", (16, 8), True), ("linear", (16, 8), True), ("linear", (16, 8), False)]
 
 
 def test_matmul_mode_and_own_forwards(ops):

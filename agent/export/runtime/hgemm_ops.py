@@ -8,7 +8,7 @@ with its build helper `hgemm_build.py`, and `hgemm_driver.py` (tensor maps and l
   bias fused); `linear(x, w, bias=None)` is `F.linear` (w N x K).
 - `patch(model, matmul=False)` routes each `nn.Linear` whose (N, K, dtype, bias) was tuned through `linear`, and
   each transformers `Conv1D` (GPT-2's projections: x @ W + b with W K x N) through `mm`; with matmul=True also
-  `torch.matmul` / `@` / `mm` / `addmm` on tuned shapes; `unpatch(model)` undoes it.
+  `F.linear` / `torch.matmul` / `@` / `mm` / `addmm` on tuned shapes; `unpatch(model)` undoes it.
 - Each call runs the exported kernel where its M, N, K, layout, dtype and bias were tuned (and beat cuBLAS), the
   operands are contiguous, 16-byte aligned tensors of one CUDA device and no gradient is wanted; anything else is
   `torch.matmul` / `F.linear`, with the same result it would have had.
@@ -257,19 +257,24 @@ ADDMMS = {torch.addmm, torch.Tensor.addmm}
 
 
 class MatmulMode(TorchFunctionMode):
-    """Routes torch.matmul / Tensor.matmul / @ / mm, and addmm with a bias vector, whose (M, N, K, dtype, bias) was
-    tuned with B K x N (or whose B is a transposed view of a tuned N x K weight) through the exported op; every
-    other call runs as it was."""
+    """Routes F.linear, torch.matmul / Tensor.matmul / @ / mm, and addmm with a bias vector, whose (M, N, K, dtype,
+    bias) was tuned (B K x N, or N x K: a weight, or a transposed view of one) through the exported op; every other
+    call runs as it was."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not kwargs and ((func in MATMULS and len(args) == 2) or (func in ADDMMS and len(args) == 3)):
+        kwargs = kwargs or {}
+        if func is F.linear and 2 <= len(args) + len(kwargs) <= 3 and set(kwargs) <= {"bias"}:
+            x, w, bias = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
+            if problem_key(x, w, bias, "nk") in MANIFEST["kernels"]:
+                return _eager.linear(x, w, bias)
+        elif not kwargs and ((func in MATMULS and len(args) == 2) or (func in ADDMMS and len(args) == 3)):
             bias, a, b = (None, *args) if func in MATMULS else args
             if bias is None or bias.dim() == 1:
                 if problem_key(a, b, bias, "kn") in MANIFEST["kernels"]:
                     return _eager.mm(a, b, bias)
                 if b.dim() == 2 and problem_key(a, b.t(), bias, "nk") in MANIFEST["kernels"]:
                     return _eager.linear(a, b.t(), bias)
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 def patch(model: nn.Module, matmul: bool = False) -> int:
