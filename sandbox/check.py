@@ -109,13 +109,17 @@ def b_as_kn(b: torch.Tensor, b_layout: str) -> torch.Tensor:
 
 
 def reference(a: torch.Tensor, b_kn: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp64 product (plus bias) and cuBLAS's result in the inputs' dtype (bias fused, as F.linear does), as fp64."""
+    """The fp64 products (plus bias) and cuBLAS's results in the inputs' dtype (bias fused, as F.linear does), as
+    fp64: a [S, M, K], b_kn [S or 1, K, N], bias [S or 1, N] or None."""
     ref = a.double() @ b_kn.double()
-    if bias is None:
+    if bias is not None:
+        ref += bias.double()[:, None, :]
+    if a.shape[0] == 1:  # cuBLAS as the user calls it: torch.matmul, or addmm with the bias fused
+        cublas = (a[0] @ b_kn[0] if bias is None else torch.addmm(bias[0], a[0], b_kn[0]))[None]
+    elif bias is None:
         cublas = a @ b_kn
     else:
-        ref += bias.double()
-        cublas = torch.addmm(bias, a, b_kn)
+        cublas = torch.baddbmm(bias[:, None, :].expand(a.shape[0], -1, -1), a, b_kn.expand(a.shape[0], -1, -1))
     return ref, cublas.double()
 
 
@@ -193,17 +197,8 @@ class Checker:
         """`verify` on S outputs at once, with one host synchronisation: out [S, M, N], a [S, M, K], b [S, K, N]
         ([S, N, K] for nk) and bias [S, N] or None, where S may be 1 for b and bias (shared); what[i] names output
         i in a finding. Each output passes or fails exactly as it would alone."""
-        b_kn = b if self.problem.b_layout == "kn" else b.transpose(-1, -2)
-        ref = a.double() @ b_kn.double()
-        if bias is not None:
-            ref += bias.double()[:, None, :]
-        if a.shape[0] == 1:  # cuBLAS as the user calls it: torch.matmul, or addmm with the bias fused
-            cublas = (a[0] @ b_kn[0] if bias is None else torch.addmm(bias[0], a[0], b_kn[0]))[None]
-        elif bias is None:
-            cublas = a @ b_kn
-        else:
-            cublas = torch.baddbmm(bias[:, None, :].expand(a.shape[0], -1, -1), a, b_kn.expand(a.shape[0], -1, -1))
-        out, cublas = out.double(), cublas.double()
+        ref, cublas = reference(a, b if self.problem.b_layout == "kn" else b.transpose(-1, -2), bias)
+        out = out.double()
         finite = torch.isfinite(out).flatten(1).all(1)
         err, cub_err = _rel_fro(out, ref), _rel_fro(cublas, ref)
         diff, cub_diff = (out - ref).abs(), (cublas - ref).abs().flatten(1).amax(1)
