@@ -29,6 +29,7 @@ from sandbox.timing import L2Flush, Subject, graph_estimate_us, launches_for, me
 MEMORY_BUDGET = 6 << 30  # bytes of timing buffers per subject; beyond it launches share sets and outputs
 FRESH_SLOTS = 64
 NONDETERMINISTIC_SAMPLE = 16
+VERIFY_BYTES = 1 << 30  # a verification batch's B, gathered and in fp64 (10 bytes an element), stays below this
 Launch = Callable[..., None]  # launch(A, B, C, M, N, K, bias)
 
 
@@ -145,7 +146,6 @@ class TimedBuffers:
             raise CheckFailed(f"the timed launches left a wrong result: output {o} differs from output "
                               f"{int(twin[o])} on the same inputs ({where})")
 
-
     def _verify_outputs(self, outputs: list[int], where: str) -> None:
         """A random sample of rows of each of these outputs (its own) against its operands (fp64 reference and
         cuBLAS's error), in batches whose B, in fp64, stays within VERIFY_BYTES."""
@@ -168,7 +168,6 @@ class TimedBuffers:
                 [f"the timed launches left a wrong result ({where}, output {o})" for o in part])
 
 
-VERIFY_BYTES = 1 << 30
 # A candidate's cold time may exceed its warm time by cuBLAS's own gap plus this much before its warm time is
 # suspected of reuse: a share of cuBLAS's cold time, and a fixed slack (launch and flush noise).
 GAP_SLACK_SHARE, GAP_SLACK_US = 0.10, 1.0
