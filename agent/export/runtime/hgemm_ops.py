@@ -247,7 +247,7 @@ def _conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _conv1d(module: nn.Module) -> bool:
-    """transformers' Conv1D (GPT-2's projections: torch.addmm(bias, x, W), W K x N), with its own forward."""
+    """transformers' Conv1D (GPT-2's projections: torch.addmm(bias, x, W), W K x N)."""
     return (type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
             and module.weight.dim() == 2 and getattr(module, "nf", None) == module.weight.shape[1])
 
@@ -337,7 +337,7 @@ def selfcheck(factor: float = 2.0) -> list[str]:
     """hgemm_selfcheck.py: every exported kernel through each launch path against an fp64 reference and cuBLAS,
     then the compiled op in a CUDA graph, on a side stream and under torch.compile."""
     ops = types.SimpleNamespace(MANIFEST=MANIFEST, DTYPES=DTYPES, parse_key=parse_key, problem_key=problem_key,
-                                compiled=compiled, PythonPath=PythonPath, mm=mm, linear=linear)
+                                compiled=compiled, PythonPath=PythonPath, mm=mm, linear=linear, fallback=fallback)
     return _sibling("hgemm_selfcheck").selfcheck(ops, factor)
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.nn.functional as F
 
 
 def operands(ops: types.SimpleNamespace, key: str) -> tuple:
@@ -28,20 +27,12 @@ def call(path, a, b, bias, layout) -> torch.Tensor:
     return path.mm(a, b, bias) if layout == "kn" else path.linear(a, b, bias)
 
 
-def cublas(a, b, bias, layout) -> torch.Tensor:
-    """What PyTorch computes for the call (a kn bias as torch.addmm fuses it)."""
-    if layout == "nk":
-        return F.linear(a, b, bias)
-    return torch.matmul(a, b) if bias is None else torch.addmm(bias, a.reshape(-1, a.shape[-1]), b).view(
-        *a.shape[:-1], b.shape[1])
-
-
-def verdict(label: str, out: torch.Tensor, a, b, bias, layout, factor: float) -> str:
+def verdict(ops: types.SimpleNamespace, label: str, out: torch.Tensor, a, b, bias, layout, factor: float) -> str:
     b_kn = b if layout == "kn" else b.t()
     ref = a.double() @ b_kn.double() + (bias.double() if bias is not None else 0)
     size = torch.linalg.norm(ref)
     err = float(torch.linalg.norm(out.double().reshape(ref.shape) - ref) / size)
-    cub = float(torch.linalg.norm(cublas(a, b, bias, layout).double() - ref) / size)
+    cub = float(torch.linalg.norm(ops.fallback(a, b, bias, layout).double() - ref) / size)
     ok = out.numel() == ref.numel() and bool(torch.isfinite(out).all()) and err <= factor * cub + 1e-6
     line = f"{label}: {'ok' if ok else 'FAILED'} rel err {err:.2e} (cuBLAS {cub:.2e})"
     assert ok, line
@@ -60,7 +51,7 @@ def selfcheck(ops: types.SimpleNamespace, factor: float = 2.0) -> list[str]:
             out = call(ext, *args)
         graph.replay()
         torch.cuda.synchronize()
-        lines.append(verdict(f"{kernels[0]} compiled, first call inside a CUDA-graph capture", out, *args, factor))
+        lines.append(verdict(ops, f"{kernels[0]} compiled, first call inside a CUDA-graph capture", out, *args, factor))
     paths = {"compiled": ext, "python": ops.PythonPath} if ext is not None else {"python": ops.PythonPath}
     with torch.no_grad():
         for key in kernels:
@@ -68,7 +59,7 @@ def selfcheck(ops: types.SimpleNamespace, factor: float = 2.0) -> list[str]:
             for name, path in paths.items():
                 out = call(path, *args)
                 torch.cuda.synchronize()
-                lines.append(verdict(f"{key} {name}", out, *args, factor))
+                lines.append(verdict(ops, f"{key} {name}", out, *args, factor))
     if ext is None or not kernels:
         return lines + [f"{key}: cuBLAS (no kernel beat it)" for key in ops.MANIFEST.get("cublas", [])]
     a, b, bias, layout = args = operands(ops, kernels[-1])
@@ -77,14 +68,14 @@ def selfcheck(ops: types.SimpleNamespace, factor: float = 2.0) -> list[str]:
     with torch.cuda.stream(side):
         out = call(ext, *args)
     side.synchronize()
-    lines.append(verdict(f"{kernels[-1]} compiled, on a side stream", out, *args, factor))
+    lines.append(verdict(ops, f"{kernels[-1]} compiled, on a side stream", out, *args, factor))
     traced = torch.compile(lambda a3, b, bias: call(ops, a3, b, bias, layout), fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         out = traced(a.unsqueeze(0), b, bias)
-    lines.append(verdict(f"{kernels[-1]} under torch.compile(fullgraph=True), a 3-D input", out, *args, factor))
+    lines.append(verdict(ops, f"{kernels[-1]} under torch.compile(fullgraph=True), a 3-D input", out, *args, factor))
     untuned = torch.cat([a, a[:1]])  # one row more than the tuned M
     if ops.problem_key(untuned, b, bias, layout) not in ops.MANIFEST["kernels"]:
-        same = torch.equal(call(ext, untuned, b, bias, layout), cublas(untuned, b, bias, layout))
+        same = torch.equal(call(ext, untuned, b, bias, layout), ops.fallback(untuned, b, bias, layout))
         lines.append(f"{kernels[-1]} with M + 1 (not tuned): {'cuBLAS, same result' if same else 'FAILED'}")
         assert same, lines[-1]
     return lines + [f"{key}: cuBLAS (no kernel beat it)" for key in ops.MANIFEST.get("cublas", [])]
