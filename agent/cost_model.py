@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from agent import gbt
-from agent.tuning_db import TuningRow
+from agent.tuning_db import TuningDB, TuningRow
 from core.records import Problem, Status
 
 MIN_PROBLEMS = 4
@@ -171,3 +172,41 @@ def train(rows: list[TuningRow], device: str, seed: int = 0, rank_weight: float 
     booster = gbt.fit(data.x, data.y, data.weight, gbt.Settings(seed=seed))
     model = CostModel(device, booster, frozenset(families), known, len(known), n_problems, rank_weight)
     return model, model.summary
+
+
+RETRAIN_GROWTH = 1.25  # a run's model is retrained once the database holds a quarter more problems (at least one)
+
+
+class Learner:
+    """The cost model a run orders by, kept current: retrained from the tuning database when the database holds
+    measurements of RETRAIN_GROWTH times the problems (at least one more) of this GPU model than the last training
+    saw, checked as each new problem's settings are ordered. So every shape of a run is ordered by everything measured
+    before it, the run's own earlier shapes included: a first run on an empty database learns as it goes. Orders and
+    priors as `CostModel` does; where it has no model, the family's own order and no prior."""
+
+    def __init__(self, db: TuningDB, device: str, seed: int = 0,
+                 notify: Callable[[str], None] | None = None):
+        self.db, self.device, self.seed, self.notify = db, device, seed, notify
+        self.model: CostModel | None = None
+        self.trained_on = 0  # problems the last training saw
+        self.note = self._train(self.db.problem_count(device))
+
+    def _train(self, problems: int) -> str:
+        model, note = train(self.db.rows(self.device), self.device, seed=self.seed)
+        self.trained_on, self.model = problems, model or self.model
+        return note
+
+    def _refresh(self) -> None:
+        problems = self.db.problem_count(self.device)
+        if problems >= max(MIN_PROBLEMS, self.trained_on + 1, RETRAIN_GROWTH * self.trained_on):
+            note = self._train(problems)
+            if self.notify is not None:
+                self.notify(f"retrained on {problems} problems: {note}")
+
+    def order(self, problem: Problem, family: str, settings: list[dict[str, Any]], sms: int) -> list[dict[str, Any]]:
+        self._refresh()
+        return self.model.order(problem, family, settings, sms) if self.model else list(settings)
+
+    def prior(self, problem: Problem, family: str, ordered: list[dict[str, Any]], sms: int
+              ) -> tuple[float, float] | None:
+        return self.model.prior(problem, family, ordered, sms) if self.model else None

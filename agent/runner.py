@@ -11,7 +11,7 @@ import sqlite3
 from collections.abc import Callable
 
 from agent.config import RunConfig
-from agent.cost_model import CostModel, train
+from agent.cost_model import Learner
 from agent.loop import SearchLoop
 from agent.proposers import make_proposer
 from agent.report import LineView, LiveView, next_steps, show_run
@@ -78,18 +78,18 @@ def start_pool(arch: str | None, gpus: tuple[int, ...] | str | None = None,
     return executor, facts
 
 
-def open_tuning(path: str | None, device: DeviceFacts, seed: int) -> tuple[TuningDB | None, CostModel | None, str]:
-    """The tuning database and a cost model trained on its rows of this GPU model, with a line saying what was
-    learned; a database that cannot be opened leaves the run without one (said once), never stops it."""
+def open_tuning(path: str | None, device: DeviceFacts, seed: int) -> tuple[TuningDB | None, Learner | None, str]:
+    """The tuning database and the cost model learning from its rows of this GPU model (retrained as the run adds
+    problems), with a line saying what was learned; a database that cannot be opened leaves the run without one
+    (said once), never stops it."""
     if path is None:
         return None, None, ""
     try:
         db = TuningDB(path)
-        rows = db.rows(device.name)
+        learner = Learner(db, device.name, seed=seed)
     except (TuningDbError, sqlite3.Error) as e:
         return None, None, f"{e}: the run goes on without a tuning database"
-    model, note = train(rows, device.name, seed=seed)
-    return db, model, f"tuning database {db.path}; {note}"
+    return db, learner, f"tuning database {db.path}; {learner.note}"
 
 
 def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore | None,
@@ -128,6 +128,8 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
         if tuning_note:
             store.event("tuning", tuning_note)
             console.print(tuning_note)
+        if model is not None:
+            model.notify = lambda note: store.event("tuning", note)
         if db is not None and device is not None:  # compile-only results are not measurements
 
             def tuning_failed(message: str) -> None:

@@ -109,6 +109,11 @@ class TuningDB:
                                  bool(edited), Status(status), speedup, run))
         return out
 
+    def problem_count(self, device: str) -> int:
+        """Distinct problems measured on this GPU model."""
+        return self.db.execute("SELECT COUNT(DISTINCT m || '_' || n || '_' || k || b_layout || dtype || bias) "
+                               "FROM measured WHERE device = ?", (device,)).fetchone()[0]
+
     def summary(self) -> list[tuple[str, str, int, int, int]]:
         """(device, family, rows, passed, distinct problems) per device and family."""
         return self.db.execute(

@@ -147,6 +147,15 @@ def test_leave_one_shape_out_needs_fewer_candidates_than_todays_order_and_random
     assert "| learned |" in compare_search.table(outcomes)
 
 
+def test_learning_only_from_earlier_shapes_starts_after_min_problems_and_then_helps():
+    """A run on an empty database (compare --before): no model for the first shapes, then fewer candidates."""
+    outcomes = compare_search.compare(synthetic_rows(), DEVICE, seeds=3, before=True)
+    assert [bool(o.needed["learned"]) for o in outcomes] == [i >= MIN_PROBLEMS for i in range(len(SHAPES))]
+    later = outcomes[MIN_PROBLEMS + 2:]
+    learned = np.mean([np.median(o.needed["learned"]) for o in later])
+    assert learned < 0.5 * np.mean([np.median(o.needed["today"]) for o in later])
+
+
 def test_leave_one_shape_out_learns_nothing_from_noise():
     """Where speed-ups are noise unrelated to any feature, the learned order is no better than random."""
     rng = random.Random(5)

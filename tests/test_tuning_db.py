@@ -10,15 +10,16 @@ import pytest
 import agent.runner
 from agent.cli import main
 from agent.config import RunConfig
+from agent.cost_model import MIN_PROBLEMS
 from agent.loop import SearchLoop
 from agent.proposers.builtin import BuiltinProposer
 from agent.runner import open_tuning
 from agent.store import RunStore
 from agent.tuning_db import TuningDB, TuningDbError, TuningRecorder, TuningRow
 from core.device import H200
-from core.records import Candidate, EvalResult, Problem, Status, Timing
+from core.records import Candidate, EvalJob, EvalResult, Problem, Status, Timing
 from sandbox.executor import InlineExecutor
-from templates import families_for_arch
+from templates import families_for_arch, get_family
 from tests.helpers import fake_evaluate, populated_run, sometimes_wrong
 
 P = Problem(1000, 3000, 2000)
@@ -139,3 +140,34 @@ def test_runs_add_to_the_database_and_a_later_run_learns_from_it(tmp_path, capsy
     assert first.family == "sm90_wgmma" and first.params["block_n"] == 64
     code = main(["run", "--mnk", "64_64_64", "--no-db", "--db", "x", "--runs-dir", str(runs)])
     assert code == 2 and "not both" in capsys.readouterr().err
+
+
+def three_stages_win(job: EvalJob) -> EvalResult:
+    """sm90 settings with a 3-stage ring are 2x cuBLAS, everything else 0.5x: a truth the families' order lacks."""
+    return ok(job.candidate_id, 15.0 if job.family == "sm90_wgmma" and job.params["stages"] == 3 else 60.0)
+
+
+def test_a_first_run_on_an_empty_database_learns_from_its_own_earlier_shapes(tmp_path, monkeypatch):
+    monkeypatch.setattr(agent.runner, "start_pool",
+                        lambda arch, gpus=None, cluster=None: (InlineExecutor(three_stages_win), H200))
+    shapes = [Problem(m, 4096, 4096) for m in range(1000, 1500, 50)]
+    assert all(get_family("sm90_wgmma").space(p, H200)[0]["stages"] != 3 for p in shapes)  # not its own order
+    (tmp_path / "shapes.txt").write_text("".join(f"{p.mnk}\n" for p in shapes))
+    db_path, runs = tmp_path / "t.sqlite", tmp_path / "runs"
+    assert main(["run", "--shapes", str(tmp_path / "shapes.txt"), "--db", str(db_path), "--max-candidates", "14",
+                 "--no-profile", "--runs-dir", str(runs)]) == 0
+    (folder,) = runs.iterdir()
+    store = RunStore(folder)
+    firsts = [next(c for c in store.candidates() if c.problem == p) for p in shapes]
+    assert not any(c.family == "sm90_wgmma" and c.params["stages"] == 3 for c in firsts[:MIN_PROBLEMS])
+    assert all(c.family == "sm90_wgmma" and c.params["stages"] == 3 for c in firsts[-2:])  # learned in the run
+    assert any(kind == "tuning" and "retrained on" in text and "order sm" in text for _, kind, text in store.events())
+
+
+def test_problem_count_is_per_gpu_model(tmp_path):
+    db = TuningDB(tmp_path / "t.sqlite")
+    for problem in (P, Problem(64, 64, 64), Problem(64, 64, 64, "nk")):
+        c = Candidate(problem, "sm90_wgmma", SETTING)
+        db.record("run1", H200, "sm_90a", c, ok(c.id, 20.0), [1.5])
+        db.record("run1", H200, "sm_90a", Candidate(problem, "sm80_mma", {"block_m": 64}), ok(c.id, 20.0), [1.5])
+    assert db.problem_count("NVIDIA H200") == 3 and db.problem_count("NVIDIA A100") == 0

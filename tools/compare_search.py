@@ -3,6 +3,7 @@ the best speed-up measured for a shape, on shapes the learned model was not trai
 
     python tools/compare_search.py --db tuning.sqlite [--device "NVIDIA H200"] [--seeds 10]
     python tools/compare_search.py --runs runs/RUN_A runs/RUN_B      (run stores, imported into a scratch database)
+    python tools/compare_search.py --db tuning.sqlite --before       (learning only from the shapes measured earlier)
 
 Every problem with at least --min-space measured settings is held out in turn, together with the other layout of
 its M_N_K (leave one shape out): a cost model is trained on the rest of the device's rows, and three strategies
@@ -96,18 +97,26 @@ def needed(problem: Problem, results: dict[str, float | None], proposer: Builtin
 
 
 def compare(rows: list[TuningRow], device: str, seeds: int = 10, min_space: int = 20, arch: str = "sm_90a",
-            rank_weight: float = RANK_WEIGHT) -> list[Outcome]:
+            rank_weight: float = RANK_WEIGHT, before: bool = False) -> list[Outcome]:
+    """Per scored problem, the candidates each strategy needed. The model learns from every other shape, or with
+    `before` only from the shapes first measured before it (the rows' order): a run on an empty database, learning
+    as it goes."""
     mine = [r for r in rows if r.device == device]
     if not mine:
         return []
     facts = DeviceFacts.from_dict({"name": device, "sms": mine[0].sms})
     names = {Candidate(r.problem, r.family, r.params).id: describe(r.family, r.params) for r in mine}
+    first_seen: dict[Problem, int] = {}
+    for i, r in enumerate(mine):
+        first_seen.setdefault(r.problem, i)
     outcomes = []
     for problem, results in oracle(mine).items():
         ok = [v for v in results.values() if v is not None]
         if len(ok) < min_space:
             continue
         rest = [r for r in mine if r.problem.mnk != problem.mnk]  # both layouts of the shape held out
+        if before:
+            rest = [r for r in rest if first_seen[r.problem] < first_seen[problem]]
         model, _ = train(rest, device, rank_weight=rank_weight)
         walk, draw = _only(BuiltinProposer, set(results)), _only(RandomProposer, set(results))
         learned, today = walk(model), walk()
@@ -149,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--min-space", type=int, default=20, help="least passed settings for a shape to be scored")
     ap.add_argument("--rank-weight", type=float, default=RANK_WEIGHT, help="the rules' order as the model's prior")
+    ap.add_argument("--before", action="store_true",
+                    help="learn only from the shapes measured before each one (a first run, learning as it goes)")
     args = ap.parse_args(argv)
     if bool(args.db) == bool(args.runs):
         print("error: give --db FILE or --runs RUN...", file=sys.stderr)
@@ -163,12 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         counts[r.device] += 1
     device = args.device or max(counts, key=counts.get, default=None)
-    outcomes = compare(rows, device, args.seeds, args.min_space, rank_weight=args.rank_weight) if device else []
+    outcomes = (compare(rows, device, args.seeds, args.min_space, rank_weight=args.rank_weight, before=args.before)
+                if device else [])
     if not outcomes:
         print(f"error: no shape with {args.min_space} measured settings on {device or 'any GPU'}", file=sys.stderr)
         return 2
     print(f"{device}: candidates until one is within 2% of the best measured, median (worst) over {args.seeds} seeds;"
-          " each shape held out of the model's training")
+          + (" the model trained only on the shapes measured before it" if args.before else
+             " each shape held out of the model's training"))
     print(table(outcomes))
     return 0
 

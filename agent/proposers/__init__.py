@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from agent.config import RunConfig
-from agent.cost_model import CostModel
+from agent.cost_model import CostModel, Learner
 from agent.proposers.base import Proposer
 
 
-def make_proposer(config: RunConfig, model: CostModel | None = None) -> Proposer:
+def make_proposer(config: RunConfig, model: CostModel | Learner | None = None) -> Proposer:
     """--proposer builtin; mixed: the LLM every other call; llm: the LLM every call, built-in only where it has none.
     The built-in proposer orders its candidates by `model` where it has one."""
     from agent.proposers.builtin import BuiltinProposer

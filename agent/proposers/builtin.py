@@ -2,7 +2,7 @@
 
 An arm is a family; within it, settings are tried in the family's own order (its cost model's best guesses
 first), or in the learned cost model's order where the tuning database holds enough measurements of the family on
-this GPU model, which then also sets the arm's prior. `RandomProposer` draws uniformly from the same space: the
+this GPU model (a run's `Learner` retrains as the run measures new problems), which then also sets the arm's prior. `RandomProposer` draws uniformly from the same space: the
 baseline the bandit must beat.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from agent.cost_model import CostModel
+from agent.cost_model import CostModel, Learner
 from agent.proposers.base import Proposer, SearchState, arm_of
 from core.records import Candidate
 from templates import families_for_arch
@@ -20,7 +20,7 @@ from templates.family import Family
 class BuiltinProposer(Proposer):
     name = "builtin"
 
-    def __init__(self, model: CostModel | None = None):
+    def __init__(self, model: CostModel | Learner | None = None):
         self.model = model
         self._spaces: dict[tuple, list[tuple[str, Candidate]]] = {}
 
