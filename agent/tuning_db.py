@@ -102,17 +102,19 @@ class TuningDB:
     def rows(self, device: str | None = None) -> list[TuningRow]:
         q = ("SELECT device, sms, m, n, k, b_layout, dtype, bias, family, params, edited, status, speedup, run_id "
              "FROM measured" + (" WHERE device = ?" if device else "") + " ORDER BY created")
+        with self.lock:  # a run reads (its cost model retrains) while it records
+            found = self.db.execute(q, (device,) if device else ()).fetchall()
         out = []
-        for d, sms, m, n, k, layout, dtype, bias, family, params, edited, status, speedup, run in self.db.execute(
-                q, (device,) if device else ()):
+        for d, sms, m, n, k, layout, dtype, bias, family, params, edited, status, speedup, run in found:
             out.append(TuningRow(d, sms, Problem(m, n, k, layout, dtype, bool(bias)), family, json.loads(params),
                                  bool(edited), Status(status), speedup, run))
         return out
 
     def problem_count(self, device: str) -> int:
         """Distinct problems measured on this GPU model."""
-        return self.db.execute("SELECT COUNT(DISTINCT m || '_' || n || '_' || k || b_layout || dtype || bias) "
-                               "FROM measured WHERE device = ?", (device,)).fetchone()[0]
+        with self.lock:
+            return self.db.execute("SELECT COUNT(DISTINCT m || '_' || n || '_' || k || b_layout || dtype || bias) "
+                                   "FROM measured WHERE device = ?", (device,)).fetchone()[0]
 
     def summary(self) -> list[tuple[str, str, int, int, int]]:
         """(device, family, rows, passed, distinct problems) per device and family."""

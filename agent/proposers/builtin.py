@@ -2,8 +2,8 @@
 
 An arm is a family; within it, settings are tried in the family's own order (its cost model's best guesses
 first), or in the learned cost model's order where the tuning database holds enough measurements of the family on
-this GPU model (a run's `Learner` retrains as the run measures new problems), which then also sets the arm's prior. `RandomProposer` draws uniformly from the same space: the
-baseline the bandit must beat.
+this GPU model (a run's `Learner` retrains as the run measures new problems), which then also sets the arm's
+prior. `RandomProposer` draws uniformly from the same space: the baseline the bandit must beat.
 """
 
 from __future__ import annotations
