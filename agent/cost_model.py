@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import sqlite3
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -186,22 +187,30 @@ class Learner:
 
     def __init__(self, db: TuningDB, device: str, seed: int = 0,
                  notify: Callable[[str], None] | None = None):
-        self.db, self.device, self.seed, self.notify = db, device, seed, notify
+        self.db: TuningDB | None = db  # None once reading it failed
+        self.device, self.seed, self.notify = device, seed, notify
         self.model: CostModel | None = None
         self.trained_on = 0  # problems the last training saw
-        self.note = self._train(self.db.problem_count(device))
+        self.note = self._train(db.problem_count(device))
 
     def _train(self, problems: int) -> str:
+        assert self.db is not None
         model, note = train(self.db.rows(self.device), self.device, seed=self.seed)
         self.trained_on, self.model = problems, model or self.model
         return note
 
     def _refresh(self) -> None:
-        problems = self.db.problem_count(self.device)
-        if problems >= max(MIN_PROBLEMS, self.trained_on + 1, RETRAIN_GROWTH * self.trained_on):
-            note = self._train(problems)
-            if self.notify is not None:
-                self.notify(f"retrained on {problems} problems: {note}")
+        if self.db is None:
+            return
+        try:
+            problems = self.db.problem_count(self.device)
+            if problems < max(MIN_PROBLEMS, self.trained_on + 1, RETRAIN_GROWTH * self.trained_on):
+                return
+            note = f"retrained on {problems} problems: {self._train(problems)}"
+        except sqlite3.Error as e:  # the database never stops a run: keep the model as it is
+            self.db, note = None, f"cost model no longer retrained: reading the tuning database failed: {e}"
+        if self.notify is not None:
+            self.notify(note)
 
     def order(self, problem: Problem, family: str, settings: list[dict[str, Any]], sms: int) -> list[dict[str, Any]]:
         self._refresh()

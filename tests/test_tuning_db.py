@@ -171,3 +171,16 @@ def test_problem_count_is_per_gpu_model(tmp_path):
         db.record("run1", H200, "sm_90a", c, ok(c.id, 20.0), [1.5])
         db.record("run1", H200, "sm_90a", Candidate(problem, "sm80_mma", {"block_m": 64}), ok(c.id, 20.0), [1.5])
     assert db.problem_count("NVIDIA H200") == 3 and db.problem_count("NVIDIA A100") == 0
+
+
+def test_a_database_that_fails_mid_run_leaves_the_model_as_it_was(tmp_path):
+    from agent.cost_model import Learner
+
+    notes = []
+    learner = Learner(TuningDB(tmp_path / "t.sqlite"), "NVIDIA H200", notify=notes.append)
+    learner.db.db.close()  # the file went away under the run
+    space = get_family("sm90_wgmma").space(P, H200)
+    assert learner.order(P, "sm90_wgmma", space, 132) == space and learner.db is None
+    assert len(notes) == 1 and "no longer retrained" in notes[0]
+    learner.order(P, "sm90_wgmma", space, 132)
+    assert len(notes) == 1  # said once
