@@ -65,11 +65,16 @@ class _Shape:
 class SearchLoop:
     def __init__(self, store: RunStore, config: RunConfig, proposer: Proposer, arch: str,
                  evaluate: Executor | Callable[[EvalJob], EvalResult] | None, observer: Observer | None = None,
-                 profiler: Profiler | None = None, device: DeviceFacts = H200, builder: BuildPool | None = None):
+                 profiler: Profiler | None = None, device: DeviceFacts = H200, builder: BuildPool | None = None,
+                 ahead: BuildPool | None = None):
         self.store, self.config, self.proposer, self.arch, self.device = store, config, proposer, arch, device
         # None: compile only; a plain function is called in this thread, one job at a time
         self.executor = evaluate if evaluate is None or isinstance(evaluate, Executor) else InlineExecutor(evaluate)
         self.builder = builder or BuildPool()
+        # compiles the proposer's likely next candidates while the GPUs evaluate (None: not at all, or compile only)
+        self.ahead = ahead if self.executor is not None else None
+        self._ahead: dict[str, Future] = {}  # candidate id -> its build, started ahead
+        self._ahead_busy: list[Future] = []  # builds started ahead and not finished (stale ones too)
         self.observe = observer or (lambda kind, data: None)
         # None, compile-only or --no-profile: no profiles; switched off for the run when ncu cannot profile
         self.profiler = profiler if evaluate is not None and config.profile else None
@@ -99,6 +104,7 @@ class SearchLoop:
                 self._top_up(current)
                 if current.phase != "search" and current.jobs == 0:
                     continue  # it ended with nothing in flight: settle it now
+                self._compile_ahead(current)
             if self.pending:
                 self._wait()
         return [summaries[i] for i in range(len(problems))]
@@ -134,6 +140,7 @@ class SearchLoop:
         return state
 
     def _begin(self, index: int, problem: Problem, deadline: float) -> _Shape:
+        self._ahead.clear()  # the last shape's builds started ahead and never proposed (still counted while busy)
         state = self.restore(problem)
         self.observe("shape", {"problem": problem, "resumed": len(state.tried)})
         return _Shape(index, problem, state, deadline)
@@ -156,6 +163,26 @@ class SearchLoop:
             for cand in batch[:left]:
                 s.state.pending.add(cand.id)
                 self._launch(cand, s, lambda build, result, cand=cand: self._searched(s, cand, build, result))
+
+    def _compile_ahead(self, s: _Shape) -> None:
+        """Start compiling what the proposer is likely to propose next for the shape, at most one build a process
+        of the ahead pool at a time: with one GPU NVRTC then runs while the GPU evaluates instead of between
+        evaluations. What is proposed, and in which order, does not depend on it."""
+        if self.ahead is None or s.phase != "search":
+            return
+        self._ahead_busy = [f for f in self._ahead_busy if not f.done()]
+        for c in self.proposer.upcoming(s.state):
+            if len(self._ahead_busy) >= max(1, self.ahead.processes):
+                return
+            if c.id in self._ahead:
+                continue
+            try:
+                source = get_family(c.family).render(c.params, c.problem, c.template_override)
+            except Exception:  # the candidate's own launch records why
+                continue
+            build = self._ahead[c.id] = self.ahead.submit(source, self.arch, c.id, self.config.compile_timeout_s)
+            if not build.done():
+                self._ahead_busy.append(build)
 
     def _follow_up_reserve(self, s: _Shape) -> float:
         """Seconds to keep back from the shape's budget for its re-measurement: without it every shape overran its
@@ -268,8 +295,20 @@ class SearchLoop:
         except Exception as e:  # invalid parameters, or an edited template that does not render
             then(None, self._record(EvalResult(cand.id, Status.INVALID, f"{type(e).__name__}: {e}"[:500])))
             return
-        build = self.builder.submit(source, self.arch, cand.id, self.config.compile_timeout_s)
-        self._await(build, s, lambda b: self._built(cand, s, b, then))
+        ahead = self._ahead.pop(cand.id, None)
+        if ahead is None:
+            build = self.builder.submit(source, self.arch, cand.id, self.config.compile_timeout_s)
+            self._await(build, s, lambda b: self._built(cand, s, b, then))
+            return
+
+        def built_ahead(b: BuildResult) -> None:
+            if b.ok:
+                self._built(cand, s, b, then)
+            else:  # a compile ahead that failed (its process died, a timeout under load) is not the verdict
+                again = self.builder.submit(source, self.arch, cand.id, self.config.compile_timeout_s)
+                self._await(again, s, lambda b: self._built(cand, s, b, then))
+
+        self._await(ahead, s, built_ahead)
 
     def _built(self, cand: Candidate, s: _Shape | None, build: BuildResult, then: Done) -> None:
         self.store.add_build(build)

@@ -27,6 +27,7 @@ from sandbox.profile import profile_candidate
 EXIT_INTERRUPTED = 130
 TIMING_COPIES = 8  # operand footprints a problem needs at once: check buffers, two timed sets a subject, references
 EXIT_LOST = 1
+AHEAD_PROCESSES = 4  # NVRTC processes compiling the proposer's likely next candidates (at most)
 NO_GPU = "--compile-only renders and compiles without one"
 
 
@@ -113,6 +114,8 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
     slots = pool.slots if pool else 1
     # one GPU: one candidate at a time, compiled in this process as before; more: compiles ahead in processes
     builder = BuildPool(0 if slots == 1 else min(2 * slots - 1, os.cpu_count() or 1))
+    # and the proposer's likely next candidates, while the GPUs evaluate: cores the builder and workers leave
+    ahead = None if config.compile_only else BuildPool(max(1, min(AHEAD_PROCESSES, (os.cpu_count() or 1) - slots)))
     db, model, tuning_note = open_tuning(config.tuning_db, facts, config.seed)
     proposer = make_proposer(config, model)
     try:
@@ -141,7 +144,7 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
         title = f"run {store.run_id}: {config.proposer} proposer, {arch}, {where}"
         view = LiveView(title) if live_cls else LineView(title, console)
         loop = SearchLoop(store, config, proposer, arch, pool, view, profile_candidate, device=facts,
-                          builder=builder)
+                          builder=builder, ahead=ahead)
         if live_cls:
             with live_cls(view, console=console, refresh_per_second=4, transient=False):
                 loop.run(problems)
@@ -162,6 +165,8 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
     finally:
         proposer.close()
         builder.close()
+        if ahead is not None:
+            ahead.close()
         if db is not None:
             db.close()
         if pool is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future
 
 import pytest
 
@@ -10,7 +11,7 @@ from agent.config import RunConfig
 from agent.loop import SearchLoop
 from agent.proposers.builtin import BuiltinProposer, RandomProposer
 from agent.store import RunStore
-from core.records import Candidate, EvalJob, Problem, Status
+from core.records import BuildResult, Candidate, EvalJob, Problem, Status
 from core.source import NO_FILES
 from sandbox.build_pool import BuildPool
 from sandbox.pool import WorkerPool
@@ -216,3 +217,46 @@ def test_resume_after_an_interrupt_with_several_in_flight(tmp_path):
     SearchLoop(store, RunConfig(max_candidates=8), BuiltinProposer(), "sm_90a",
                lambda j: again.append(j.candidate_id) or fake_evaluate(j)).run([P])
     assert len(store.results(P)) == 8 and not done & set(again[:4])
+
+
+# compiling ahead: the proposer's likely next candidates built while the GPU evaluates
+
+class CountingBuilds(BuildPool):
+    """Compiles in the caller's thread (processes=0), counting what it was asked to build; `fail`: every build
+    fails as a compiler process that died would."""
+
+    def __init__(self, fail: bool = False):
+        super().__init__(0)
+        self.ids: list[str] = []
+        self.fail = fail
+
+    def submit(self, source, arch, candidate_id, timeout_s):
+        self.ids.append(candidate_id)
+        if self.fail:
+            out = Future()
+            out.set_result(BuildResult(candidate_id, False, arch, source, error="the compiler process died"))
+            return out
+        return super().submit(source, arch, candidate_id, timeout_s)
+
+
+def test_compiling_ahead_changes_nothing_recorded_and_spares_the_inline_compiles(tmp_path):
+    plain = search(tmp_path / "plain", fake_evaluate, n=8)
+    inline, ahead = CountingBuilds(), CountingBuilds()
+    fast = search(tmp_path / "ahead", fake_evaluate, n=8, builder=inline, ahead=ahead)
+    for p in (P, Q):
+        assert recorded(plain, p) == recorded(fast, p)
+    tried = {c.id for p in (P, Q) for c in fast.candidates(p)}
+    assert len(tried) == 16 and len(inline.ids) <= 2  # each shape's first candidate, before anything was ahead
+    assert tried - set(inline.ids) <= set(ahead.ids)
+    # a build ahead that failed is compiled again in line, and the candidate is recorded as if nothing happened
+    inline = CountingBuilds()
+    again = search(tmp_path / "failed", fake_evaluate, n=8, builder=inline, ahead=CountingBuilds(fail=True))
+    for p in (P, Q):
+        assert recorded(plain, p) == recorded(again, p)
+    assert len(inline.ids) == 16
+
+
+def test_compile_only_runs_compile_nothing_ahead(tmp_path):
+    ahead = CountingBuilds()
+    search(tmp_path / "r", None, n=3, ahead=ahead)
+    assert ahead.ids == []

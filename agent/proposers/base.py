@@ -41,6 +41,11 @@ class Proposer(ABC):
     def propose(self, state: SearchState, n: int = 1) -> list[Candidate]:
         """Up to n new candidates (none already tried); an empty list means this proposer has nothing left."""
 
+    def upcoming(self, state: SearchState, per_family: int = 2) -> list[Candidate]:
+        """Candidates this proposer is likely to propose soon for the problem (none tried), for compiling ahead while
+        the GPU is busy; proposing does not depend on it. None where it cannot tell (an LLM)."""
+        return []
+
     def take_calls(self) -> list[ModelCall]:
         """The model calls made since the last time asked, each handed over once (for the run store)."""
         return []

@@ -41,6 +41,14 @@ class BuiltinProposer(Proposer):
         return [c for family in families_for_arch(state.arch) for cid, c in self._space(state, family)
                 if cid not in tried]
 
+    def upcoming(self, state: SearchState, per_family: int = 2) -> list[Candidate]:
+        """The next untried settings of each family in its order: the bandit picks one of these families next."""
+        tried = state.tried_ids
+        out = []
+        for family in families_for_arch(state.arch):
+            out += [c for cid, c in self._space(state, family) if cid not in tried][:per_family]
+        return out
+
     def propose(self, state: SearchState, n: int = 1) -> list[Candidate]:
         pending = self._untried(state)
         if self.model is not None:
@@ -71,6 +79,9 @@ class RandomProposer(BuiltinProposer):
     def __init__(self, seed: int = 0):
         super().__init__()
         self.rng = random.Random(seed)
+
+    def upcoming(self, state: SearchState, per_family: int = 2) -> list[Candidate]:
+        return []  # a random draw: nothing to compile ahead
 
     def propose(self, state: SearchState, n: int = 1) -> list[Candidate]:
         pending = self._untried(state)

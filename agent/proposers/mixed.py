@@ -40,6 +40,9 @@ class MixedProposer(Proposer):
             out += got
         return out
 
+    def upcoming(self, state: SearchState, per_family: int = 2) -> list[Candidate]:
+        return self.builtin.upcoming(state, per_family)
+
     def take_calls(self) -> list[ModelCall]:
         return self.llm.take_calls()
 
