@@ -7,9 +7,11 @@ export HGEMM_AGENT_CACHE=$PWD/.cache/cubins
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export HGEMM_AGENT_TUNING_DB=${HGEMM_AGENT_TUNING_DB:-$OUT/tuning.sqlite}
 L=${LAYOUT:-kn}; T0=$(date +%s)
-timeout 150 python3 tools/prebuild.py "$1" --b-layout "$L" --top "${PREBUILD:-8}" --jobs "$(nproc)" \
-  --cache "$HGEMM_AGENT_CACHE" > "$OUT/devsuite_${L}_prebuild.log" 2>&1
-echo "prebuild rc=$? $(( $(date +%s) - T0 )) s: $(tail -1 "$OUT/devsuite_${L}_prebuild.log")"
+if [ "${PREBUILD:-8}" != 0 ]; then  # PREBUILD=0: nothing compiled before the run, as a user's first run
+  timeout 150 python3 tools/prebuild.py "$1" --b-layout "$L" --top "${PREBUILD:-8}" --jobs "$(nproc)" \
+    --cache "$HGEMM_AGENT_CACHE" > "$OUT/devsuite_${L}_prebuild.log" 2>&1
+  echo "prebuild rc=$? $(( $(date +%s) - T0 )) s: $(tail -1 "$OUT/devsuite_${L}_prebuild.log")"
+fi
 timeout $(( ${2%.*} * 60 + 150 )) python3 -m agent run --shapes "$1" --budget-minutes "$2" --max-candidates "$3" --no-profile \
   --b-layout "$L" > "$OUT/devsuite_${L}_run.log" 2>&1
 echo "run rc=$? $(( $(date +%s) - T0 )) s"; R=$(ls -t runs | grep -v gitkeep | head -1)
