@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: a search over a shape suite, then `bench` on it (logs, the run store and the tuning database land
-# in $OUT). Each family's first PREBUILD settings a shape are compiled ahead on every core.
+# in $OUT). Each family's first PREBUILD settings a shape (default 8; 0: none) are compiled before the run.
 # Usage on the GPU machine: [LAYOUT=nk] [PREBUILD=8] bash tools/gpu_devsuite.sh SHAPES_FILE BUDGET_MINUTES MAX_CANDIDATES
 . tools/gpu_env.sh
 export HGEMM_AGENT_CACHE=$PWD/.cache/cubins
