@@ -189,3 +189,23 @@ def test_every_gpu_of_the_host_evaluates_a_real_kernel():
     assert all(r.status is Status.OK for r in results), [r.reason for r in results]
     times = sorted(r.time_us for r in results)
     assert times[-1] < 1.2 * times[0]  # the same model, each timing alone on its GPU
+
+
+def test_the_scaleout_simulation_runs_the_loop_on_stand_in_workers(tmp_path, capsys, monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    for name in ("FAKE_SLEEP", "HGEMM_AGENT_CACHE"):  # the tool sets them: restored after the test
+        monkeypatch.setenv(name, "")
+    path = Path(__file__).parents[1] / "tools" / "scaleout_sim.py"
+    spec = importlib.util.spec_from_file_location("scaleout_sim", path)
+    sim = importlib.util.module_from_spec(spec)
+    sys.modules["scaleout_sim"] = sim
+    spec.loader.exec_module(sim)
+    assert sim.main(["--gpus", "1,x"]) == 2 and "--gpus takes counts" in capsys.readouterr().err
+    assert sim.main(["--mnk", "64_64_64", "--max-candidates", "2", "--gpus", "1,2", "--seconds", "0.01",
+                     "--cache", str(tmp_path / "cubins")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" stand-in")[0] for line in lines] == ["1", "2"]
+    assert lines[0].endswith("1.00x") and "2 results" in lines[1]
