@@ -43,7 +43,7 @@ class Proposer(ABC):
 
     def upcoming(self, state: SearchState, per_family: int = 2) -> list[Candidate]:
         """Candidates this proposer is likely to propose soon for the problem (none tried), for compiling ahead while
-        the GPU is busy; proposing does not depend on it. None where it cannot tell (an LLM)."""
+        the GPU is busy; proposing does not depend on it. Empty where it cannot tell (an LLM)."""
         return []
 
     def take_calls(self) -> list[ModelCall]:
