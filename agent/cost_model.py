@@ -32,9 +32,13 @@ from core.records import Problem, Status
 MIN_PROBLEMS = 4
 MIN_FAMILY_ROWS = 40
 FAILURE_PENALTY = math.log(2.0)
-# The family's own order as a gentle prior: a setting k places later must be predicted exp(k * RANK_WEIGHT) times
-# faster to go ahead, so that where the trees cannot tell settings apart the hand-written rules decide.
-RANK_WEIGHT = 0.003
+# The family's own order as a prior: a setting k places later must be predicted exp(k * RANK_WEIGHT) times faster to
+# go ahead (10 places: 22%), so that where the trees cannot tell settings apart the hand-written rules decide. Default
+# runs measure only the first dozen or so of each shape's settings, so a database they filled knows little of the
+# kinds the rules place late (clusters, deep splits), and a weak prior let the trees bury those (on the H200 sweep
+# of 11 shapes with two 48-shape runs added: 7.4 candidates to within 2% at 0.003, 5.5 at 0.02; without the runs
+# 2.4 at both; BENCHMARKS.md, session 8).
+RANK_WEIGHT = 0.02
 PRIOR_TOP = 3  # a family's prior mean: the mean prediction of its first few settings in the model's order
 PRIOR_SD = 0.3  # as sure as one measurement (the bandit's noise): the first results of the arm soon outweigh it
 FAMILY_CODES = {"sm90_wgmma": 0, "sm80_mma": 1, "naive": 2}

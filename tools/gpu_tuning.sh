@@ -23,7 +23,7 @@ for L in kn nk; do
   echo "sweep $L rc=$? at $(( $(date +%s) - T0 )) s"
 done
 python3 -m agent db --db "$OUT/tuning.sqlite" 2>&1 | tail -8
-echo "--- the rules' order as a stronger prior (--rank-weight 0.01; the default is 0.003):"
-timeout 35 python3 tools/compare_search.py --db "$OUT/tuning.sqlite" --seeds 10 --min-space 20 --rank-weight 0.01 \
-  > "$OUT/compare_rw01.txt" 2>&1; tail -3 "$OUT/compare_rw01.txt"
+echo "--- the rules' order as a weaker prior (--rank-weight 0.003; the default is 0.02):"
+timeout 35 python3 tools/compare_search.py --db "$OUT/tuning.sqlite" --seeds 10 --min-space 20 --rank-weight 0.003 \
+  > "$OUT/compare_rw003.txt" 2>&1; tail -3 "$OUT/compare_rw003.txt"
 timeout 50 python3 tools/compare_search.py --db "$OUT/tuning.sqlite" --seeds 10 --min-space 20 2>&1 | tee "$OUT/compare.txt"
