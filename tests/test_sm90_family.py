@@ -366,8 +366,6 @@ def test_fitted_tiles_enter_where_listed_shapes_quantise_badly_and_nowhere_else(
     {"block_m": 256, "block_n": 80, "consumers": 2, "stages": 5},
     {"block_m": 128, "block_n": 64, "consumers": 2, "stages": 8, "split_k": 2, "k_groups": 2},  # groups at M > 64
     {"block_m": 128, "block_n": 64, "consumers": 2, "stages": 8, "k_groups": 4},
-    {"block_m": 128, "block_n": 256, "consumers": 2, "stages": 3, "persistent": True, "stream_k": True},
-    {"block_m": 256, "block_n": 128, "consumers": 2, "stages": 3, "persistent": True, "stream_k": True},
 ], ids=str)
 def test_new_kinds_compile_without_spills(params):
     problem = Problem(1024, 128, 4096, "nk")
@@ -432,27 +430,7 @@ GPU_KINDS = {
     "swapped_split_k": ({**_SWAPPED, "split_k": 2}, (17, 1000, 8200)),
     "swapped_k_groups": ({**_SWAPPED, "block_m": 48, "k_groups": 3}, (40, 1000, 8200)),
     "swapped_cp_async": ({**_SWAPPED, "loader": "cp_async"}, (17, 264, 520)),
-    # stream-K on 132 CTAs: 3 x 5 tiles of 17 k-tiles (no whole wave; each tile cut among about 9 CTAs), 3 x 16 of 33
-    # (a CTA's 12 units: one or two cuts each); 9 x 16 tiles: a whole wave, then 12 tiles of 17 k-tiles cut among
-    # the 132, or of 3 k-tiles, one each for the first 36 CTAs
-    "stream_k": ({**_PERSISTENT, "block_n": 128, "stream_k": True}, (333, 600, 1032)),
-    "stream_k_waves": ({**_PERSISTENT, "stream_k": True}, (1100, 1000, 1032)),
-    "stream_k_few_units": ({**_PERSISTENT, "stream_k": True, "epilogue": "direct"}, (1100, 1000, 136)),
-    "stream_k_tma_store": ({**_PERSISTENT, "stream_k": True, "epilogue": "tma"}, (333, 1000, 2056)),
-    "stream_k_swapped": ({**_SWAPPED, "persistent": True, "stream_k": True}, (17, 1000, 8200)),
 }
-
-
-def test_stream_k_launch_and_the_search_leaves_it_out():
-    p = {"block_m": 128, "block_n": 128, "consumers": 2, "stages": 5, "persistent": True, "stream_k": True}
-    spec = FAMILY.launch(p, Problem(1100, 1000, 1032))  # 72 tiles of 17 k-tiles: one CTA an SM
-    assert spec.grid == (132, 1, 1) and spec.counters == 72 and spec.workspace_bytes == 2 * 132 * 128 * 128 * 4
-    assert FAMILY.launch(p, Problem(128, 128, 64)).grid == (1, 1, 1)  # one tile of one k-tile: one CTA
-    with pytest.raises(ValueError, match="stream_k cuts K between persistent blocks"):
-        FAMILY.parse({**p, "persistent": False}, Problem(1100, 1000, 1032))
-    # measured slower than the same tiles whole everywhere on the H200 (BENCHMARKS.md, session 8): not proposed
-    for problem in PROBLEMS + [Problem(4437, 512, 3584, "kn"), Problem(414, 2472, 11744, "nk")]:
-        assert not any(s.get("stream_k") for s in FAMILY.space(problem))
 
 
 def test_gpu_kinds_are_valid_settings():

@@ -60,12 +60,6 @@ class Sm90WgmmaParams(Params):
         "counter it resets) sums them in group order (deterministic) and stores C. Fills the SMs where the C "
         "tiles are few, without the placement limits of large clusters; 1 = none")
 
-    stream_k: bool = Field(
-        False, description="persistent blocks take the whole waves' tiles as usual, then the remaining tiles' "
-        "k-tiles laid end to end and cut into equal contiguous shares, one per CTA, so no SM idles in a last partial "
-        "wave; a tile cut between CTAs is summed through a global workspace by the last CTA to arrive (in CTA "
-        "order: deterministic), which then runs the epilogue. Needs persistent, split_k and k_groups 1, no cluster")
-
     cluster_m: Literal[1, 2] = Field(
         1, description="CTAs of a thread-block cluster on vertically adjacent C tiles: each loads 1/cluster_m of "
         "every B tile and TMA-multicasts it to all of them (B read from L2 once per cluster); a stage is refilled "
@@ -169,10 +163,6 @@ class Sm90WgmmaParams(Params):
             raise ValueError(f"cluster_m={self.cluster_m} multicasts whole 64-column B panels from TMA copies in "
                              "clusters of one tile per CTA: it needs loader=tma, block_n a multiple of "
                              f"{64 * self.cluster_m}, no persistent blocks, split_k and k_groups 1")
-        if self.stream_k and (not self.persistent or self.reduces or self.cluster_m > 1):
-            raise ValueError(f"stream_k cuts K between persistent blocks of one CTA each: it needs persistent=True "
-                             f"(not {self.persistent}), split_k and k_groups 1 (not {self.split_k}, "
-                             f"{self.k_groups}) and cluster_m 1 (not {self.cluster_m})")
         if self.reduces and self.persistent:
             raise ValueError(f"split_k={self.split_k}, k_groups={self.k_groups}: split-K needs one tile per CTA, so "
                              "persistent blocks are not supported with it")

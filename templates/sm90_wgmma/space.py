@@ -27,8 +27,7 @@ class Sm90Wgmma(Family):
         "direct, smem-staged or TMA-store (stmatrix) epilogue; split-K in thread-block clusters (fp32 partial "
         "tiles summed through distributed shared memory) and in K groups (partials through a global workspace, "
         "summed by the last CTA to arrive); clusters of 2 CTAs sharing each B tile by TMA multicast; swapped A and "
-        "B roles for M <= 48 (C^T = B^T A^T, so a 16-row A is not padded to 64 wgmma rows); stream-K for the last "
-        "partial wave (persistent CTAs share its tiles' k-tiles, cut tiles summed through a workspace)."
+        "B roles for M <= 48 (C^T = B^T A^T, so a 16-row A is not padded to 64 wgmma rows)."
     )
 
     def derived(self, params: Params) -> dict[str, Any]:
@@ -52,12 +51,7 @@ class Sm90Wgmma(Family):
         # a tile's cluster
         if p.cluster_m > 1:  # whole clusters: a trailing CTA past M still loads its share of B for its peers
             tiles = -(-problem.m // (p.block_m * p.cluster_m)) * p.cluster_m * -(-problem.n // p.block_n)
-        k_tiles = -(-problem.k // p.block_k)
-        slots = device.sms * p.min_blocks
-        if p.stream_k:  # one wave, each CTA a share of the tiles x k_tiles units (at least one)
-            grid = min(slots, tiles * k_tiles)
-        else:
-            grid = min(tiles, slots) if p.persistent else tiles * p.split_k * p.k_groups
+        grid = min(tiles, device.sms * p.min_blocks) if p.persistent else tiles * p.split_k * p.k_groups
         grouped = p.k_groups > 1
         maps: tuple[TensorMapSpec, ...] = ()
         if p.loader == "tma":  # boxes land as 128-byte rows (64 fp16), swizzled like the cp.async copies
@@ -74,12 +68,9 @@ class Sm90Wgmma(Family):
             maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, a_rows)), b_map)
         if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels
             maps += (TensorMapSpec("C", (problem.n, problem.m), (64, p.block_m // p.consumers)),)
-        # K groups: each group's partial of every tile, one arrival counter per CTA of a tile's cluster; stream-K:
-        # two partial tiles a CTA (its first and last may be cut), one counter a tile
-        workspace = (p.k_groups * tiles if grouped else 2 * grid if p.stream_k else 0) * p.block_m * p.block_n * 4
-        counters = tiles * p.split_k if grouped else tiles if p.stream_k else 0
         return LaunchSpec(grid=(grid, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
-                          workspace_bytes=workspace, counters=counters)
+                          workspace_bytes=p.k_groups * tiles * p.block_m * p.block_n * 4 if grouped else 0,
+                          counters=tiles * p.split_k if grouped else 0)
 
     def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
         return seeds(problem, device)
