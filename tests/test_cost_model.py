@@ -147,13 +147,16 @@ def test_leave_one_shape_out_needs_fewer_candidates_than_todays_order_and_random
     assert "| learned |" in compare_search.table(outcomes)
 
 
-def test_learning_only_from_earlier_shapes_starts_after_min_problems_and_then_helps():
-    """A run on an empty database (compare --before): no model for the first shapes, then fewer candidates."""
-    outcomes = compare_search.compare(synthetic_rows(), DEVICE, seeds=3, before=True)
-    assert [bool(o.needed["learned"]) for o in outcomes] == [i >= MIN_PROBLEMS for i in range(len(SHAPES))]
+def test_a_first_run_replayed_learns_from_what_it_tried_once_it_has_enough_problems():
+    """compare_search --first-run: 16 candidates a shape, the model trained only on what the replay itself tried."""
+    outcomes = compare_search.first_run(synthetic_rows(), DEVICE, seeds=3)
+    assert len(outcomes) == len(SHAPES)
+    for o in outcomes[:MIN_PROBLEMS]:  # no model yet: the learned order is today's
+        assert o.needed["learned"] == o.needed["today"]
     later = outcomes[MIN_PROBLEMS + 2:]
     learned = np.mean([np.median(o.needed["learned"]) for o in later])
     assert learned < 0.5 * np.mean([np.median(o.needed["today"]) for o in later])
+    assert all(max(o.needed[name]) <= compare_search.BUDGET + 1 for o in outcomes for name in o.needed)
 
 
 def test_leave_one_shape_out_learns_nothing_from_noise():

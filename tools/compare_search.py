@@ -3,7 +3,7 @@ the best speed-up measured for a shape, on shapes the learned model was not trai
 
     python tools/compare_search.py --db tuning.sqlite [--device "NVIDIA H200"] [--seeds 10]
     python tools/compare_search.py --runs runs/RUN_A runs/RUN_B      (run stores, imported into a scratch database)
-    python tools/compare_search.py --db tuning.sqlite --before       (learning only from the shapes measured earlier)
+    python tools/compare_search.py --db tuning.sqlite --first-run    (a first run replayed, learning as it goes)
 
 Every problem with at least --min-space measured settings is held out in turn, together with the other layout of
 its M_N_K (leave one shape out): a cost model is trained on the rest of the device's rows, and three strategies
@@ -79,44 +79,83 @@ def _only(cls: type[BuiltinProposer], measured: set[str]) -> type[BuiltinPropose
     return Only
 
 
+def search(problem: Problem, results: dict[str, float | None], proposer: BuiltinProposer, seed: int, arch: str,
+           device: DeviceFacts, budget: int | None = None) -> tuple[int, list[Candidate]]:
+    """One search replayed against the measurements: the candidates proposed until one is within 2% of the best (the
+    space's size + 1 if none ever is; with a budget, budget + 1 if none within it), and the candidates tried (all of
+    the budget where one is given)."""
+    target = max(v for v in results.values() if v is not None) + math.log(WITHIN)
+    state = SearchState(problem, arch, ThompsonBandit(seed=seed), device=device)
+    hit = None
+    while (budget is None or len(state.tried) < budget) and (batch := proposer.propose(state, n=1)):
+        for c in batch:
+            reward = results[c.id]
+            state.tried.append((c, None, None))
+            state.bandit.update(arm_of(c), reward)
+            if hit is None and reward is not None and reward >= target:
+                hit = len(state.tried)
+                if budget is None:
+                    return hit, [c for c, _, _ in state.tried]
+    return hit or (len(results) if budget is None else budget) + 1, [c for c, _, _ in state.tried]
+
+
 def needed(problem: Problem, results: dict[str, float | None], proposer: BuiltinProposer, seed: int, arch: str,
            device: DeviceFacts) -> int:
     """Candidates proposed until one is within 2% of the best (the space's size + 1 if none ever is)."""
-    target = max(v for v in results.values() if v is not None) + math.log(WITHIN)
-    state = SearchState(problem, arch, ThompsonBandit(seed=seed), device=device)
-    count = 0
-    while batch := proposer.propose(state, n=1):
-        for c in batch:
-            count += 1
-            reward = results[c.id]
-            if reward is not None and reward >= target:
-                return count
-            state.tried.append((c, None, None))
-            state.bandit.update(arm_of(c), reward)
-    return len(results) + 1
+    return search(problem, results, proposer, seed, arch, device)[0]
+
+
+def first_run(rows: list[TuningRow], device: str, seeds: int = 10, min_space: int = 20, arch: str = "sm_90a",
+              rank_weight: float = RANK_WEIGHT, budget: int = BUDGET) -> list[Outcome]:
+    """A first run on an empty database, replayed: the shapes with at least min_space measured settings, in the order
+    they were first measured, each searched with `budget` candidates. The learned order's model is trained only on
+    what its own replay tried on the shapes before (as a run's Learner retrains, here before every shape); today's
+    order and random search run beside it. Per shape, the candidates until one is within 2% of the best (budget + 1
+    if none was), one per seed."""
+    mine = [r for r in rows if r.device == device]
+    if not mine:
+        return []
+    facts = DeviceFacts.from_dict({"name": device, "sms": mine[0].sms})
+    measured = oracle(mine)
+    row_of = {(r.problem, Candidate(r.problem, r.family, r.params).id): r for r in mine}
+    names = {cid: describe(r.family, r.params) for (_, cid), r in row_of.items()}
+    shapes = [p for p in dict.fromkeys(r.problem for r in mine)
+              if sum(v is not None for v in measured[p].values()) >= min_space]
+    runs: dict[str, list[list[int]]] = {name: [[] for _ in shapes] for name in ("learned", "today", "random")}
+    for seed in range(seeds):
+        learned_rows: list[TuningRow] = []
+        for i, problem in enumerate(shapes):
+            results = measured[problem]
+            walk, draw = _only(BuiltinProposer, set(results)), _only(RandomProposer, set(results))
+            model, _ = train(learned_rows, device, rank_weight=rank_weight)
+            n, tried = search(problem, results, walk(model), seed, arch, facts, budget)
+            runs["learned"][i].append(n)
+            learned_rows += [row_of[(problem, c.id)] for c in tried]
+            runs["today"][i].append(search(problem, results, walk(), seed, arch, facts, budget)[0])
+            runs["random"][i].append(search(problem, results, draw(seed), seed, arch, facts, budget)[0])
+    outcomes = []
+    for i, problem in enumerate(shapes):
+        results = measured[problem]
+        best = max((cid for cid, v in results.items() if v is not None), key=results.get)
+        outcomes.append(Outcome(problem, len(results), math.exp(results[best]), names[best],
+                                {name: counts[i] for name, counts in runs.items()}))
+    return outcomes
 
 
 def compare(rows: list[TuningRow], device: str, seeds: int = 10, min_space: int = 20, arch: str = "sm_90a",
-            rank_weight: float = RANK_WEIGHT, before: bool = False) -> list[Outcome]:
-    """Per scored problem, the candidates each strategy needed. The model learns from every other shape, or with
-    `before` only from the shapes first measured before it (the rows' order): a run on an empty database, learning
-    as it goes."""
+            rank_weight: float = RANK_WEIGHT) -> list[Outcome]:
+    """Per scored problem, the candidates each strategy needed, the model trained on every other shape."""
     mine = [r for r in rows if r.device == device]
     if not mine:
         return []
     facts = DeviceFacts.from_dict({"name": device, "sms": mine[0].sms})
     names = {Candidate(r.problem, r.family, r.params).id: describe(r.family, r.params) for r in mine}
-    first_seen: dict[Problem, int] = {}
-    for i, r in enumerate(mine):
-        first_seen.setdefault(r.problem, i)
     outcomes = []
     for problem, results in oracle(mine).items():
         ok = [v for v in results.values() if v is not None]
         if len(ok) < min_space:
             continue
         rest = [r for r in mine if r.problem.mnk != problem.mnk]  # both layouts of the shape held out
-        if before:
-            rest = [r for r in rest if first_seen[r.problem] < first_seen[problem]]
         model, _ = train(rest, device, rank_weight=rank_weight)
         walk, draw = _only(BuiltinProposer, set(results)), _only(RandomProposer, set(results))
         learned, today = walk(model), walk()
@@ -158,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--min-space", type=int, default=20, help="least passed settings for a shape to be scored")
     ap.add_argument("--rank-weight", type=float, default=RANK_WEIGHT, help="the rules' order as the model's prior")
-    ap.add_argument("--before", action="store_true",
-                    help="learn only from the shapes measured before each one (a first run, learning as it goes)")
+    ap.add_argument("--first-run", action="store_true",
+                    help=f"replay a first run instead: shapes in order, {BUDGET} candidates each, the model "
+                         "trained only on what the replay tried before")
     args = ap.parse_args(argv)
     if bool(args.db) == bool(args.runs):
         print("error: give --db FILE or --runs RUN...", file=sys.stderr)
@@ -174,14 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         counts[r.device] += 1
     device = args.device or max(counts, key=counts.get, default=None)
-    outcomes = (compare(rows, device, args.seeds, args.min_space, rank_weight=args.rank_weight, before=args.before)
-                if device else [])
+    replay = first_run if args.first_run else compare
+    outcomes = replay(rows, device, args.seeds, args.min_space, rank_weight=args.rank_weight) if device else []
     if not outcomes:
         print(f"error: no shape with {args.min_space} measured settings on {device or 'any GPU'}", file=sys.stderr)
         return 2
     print(f"{device}: candidates until one is within 2% of the best measured, median (worst) over {args.seeds} seeds;"
-          + (" the model trained only on the shapes measured before it" if args.before else
-             " each shape held out of the model's training"))
+          + (f" a first run replayed, {BUDGET} candidates a shape ({BUDGET + 1}: none within them), the model trained "
+             "on what it tried before" if args.first_run else " each shape held out of the model's training"))
     print(table(outcomes))
     return 0
 
