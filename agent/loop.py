@@ -73,7 +73,7 @@ class SearchLoop:
         self.builder = builder or BuildPool()
         # compiles the proposer's likely next candidates while the GPUs evaluate (None: not at all, or compile only)
         self.ahead = ahead if self.executor is not None else None
-        self._ahead: dict[str, Future] = {}  # candidate id -> its build, started ahead
+        self._ahead: dict[str, tuple[str, Future]] = {}  # candidate id -> its source and build, started ahead
         self._ahead_busy: list[Future] = []  # builds started ahead and not finished (stale ones too)
         self.observe = observer or (lambda kind, data: None)
         # None, compile-only or --no-profile: no profiles; switched off for the run when ncu cannot profile
@@ -180,7 +180,8 @@ class SearchLoop:
                 source = get_family(c.family).render(c.params, c.problem, c.template_override)
             except Exception:  # the candidate's own launch records why
                 continue
-            build = self._ahead[c.id] = self.ahead.submit(source, self.arch, c.id, self.config.compile_timeout_s)
+            build = self.ahead.submit(source, self.arch, c.id, self.config.compile_timeout_s)
+            self._ahead[c.id] = source, build
             if not build.done():
                 self._ahead_busy.append(build)
 
@@ -289,13 +290,12 @@ class SearchLoop:
 
     def _launch(self, cand: Candidate, s: _Shape | None, then: Done) -> None:
         self.store.add_candidate(cand)
-        family = get_family(cand.family)
+        source, ahead = self._ahead.pop(cand.id, (None, None))  # rendered when its build started ahead
         try:
-            source = family.render(cand.params, cand.problem, cand.template_override)
+            source = source or get_family(cand.family).render(cand.params, cand.problem, cand.template_override)
         except Exception as e:  # invalid parameters, or an edited template that does not render
             then(None, self._record(EvalResult(cand.id, Status.INVALID, f"{type(e).__name__}: {e}"[:500])))
             return
-        ahead = self._ahead.pop(cand.id, None)
         if ahead is None:
             build = self.builder.submit(source, self.arch, cand.id, self.config.compile_timeout_s)
             self._await(build, s, lambda b: self._built(cand, s, b, then))

@@ -79,6 +79,15 @@ def start_pool(arch: str | None, gpus: tuple[int, ...] | str | None = None,
     return executor, facts
 
 
+def build_pools(slots: int, compile_only: bool) -> tuple[BuildPool, BuildPool | None]:
+    """The loop's compilers for `slots` GPUs: the candidates proposed (one GPU: in this process, one at a time; more:
+    in processes, ahead of the GPUs), and the proposer's likely next ones while the GPUs evaluate, on the cores the
+    builder and the workers leave (none when compiling only)."""
+    cpus = os.cpu_count() or 1
+    builder = BuildPool(0 if slots == 1 else min(2 * slots - 1, cpus))
+    return builder, None if compile_only else BuildPool(max(1, min(AHEAD_PROCESSES, cpus - slots)))
+
+
 def open_tuning(path: str | None, device: DeviceFacts, seed: int) -> tuple[TuningDB | None, Learner | None, str]:
     """The tuning database and the cost model learning from its rows of this GPU model (retrained as the run adds
     problems), with a line saying what was learned; a database that cannot be opened leaves the run without one
@@ -112,10 +121,7 @@ def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore |
     arch = config.arch or (device.arch if device else "sm_90a")
     facts = device or H200  # compile only: the search orders settings for the GPU we measure on
     slots = pool.slots if pool else 1
-    # one GPU: one candidate at a time, compiled in this process as before; more: compiles ahead in processes
-    builder = BuildPool(0 if slots == 1 else min(2 * slots - 1, os.cpu_count() or 1))
-    # and the proposer's likely next candidates, while the GPUs evaluate: cores the builder and workers leave
-    ahead = None if config.compile_only else BuildPool(max(1, min(AHEAD_PROCESSES, (os.cpu_count() or 1) - slots)))
+    builder, ahead = build_pools(slots, config.compile_only)
     db, model, tuning_note = open_tuning(config.tuning_db, facts, config.seed)
     proposer = make_proposer(config, model)
     try:

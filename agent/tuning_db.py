@@ -36,6 +36,7 @@ CREATE TABLE IF NOT EXISTS measured (
     PRIMARY KEY (run_id, candidate_id));
 CREATE INDEX IF NOT EXISTS measured_device ON measured (device);
 """
+PROBLEM_SQL = "m || '_' || n || '_' || k || b_layout || dtype || bias"  # one problem, as a column expression
 
 
 class TuningDbError(ValueError):
@@ -113,14 +114,14 @@ class TuningDB:
     def problem_count(self, device: str) -> int:
         """Distinct problems measured on this GPU model."""
         with self.lock:
-            return self.db.execute("SELECT COUNT(DISTINCT m || '_' || n || '_' || k || b_layout || dtype || bias) "
-                                   "FROM measured WHERE device = ?", (device,)).fetchone()[0]
+            return self.db.execute(f"SELECT COUNT(DISTINCT {PROBLEM_SQL}) FROM measured WHERE device = ?",
+                                   (device,)).fetchone()[0]
 
     def summary(self) -> list[tuple[str, str, int, int, int]]:
         """(device, family, rows, passed, distinct problems) per device and family."""
         return self.db.execute(
-            "SELECT device, family, COUNT(*), SUM(status = 'ok'), COUNT(DISTINCT m || '_' || n || '_' || k || "
-            "b_layout || dtype || bias) FROM measured GROUP BY device, family ORDER BY device, family").fetchall()
+            f"SELECT device, family, COUNT(*), SUM(status = 'ok'), COUNT(DISTINCT {PROBLEM_SQL}) FROM measured "
+            "GROUP BY device, family ORDER BY device, family").fetchall()
 
     def import_run(self, store) -> int:
         """Copy a run store's results in (agent.store.RunStore); returns the rows written. Runs that never ran on

@@ -69,6 +69,13 @@ def oracle(rows: list[TuningRow]) -> dict[Problem, dict[str, float | None]]:
                 for cid, vs in by_id.items()} for p, by_id in seen.items()}
 
 
+def outcome(problem: Problem, results: dict[str, float | None], names: dict[str, str],
+            runs: dict[str, list[int]]) -> Outcome:
+    """A scored problem's row: its measured space, its best setting and speed-up, what each strategy needed."""
+    best = max((cid for cid, v in results.items() if v is not None), key=results.get)
+    return Outcome(problem, len(results), math.exp(results[best]), names[best], runs)
+
+
 def _only(cls: type[BuiltinProposer], measured: set[str]) -> type[BuiltinProposer]:
     """The proposer, restricted to settings that were measured."""
 
@@ -133,13 +140,8 @@ def first_run(rows: list[TuningRow], device: str, seeds: int = 10, min_space: in
             learned_rows += [row_of[(problem, c.id)] for c in tried]
             runs["today"][i].append(search(problem, results, walk(), seed, arch, facts, budget)[0])
             runs["random"][i].append(search(problem, results, draw(seed), seed, arch, facts, budget)[0])
-    outcomes = []
-    for i, problem in enumerate(shapes):
-        results = measured[problem]
-        best = max((cid for cid, v in results.items() if v is not None), key=results.get)
-        outcomes.append(Outcome(problem, len(results), math.exp(results[best]), names[best],
-                                {name: counts[i] for name, counts in runs.items()}))
-    return outcomes
+    return [outcome(problem, measured[problem], names, {name: counts[i] for name, counts in runs.items()})
+            for i, problem in enumerate(shapes)]
 
 
 def compare(rows: list[TuningRow], device: str, seeds: int = 10, min_space: int = 20, arch: str = "sm_90a",
@@ -165,8 +167,7 @@ def compare(rows: list[TuningRow], device: str, seeds: int = 10, min_space: int 
             "today": [needed(problem, results, today, s, arch, facts) for s in range(seeds)],
             "random": [needed(problem, results, draw(s), s, arch, facts) for s in range(seeds)],
         }
-        best = max((cid for cid, v in results.items() if v is not None), key=results.get)
-        outcomes.append(Outcome(problem, len(results), math.exp(max(ok)), names[best], runs))
+        outcomes.append(outcome(problem, results, names, runs))
     return outcomes
 
 

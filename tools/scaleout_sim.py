@@ -29,8 +29,8 @@ def search(problems, gpus: int, seconds: float, cap: int) -> tuple[int, float]:
     from agent.config import RunConfig
     from agent.loop import SearchLoop
     from agent.proposers.builtin import BuiltinProposer
+    from agent.runner import build_pools
     from agent.store import RunStore
-    from sandbox.build_pool import BuildPool
     from sandbox.pool import WorkerPool
     from tests import fake_workers
 
@@ -40,13 +40,14 @@ def search(problems, gpus: int, seconds: float, cap: int) -> tuple[int, float]:
         pool.start()
         store = RunStore(Path(tmp) / "run", create=True)
         store.add_problems(problems)
-        builder = BuildPool(0 if gpus == 1 else min(2 * gpus - 1, os.cpu_count() or 1))  # as the runner sizes it
+        builder, ahead = build_pools(gpus, compile_only=False)  # as a run has them
         t0 = time.monotonic()
         try:
             SearchLoop(store, RunConfig(max_candidates=cap, profile=False, budget_minutes=60), BuiltinProposer(),
-                       "sm_90a", pool, builder=builder).run(problems)
+                       "sm_90a", pool, builder=builder, ahead=ahead).run(problems)
         finally:
             builder.close()
+            ahead.close()
         return sum(len(store.results(p)) for p in problems), time.monotonic() - t0
 
 
