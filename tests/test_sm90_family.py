@@ -25,7 +25,9 @@ LONG_K = [Problem(64, 1024, 16384, "kn"), Problem(64, 1024, 16384, "nk"), Proble
 SKINNY = [Problem(64, 4096, 16384, "kn"), Problem(16, 4096, 4096, "nk")]
 # tiny M (<= 48): space() proposes swapped A and B roles here
 TINY = [Problem(16, 4096, 4096, "kn"), Problem(16, 14336, 4096, "kn"), Problem(17, 24, 40, "nk")]
-PROBLEMS += LONG_K + SKINNY + TINY[1:]
+# M just past a multiple of 64: space() proposes swapped tiles of M's rows rounded to 16 here
+PAST_64 = [Problem(205, 3000, 1024, "nk")]
+PROBLEMS += LONG_K + SKINNY + TINY[1:] + PAST_64
 
 
 def _settings() -> list[tuple[Problem, dict]]:
@@ -299,13 +301,46 @@ def test_wider_problems_get_no_swapped_roles(problem):
 @pytest.mark.parametrize("update,message", [
     ({"block_m": 16}, "need swap_ab"),
     ({"swap_ab": True, "block_n": 96}, "multiple of 64"),
-    ({"swap_ab": True, "consumers": 2, "block_m": 128}, "consumers=1"),
+    ({"swap_ab": True, "consumers": 2, "block_n": 64}, "block_n=64 \\(swap_ab\\) must split into consumers=2"),
+    ({"block_m": 208}, "need swap_ab"),
     ({"swap_ab": True, "epilogue": "tma"}, "epilogue=smem"),
     ({"swap_ab": True, "cluster_m": 2, "block_n": 128}, "cluster_m=1"),
 ])
 def test_swapped_roles_reject_what_they_cannot_do(update, message):
     with pytest.raises(ValueError, match=message):
         Sm90WgmmaParams(**{"block_m": 64, "block_n": 64, "consumers": 1, "stages": 4, "epilogue": "smem", **update})
+
+
+PAST_64_ROWS = [(Problem(205, 50304, 1024, "kn"), 208), (Problem(222, 32000, 4096, "nk"), 224),
+                (Problem(657, 9984, 3144, "kn"), 224)]
+
+
+@pytest.mark.parametrize("problem,rows", PAST_64_ROWS, ids=lambda x: getattr(x, "key", x))
+def test_m_past_a_multiple_of_64_gets_swapped_tiles_of_its_rows(problem, rows):
+    space = FAMILY.space(problem)
+    fitted = space[search.SWAP_FIT_RANK]
+    assert fitted["swap_ab"] and fitted["block_m"] == rows and fitted["consumers"] == fitted["block_n"] // 64
+    assert not any(p["swap_ab"] for p in space[:search.SWAP_FIT_RANK])
+    assert -(-problem.m // rows) * rows - problem.m < 16  # padded by less than 16 rows (64-row tiles: 51-111)
+
+
+def test_swapped_tiles_beyond_a_wave_lead_persistent_where_the_ring_keeps_4_stages():
+    by_rank = {}
+    for problem in (Problem(205, 50304, 1024, "kn"), Problem(222, 32000, 4096, "kn")):
+        space = FAMILY.space(problem)
+        swapped = [(i, p) for i, p in enumerate(space) if p["swap_ab"] and p["block_m"] in (208, 224)]
+        by_rank[problem.m] = [(i, p["persistent"], p["stages"]) for i, p in swapped]
+    lead, alternate = by_rank[205]  # short K: persistent blocks with a 4-stage ring lead
+    assert lead[:2] == (search.SWAP_FIT_RANK, True) and lead[2] >= 4
+    assert alternate[:2] == (search.SWAP_ALTERNATE_RANK, False)
+    lead, alternate = by_rank[222]  # persistent only with 3 stages: the plain kind leads
+    assert lead[:2] == (search.SWAP_FIT_RANK, False) and alternate[1:] == (True, 3)
+
+
+@pytest.mark.parametrize("problem", [Problem(256, 4096, 4096), Problem(4096, 4096, 4096, "nk"),
+                                     Problem(252, 49152, 3072), Problem(1000, 1000, 1000)], ids=lambda p: p.key)
+def test_m_near_a_multiple_of_64_gets_no_swapped_tiles(problem):
+    assert not any(p["swap_ab"] for p in FAMILY.space(problem))
 
 
 def test_swapped_accumulators_are_the_transposed_tile():
@@ -352,13 +387,13 @@ def test_fitted_tiles_enter_where_listed_shapes_quantise_badly_and_nowhere_else(
     # 140 tiles of 128 x 128: a second wave of 8; 128 x 176 makes 105, one wave
     odd = FAMILY.space(Problem(4437, 512, 3584, "nk"))
     listed = {(bm, bn) for bm, bn, _ in search.TILES}
-    fitted = [p for p in odd if (p["block_m"], p["block_n"]) not in listed]
+    fitted = [p for p in odd if (p["block_m"], p["block_n"]) not in listed and not p["swap_ab"]]
     assert fitted and odd.index(fitted[0]) == search.FITTED_RANK
     assert all(p["block_n"] % 16 == 0 for p in fitted)
     for problem in (Problem(414, 2472, 11744, "kn"), Problem(4437, 512, 3584, "kn")):  # kn: 64-column panels
         assert all(FAMILY.parse(p, problem) for p in FAMILY.space(problem))
     for problem in (Problem(4096, 4096, 4096, "nk"), Problem(1000, 1000, 1000, "kn")):
-        assert all((p["block_m"], p["block_n"]) in listed for p in FAMILY.space(problem))
+        assert all((p["block_m"], p["block_n"]) in listed for p in FAMILY.space(problem) if not p["swap_ab"])
 
 
 @pytest.mark.parametrize("params", [
@@ -366,6 +401,10 @@ def test_fitted_tiles_enter_where_listed_shapes_quantise_badly_and_nowhere_else(
     {"block_m": 256, "block_n": 80, "consumers": 2, "stages": 5},
     {"block_m": 128, "block_n": 64, "consumers": 2, "stages": 8, "split_k": 2, "k_groups": 2},  # groups at M > 64
     {"block_m": 128, "block_n": 64, "consumers": 2, "stages": 8, "k_groups": 4},
+    {"block_m": 144, "block_n": 192, "consumers": 3, "stages": 4, "swap_ab": True, "epilogue": "smem"},  # M-fitted
+    {"block_m": 80, "block_n": 128, "consumers": 2, "stages": 6, "swap_ab": True, "epilogue": "smem", "split_k": 2},
+    {"block_m": 208, "block_n": 128, "consumers": 2, "stages": 3, "swap_ab": True, "epilogue": "smem",
+     "persistent": True},
 ], ids=str)
 def test_new_kinds_compile_without_spills(params):
     problem = Problem(1024, 128, 4096, "nk")
@@ -385,6 +424,8 @@ TIGHT = [
      Problem(64, 1024, 16384, "kn")),
     ({"block_m": 16, "block_n": 128, "consumers": 1, "stages": 8, "swap_ab": True, "epilogue": "smem", "k_groups": 4},
      Problem(16, 4096, 4096, "nk")),
+    ({"block_m": 240, "block_n": 128, "consumers": 2, "stages": 4, "swap_ab": True, "epilogue": "smem"},
+     Problem(233, 4096, 4096, "kn")),
 ]
 
 
@@ -430,6 +471,12 @@ GPU_KINDS = {
     "swapped_split_k": ({**_SWAPPED, "split_k": 2}, (17, 1000, 8200)),
     "swapped_k_groups": ({**_SWAPPED, "block_m": 48, "k_groups": 3}, (40, 1000, 8200)),
     "swapped_cp_async": ({**_SWAPPED, "loader": "cp_async"}, (17, 264, 520)),
+    # M-fitted swapped tiles: several consumers, each its 64-row share of the B tile (C's columns)
+    "swapped_fitted": ({**_SWAPPED, "block_m": 208, "consumers": 2, "stages": 4}, (414, 1000, 520)),
+    "swapped_fitted_persistent": ({**_SWAPPED, "block_m": 144, "block_n": 192, "consumers": 3, "stages": 3,
+                                   "persistent": True}, (1100, 1000, 520)),
+    "swapped_fitted_split_k": ({**_SWAPPED, "block_m": 80, "consumers": 2, "stages": 6, "split_k": 2},
+                               (150, 1000, 8200)),
 }
 
 

@@ -2,7 +2,8 @@
 
 One producer warpgroup fills a STAGES-deep ring of 128-byte-swizzled tiles with cp.async or TMA (mbarrier
 completion); CONSUMERS warpgroups each own block_m / consumers rows of the C tile and run wgmma.mma_async
-m64n{block_n}k16 (with swap_ab, for tiny M, one consumer owns the tile transposed: m64 per 64 columns, n{block_m}).
+m64n{block_n}k16 (with swap_ab the consumers own the tile transposed: m64 per 64 columns, n{block_m}, so block_m
+can be any multiple of 16: tiny M, or M just past a multiple of 64).
 Field descriptions are what a prompt shows of a setting: they say what it does, not how fast it was once measured.
 """
 
@@ -28,13 +29,14 @@ CONSUMER_OVERHEAD = 32
 
 
 class Sm90WgmmaParams(Params):
-    block_m: Literal[16, 32, 48, 64, 128, 192, 256] = Field(
-        128, description="rows of C per thread block (16-48 only with swap_ab)")
+    block_m: int = Field(128, ge=16, le=256, multiple_of=16,
+                         description="rows of C per thread block: 64, 128, 192 or 256; with swap_ab any multiple of 16")
     block_n: int = Field(256, ge=16, le=256, multiple_of=16,
                          description="columns of C per block = the wgmma N (kn layout: a multiple of 64)")
     block_k: Literal[64] = Field(64, description="K slice per stage: 64 16-bit elements = one 128-byte swizzle row")
     stages: int = Field(4, ge=2, le=12, description="depth of the shared-memory ring")
-    consumers: Literal[1, 2, 3, 4] = Field(2, description="consumer warpgroups; each owns block_m/consumers rows")
+    consumers: Literal[1, 2, 3, 4] = Field(2, description="consumer warpgroups; each owns block_m/consumers rows "
+                                          "(swap_ab: block_n/consumers columns)")
     raster_group: int = Field(8, ge=1, le=64, description="tile-rows a block group walks before moving across N")
     min_blocks: Literal[1, 2] = Field(1, description="blocks resident per SM (__launch_bounds__); caps registers")
     # smem measured 3-10% faster than direct on the H200 (BENCHMARKS.md)
@@ -66,10 +68,11 @@ class Sm90WgmmaParams(Params):
         "once every CTA's consumers released it. TMA loader, one tile per CTA; 1 = no cluster")
 
     swap_ab: bool = Field(
-        False, description="for tiny M: wgmma computes C^T = B^T A^T, the B tile (block_n rows, 64 per m64 wgmma) "
-        "as wgmma's A operand and the A tile as its B operand (wgmma N = block_m, from 16), so a 16-row A is not "
-        "padded to 64 wgmma rows; the accumulators hold C transposed, written back through shared memory (smem "
-        "epilogue or the split-K exchange tile). One consumer warpgroup, no multicast")
+        False, description="wgmma computes C^T = B^T A^T, the B tile (block_n rows, 64 per m64 wgmma, block_n / "
+        "consumers per consumer) as wgmma's A operand and the A tile as its B operand (wgmma N = block_m, any "
+        "multiple of 16), so rows of A are not padded to 64: tiny M (a 16-row A), or M just past a multiple of 64 "
+        "(205 rows in one 208-row tile, not 256); the accumulators hold C transposed, written back through shared "
+        "memory (smem epilogue or the split-K exchange tile). No multicast")
 
     @property
     def wgmma_m(self) -> int:
@@ -144,16 +147,17 @@ class Sm90WgmmaParams(Params):
 
     @model_validator(mode="after")
     def _feasible(self) -> Sm90WgmmaParams:
-        if self.swap_ab and (self.block_n % 64 or self.consumers != 1 or self.epilogue != "smem"
-                             or self.cluster_m != 1):
+        if self.swap_ab and (self.block_n % 64 or self.epilogue != "smem" or self.cluster_m != 1):
             raise ValueError(f"swap_ab: block_n={self.block_n} must be a multiple of 64 (the m64 wgmma rows), with "
-                             f"consumers=1 (not {self.consumers}), epilogue=smem (not {self.epilogue}: C is "
-                             f"transposed through shared memory) and cluster_m=1 (not {self.cluster_m})")
-        if not self.swap_ab and self.block_m < 64:
-            raise ValueError(f"block_m={self.block_m}: tiles under 64 rows need swap_ab (wgmma is m64)")
+                             f"epilogue=smem (not {self.epilogue}: C is transposed through shared memory) and "
+                             f"cluster_m=1 (not {self.cluster_m})")
+        if not self.swap_ab and self.block_m % 64:
+            raise ValueError(f"block_m={self.block_m}: without swap_ab the rows are m64 wgmmas (64, 128, 192 or "
+                             "256); other multiples of 16 need swap_ab")
         if self.wgmma_m % (64 * self.consumers):
-            raise ValueError(f"block_m={self.block_m} must split into consumers={self.consumers} warpgroups of "
-                             "a multiple of 64 rows each (wgmma is m64)")
+            extent = f"block_n={self.block_n} (swap_ab)" if self.swap_ab else f"block_m={self.block_m}"
+            raise ValueError(f"{extent} must split into consumers={self.consumers} warpgroups of a multiple of 64 "
+                             "rows each (wgmma is m64)")
         if self.epilogue == "tma" and (self.block_n % 64 or self.reduces):
             raise ValueError(f"epilogue=tma stores 64-column panels: block_n={self.block_n} must be a multiple of "
                              f"64, and split_k={self.split_k}, k_groups={self.k_groups} must be 1 (split-K stores "

@@ -199,20 +199,59 @@ def _fitted_settings(problem: Problem, sms: int, listed_best: float) -> list[Sm9
     each with its best ring. For odd sizes: 4437_512_3584 nk has 140 tiles of 128 x 128 (two waves, the second of
     8), 35 x 3 = 105 of 128 x 176 (one)."""
     step = 64 if problem.b_layout == "kn" else 16
-    ranked = []
-    for bm, consumers in FITTED_ROWS:
-        for bn in range(max(step, 32), min(256, -(-problem.n // step) * step) + 1, step):
-            if (bm, bn, consumers) in TILES or bm > -(-problem.m // 64) * 64:
-                continue
-            rough = Sm90WgmmaParams.model_construct(block_m=bm, block_n=bn, consumers=consumers)
-            ranked.append((_cost(rough, problem, sms), bm, bn, consumers))
+    shapes = [{"block_m": bm, "block_n": bn, "consumers": consumers}
+              for bm, consumers in FITTED_ROWS
+              for bn in range(max(step, 32), min(256, -(-problem.n // step) * step) + 1, step)
+              if (bm, bn, consumers) not in TILES and bm <= -(-problem.m // 64) * 64]
+    return _ahead(problem, sms, shapes, FITTED_GAIN * listed_best)
+
+
+# Swapped tiles of M just past a multiple of 64: the rows are wgmma's N (steps of 16), the B tile split among the
+# consumers in 64-row wgmmas. They enter where `_cost` puts them this far ahead of every listed shape (measured on
+# the H200, BENCHMARKS.md session 9: 4437_512_3584 0.84 -> 0.99x of cuBLAS, 205_50304_1024 0.87-0.89 -> 0.98-1.00x,
+# 222_32000_4096 0.92 -> 0.99x, 3072_2304_768 kn 1.01 -> 1.10x; 657_9984_3144 and 414_2472_11744 not helped).
+SWAP_FIT_GAIN = 0.92
+SWAP_FIT_COLS = ((128, 2), (192, 3), (64, 1))  # (block_n, consumers): one m64 wgmma row block per consumer
+
+
+def _swap_fit_settings(problem: Problem, sms: int,
+                       listed_best: float) -> tuple[list[Sm90WgmmaParams], list[Sm90WgmmaParams]]:
+    """Swapped-role tiles for M > 48 whose rows, M split evenly over the fewest tiles of at most 256 rows and rounded
+    up to 16, pad M far less than 64-row multiples do (205 rows: one 208-row tile, not 256; 414: two of 208, not 512;
+    657: three of 224, not 768), where `_cost` ranks them well ahead of the best listed shape: the two best, each as
+    a lead and an alternate. Beyond one wave the lead is the persistent kind where that keeps a ring of 4 stages
+    (measured 205_50304_1024 0.93 -> 0.98x, 7214_896_896 0.90 -> 0.96x; 222_32000_4096, 3 stages: 0.99 -> 0.96x)."""
+    if problem.m <= 48:
+        return [], []  # tiny M: _swap_settings
+    even = (-(-problem.m // tiles) for tiles in range(-(-problem.m // 256), -(-problem.m // 64) + 1))
+    rows = {-(-share // 16) * 16 for share in even}
+    shapes = [{"block_m": bm, "block_n": bn, "consumers": consumers, "swap_ab": True, "epilogue": "smem"}
+              for bm in sorted(rows) if bm % 64 and bm > 64 for bn, consumers in SWAP_FIT_COLS
+              if bn <= -(-problem.n // 64) * 64]
+    leads, alternates = [], []
+    for p in _ahead(problem, sms, shapes, SWAP_FIT_GAIN * listed_best):
+        tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
+        persistent = with_update(p, {"persistent": True}) if tiles > sms * p.min_blocks else None
+        if persistent is not None and persistent.stages >= 4:
+            leads.append(persistent)
+            alternates.append(p)
+        else:
+            leads.append(p)
+            alternates += [persistent] if persistent is not None else []
+    return leads, alternates
+
+
+def _ahead(problem: Problem, sms: int, shapes: list[dict[str, Any]], bar: float) -> list[Sm90WgmmaParams]:
+    """The two shapes of `shapes` that `_cost` puts below `bar`, cheapest first, each with its best ring and blocks
+    per SM."""
+    ranked = sorted((_cost(Sm90WgmmaParams.model_construct(**fields), problem, sms), i)
+                    for i, fields in enumerate(shapes))
     found = []
-    for cost, bm, bn, consumers in sorted(ranked):
-        if cost >= FITTED_GAIN * listed_best or len(found) == 2:
+    for cost, i in ranked:
+        if cost >= bar or len(found) == 2:
             break
-        variants = [v for v in (_valid(block_m=bm, block_n=bn, consumers=consumers, stages=stages,
-                                       min_blocks=blocks) for stages in (4, 3, 5, 6) for blocks in (1, 2))
-                    if v is not None]
+        variants = [v for v in (_valid(**shapes[i], stages=stages, min_blocks=blocks)
+                                for stages in (4, 3, 5, 6) for blocks in (1, 2)) if v is not None]
         if variants:
             found.append(min(variants, key=lambda v: _cost(v, problem, sms)))
     return found
@@ -226,6 +265,8 @@ def _valid(**fields: Any) -> Sm90WgmmaParams | None:
 
 
 # Kinds of setting that enter the list at a fixed rank (the candidate number they are tried at), not by cost:
+SWAP_FIT_RANK = 2  # swapped tiles of M just past a multiple of 64: right after the two best listed guesses
+SWAP_ALTERNATE_RANK = 7  # their other kind (persistent or not): after the fitted and split-K entries
 FITTED_RANK = 4  # tile shapes fitted to the problem's waves: after the best guesses of the measured shapes
 SPLIT_RANK = 6  # split-K where smaller tiles could fill the SMs without it (_split_class "some")
 CP_ASYNC_RANK = 8  # the cp.async producer of the two best guesses: it wins now and then where TMA barely loses
@@ -293,7 +334,10 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
     else:
         ordered = (_swap_settings(problem, sms) + split[:2] + _group_settings(problem, sms) + split[2:4] + wide
                    + split[4:] + picked)
+    swap_leads, swap_alternates = _swap_fit_settings(problem, sms, shapes[0][0])
+    _enter_at(ordered, SWAP_FIT_RANK, swap_leads)
     _enter_at(ordered, FITTED_RANK, _fitted_settings(problem, sms, shapes[0][0]))
+    _enter_at(ordered, SWAP_ALTERNATE_RANK, swap_alternates)
     _enter_at(ordered, CP_ASYNC_RANK, [with_update(p, {"loader": "cp_async"}) for p in ordered[:2]])
     wide = [p for p in picked if not p.persistent and p.block_n % 128 == 0][:2]
     _enter_at(ordered, MULTICAST_RANK, [with_update(p, {"cluster_m": 2}) for p in wide])

@@ -27,7 +27,7 @@ class Sm90Wgmma(Family):
         "direct, smem-staged or TMA-store (stmatrix) epilogue; split-K in thread-block clusters (fp32 partial "
         "tiles summed through distributed shared memory) and in K groups (partials through a global workspace, "
         "summed by the last CTA to arrive); clusters of 2 CTAs sharing each B tile by TMA multicast; swapped A and "
-        "B roles for M <= 48 (C^T = B^T A^T, so a 16-row A is not padded to 64 wgmma rows)."
+        "B roles (C^T = B^T A^T, so A's rows are not padded to 64 wgmma rows: tiny M, or 205 rows in one tile of 208)."
     )
 
     def derived(self, params: Params) -> dict[str, Any]:
