@@ -324,6 +324,20 @@ def test_m_past_a_multiple_of_64_gets_swapped_tiles_of_its_rows(problem, rows):
     assert -(-problem.m // rows) * rows - problem.m < 16  # padded by less than 16 rows (64-row tiles: 51-111)
 
 
+def test_few_swapped_tiles_with_a_long_k_split_it_and_lead():
+    # 414 rows: 2 x 20 tiles of 208 x 128 fill 40 SMs; 3 K groups fill 120 (measured 1.01x against 0.58-0.79x)
+    space = FAMILY.space(Problem(414, 2472, 11744, "kn"))
+    lead = space[search.SWAP_FIT_RANK]
+    assert lead["swap_ab"] and (lead["block_m"], lead["block_n"], lead["k_groups"]) == (208, 128, 3)
+    following = space[search.SWAP_FIT_RANK + 1]
+    assert following["swap_ab"] and following["split_k"] > 1  # then a cluster split
+    unsplit = [i for i, p in enumerate(space) if p["swap_ab"] and p["split_k"] * p["k_groups"] == 1]
+    assert unsplit and min(unsplit) >= search.SWAP_ALTERNATE_RANK
+    # one tile of rows (M <= 256): the listed split-K settings, measured 1.2-1.4x there, keep their places
+    for problem in (Problem(131, 400, 5632, "kn"), Problem(71, 3584, 3584, "nk")):
+        assert not any(p["swap_ab"] and p["split_k"] * p["k_groups"] > 1 for p in FAMILY.space(problem))
+
+
 def test_swapped_tiles_beyond_a_wave_lead_persistent_where_the_ring_keeps_4_stages():
     by_rank = {}
     for problem in (Problem(205, 50304, 1024, "kn"), Problem(222, 32000, 4096, "kn")):
@@ -403,6 +417,7 @@ def test_fitted_tiles_enter_where_listed_shapes_quantise_badly_and_nowhere_else(
     {"block_m": 128, "block_n": 64, "consumers": 2, "stages": 8, "k_groups": 4},
     {"block_m": 144, "block_n": 192, "consumers": 3, "stages": 4, "swap_ab": True, "epilogue": "smem"},  # M-fitted
     {"block_m": 80, "block_n": 128, "consumers": 2, "stages": 6, "swap_ab": True, "epilogue": "smem", "split_k": 2},
+    {"block_m": 208, "block_n": 128, "consumers": 2, "stages": 5, "swap_ab": True, "epilogue": "smem", "k_groups": 3},
     {"block_m": 208, "block_n": 128, "consumers": 2, "stages": 3, "swap_ab": True, "epilogue": "smem",
      "persistent": True},
 ], ids=str)
@@ -477,6 +492,8 @@ GPU_KINDS = {
                                    "persistent": True}, (1100, 1000, 520)),
     "swapped_fitted_split_k": ({**_SWAPPED, "block_m": 80, "consumers": 2, "stages": 6, "split_k": 2},
                                (150, 1000, 8200)),
+    "swapped_fitted_k_groups": ({**_SWAPPED, "block_m": 208, "consumers": 2, "stages": 5, "k_groups": 3},
+                                (414, 1000, 8200)),
 }
 
 

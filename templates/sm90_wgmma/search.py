@@ -221,15 +221,8 @@ def _swap_fit_settings(problem: Problem, sms: int,
     657: three of 224, not 768), where `_cost` ranks them well ahead of the best listed shape: the two best, each as
     a lead and an alternate. Beyond one wave the lead is the persistent kind where that keeps a ring of 4 stages
     (measured 205_50304_1024 0.93 -> 0.98x, 7214_896_896 0.90 -> 0.96x; 222_32000_4096, 3 stages: 0.99 -> 0.96x)."""
-    if problem.m <= 48:
-        return [], []  # tiny M: _swap_settings
-    even = (-(-problem.m // tiles) for tiles in range(-(-problem.m // 256), -(-problem.m // 64) + 1))
-    rows = {-(-share // 16) * 16 for share in even}
-    shapes = [{"block_m": bm, "block_n": bn, "consumers": consumers, "swap_ab": True, "epilogue": "smem"}
-              for bm in sorted(rows) if bm % 64 and bm > 64 for bn, consumers in SWAP_FIT_COLS
-              if bn <= -(-problem.n // 64) * 64]
     leads, alternates = [], []
-    for p in _ahead(problem, sms, shapes, SWAP_FIT_GAIN * listed_best):
+    for p in _ahead(problem, sms, _swapped_shapes(problem), SWAP_FIT_GAIN * listed_best):
         tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
         persistent = with_update(p, {"persistent": True}) if tiles > sms * p.min_blocks else None
         if persistent is not None and persistent.stages >= 4:
@@ -239,6 +232,57 @@ def _swap_fit_settings(problem: Problem, sms: int,
             leads.append(p)
             alternates += [persistent] if persistent is not None else []
     return leads, alternates
+
+
+def _swapped_shapes(problem: Problem) -> list[dict[str, Any]]:
+    """Swapped tiles of M's rows for M > 48: M split evenly over 1 to 4+ tiles of at most 256 rows, rounded up to
+    16, where that is not a multiple of 64 (those are listed shapes), with each of SWAP_FIT_COLS."""
+    if problem.m <= 48:
+        return []  # tiny M: _swap_settings
+    even = (-(-problem.m // tiles) for tiles in range(-(-problem.m // 256), -(-problem.m // 64) + 1))
+    rows = {-(-share // 16) * 16 for share in even}
+    return [{"block_m": bm, "block_n": bn, "consumers": consumers, "swap_ab": True, "epilogue": "smem"}
+            for bm in sorted(rows) if bm % 64 and bm > 64 for bn, consumers in SWAP_FIT_COLS
+            if bn <= -(-problem.n // 64) * 64]
+
+
+# Measured only at M = 414 and 512; smaller M (71-149 rows: one tile of rows, where the listed split-K and unsplit
+# settings measured 1.2-1.4x of cuBLAS) keep today's order.
+SWAP_SPLIT_MIN_M = 256
+
+
+def _swap_split_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
+    """Swapped tiles of M's rows (two or three consumers, M > SWAP_SPLIT_MIN_M, fewer rows than the listed 128-,
+    192- and 256-row tiles pad M to) with each tile's K split, where they fill under half the SMs: over as many CTAs
+    as one wave holds (at most 8, each at least MIN_K_TILES k-tiles), in K groups, and in one cluster of the largest
+    power of two of them where that many clusters run at once. The two K-group settings and the one cluster split
+    with the least work a CTA (a tile's area over its parts, with `_cost`'s traffic term), in that order: group,
+    cluster, group. Measured on the H200 (BENCHMARKS.md session 9): 414_2472_11744 kn, 2 x 20 tiles of 208 x 128 in 3
+    K groups 1.014x of cuBLAS (every unsplit, split-K and stream-K setting before: 0.58-0.79x). Not proposed where M
+    is a multiple of 128 (512_1024_8192 kn: 176 x 128 split_k 4 0.920x against the listed split-K leader's 0.887x, but
+    4 K groups 0.789x)."""
+    k_tiles = -(-problem.k // 64)
+    groups, clusters = [], []
+    if problem.m <= SWAP_SPLIT_MIN_M:
+        return []
+    listed_rows = min(-(-problem.m // bm) * bm for bm in (128, 192, 256))
+    for fields in _swapped_shapes(problem):
+        bm, bn = fields["block_m"], fields["block_n"]
+        if fields["consumers"] < 2 or -(-problem.m // bm) * bm >= listed_rows:
+            continue  # one consumer warpgroup a CTA: too small a tile to split; or no rows saved
+        tiles = -(-problem.m // bm) * -(-problem.n // bn)
+        parts = min(8, sms // tiles, k_tiles // MIN_K_TILES)
+        if tiles >= sms // 2 or parts < 2:
+            continue
+        traffic = 1 + 40 / bm + 40 / bn
+        if (v := deepest({**fields, "k_groups": parts})) is not None:
+            groups.append((bm * bn / parts * traffic, v))
+        split = 1 << (parts.bit_length() - 1)
+        if tiles <= CLUSTERS_PER_SLOT[split] and (v := deepest({**fields, "split_k": split})) is not None:
+            clusters.append((bm * bn / split * traffic, v))
+    groups.sort(key=lambda item: item[0])
+    clusters.sort(key=lambda item: item[0])
+    return [v for _, v in groups[:1] + clusters[:1] + groups[1:2]]
 
 
 def _ahead(problem: Problem, sms: int, shapes: list[dict[str, Any]], bar: float) -> list[Sm90WgmmaParams]:
@@ -335,6 +379,9 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
         ordered = (_swap_settings(problem, sms) + split[:2] + _group_settings(problem, sms) + split[2:4] + wide
                    + split[4:] + picked)
     swap_leads, swap_alternates = _swap_fit_settings(problem, sms, shapes[0][0])
+    swap_split = _swap_split_settings(problem, sms)
+    if swap_split:  # few tiles: split, they lead; unsplit, they fill under a wave as the listed shapes do
+        swap_leads, swap_alternates = swap_split, swap_leads + swap_alternates
     _enter_at(ordered, SWAP_FIT_RANK, swap_leads)
     _enter_at(ordered, FITTED_RANK, _fitted_settings(problem, sms, shapes[0][0]))
     _enter_at(ordered, SWAP_ALTERNATE_RANK, swap_alternates)
