@@ -209,7 +209,7 @@ def _fitted_settings(problem: Problem, sms: int, listed_best: float) -> list[Sm9
 # Swapped tiles of M just past a multiple of 64: the rows are wgmma's N (steps of 16), the B tile split among the
 # consumers in 64-row wgmmas. They enter where `_cost` puts them this far ahead of every listed shape (measured on
 # the H200, BENCHMARKS.md session 9: 4437_512_3584 0.84 -> 0.99x of cuBLAS, 205_50304_1024 0.87-0.89 -> 0.98-1.00x,
-# 222_32000_4096 0.92 -> 0.99x, 3072_2304_768 kn 1.01 -> 1.10x; 657_9984_3144 and 414_2472_11744 not helped).
+# 222_32000_4096 0.92 -> 0.99x, 3072_2304_768 kn 1.01 -> 1.10x; unsplit, 657_9984_3144 and 414_2472_11744 not helped).
 SWAP_FIT_GAIN = 0.92
 SWAP_FIT_COLS = ((128, 2), (192, 3), (64, 1))  # (block_n, consumers): one m64 wgmma row block per consumer
 
@@ -235,8 +235,8 @@ def _swap_fit_settings(problem: Problem, sms: int,
 
 
 def _swapped_shapes(problem: Problem) -> list[dict[str, Any]]:
-    """Swapped tiles of M's rows for M > 48: M split evenly over 1 to 4+ tiles of at most 256 rows, rounded up to
-    16, where that is not a multiple of 64 (those are listed shapes), with each of SWAP_FIT_COLS."""
+    """Swapped tiles of M's rows for M > 48: M split evenly over ceil(M / 256) to ceil(M / 64) tiles, rounded up
+    to 16, where that is not a multiple of 64 (those are listed shapes), with each of SWAP_FIT_COLS."""
     if problem.m <= 48:
         return []  # tiny M: _swap_settings
     even = (-(-problem.m // tiles) for tiles in range(-(-problem.m // 256), -(-problem.m // 64) + 1))
@@ -246,8 +246,8 @@ def _swapped_shapes(problem: Problem) -> list[dict[str, Any]]:
             if bn <= -(-problem.n // 64) * 64]
 
 
-# Measured only at M = 414 and 512; smaller M (71-149 rows: one tile of rows, where the listed split-K and unsplit
-# settings measured 1.2-1.4x of cuBLAS) keep today's order.
+# Measured at M = 414 only (512 is a multiple of 128: not proposed); smaller M (71-149 rows: one tile of rows, where
+# the listed split-K and unsplit settings measured 1.2-1.4x of cuBLAS) keep today's order.
 SWAP_SPLIT_MIN_M = 256
 
 
@@ -261,10 +261,10 @@ def _swap_split_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     K groups 1.014x of cuBLAS (every unsplit, split-K and stream-K setting before: 0.58-0.79x). Not proposed where M
     is a multiple of 128 (512_1024_8192 kn: 176 x 128 split_k 4 0.920x against the listed split-K leader's 0.887x, but
     4 K groups 0.789x)."""
-    k_tiles = -(-problem.k // 64)
-    groups, clusters = [], []
     if problem.m <= SWAP_SPLIT_MIN_M:
         return []
+    k_tiles = -(-problem.k // 64)
+    groups, clusters = [], []
     listed_rows = min(-(-problem.m // bm) * bm for bm in (128, 192, 256))
     for fields in _swapped_shapes(problem):
         bm, bn = fields["block_m"], fields["block_n"]
