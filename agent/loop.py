@@ -75,6 +75,8 @@ class SearchLoop:
         self.ahead = ahead if self.executor is not None else None
         self._ahead: dict[str, tuple[str, Future]] = {}  # candidate id -> its source and build, started ahead
         self._ahead_busy: list[Future] = []  # builds started ahead and not finished (stale ones too)
+        self._ahead_for: dict[str, Problem] = {}  # candidate id -> the problem it was compiled ahead for
+        self._upcoming: tuple[int, SearchState] | None = None  # the next shape's state, made before it begins
         self.observe = observer or (lambda kind, data: None)
         # None, compile-only or --no-profile: no profiles; switched off for the run when ncu cannot profile
         self.profiler = profiler if evaluate is not None and config.profile else None
@@ -104,7 +106,9 @@ class SearchLoop:
                 self._top_up(current)
                 if current.phase != "search" and current.jobs == 0:
                     continue  # it ended with nothing in flight: settle it now
-                self._compile_ahead(current)
+                self._compile_ahead(current.state)
+            elif waiting:  # the last shape's follow-up holds the GPUs: the next shape's first settings compile now
+                self._compile_ahead(self._next_state(*waiting[0]))
             if self.pending:
                 self._wait()
         return [summaries[i] for i in range(len(problems))]
@@ -139,9 +143,18 @@ class SearchLoop:
                 state.profiles[c.id] = prof.summary
         return state
 
+    def _next_state(self, index: int, problem: Problem) -> SearchState:
+        """The search state of the shape to begin next, made once (its settings compile ahead before it begins)."""
+        if self._upcoming is None or self._upcoming[0] != index:
+            self._upcoming = index, self.restore(problem)
+        return self._upcoming[1]
+
     def _begin(self, index: int, problem: Problem, deadline: float) -> _Shape:
-        self._ahead.clear()  # the last shape's builds started ahead and never proposed (still counted while busy)
-        state = self.restore(problem)
+        # the last shape's builds started ahead and never proposed (still counted while busy) are forgotten
+        self._ahead = {cid: v for cid, v in self._ahead.items() if self._ahead_for.get(cid) == problem}
+        self._ahead_for = {cid: self._ahead_for[cid] for cid in self._ahead}
+        state = self._next_state(index, problem)
+        self._upcoming = None
         self.observe("shape", {"problem": problem, "resumed": len(state.tried)})
         return _Shape(index, problem, state, deadline)
 
@@ -164,14 +177,15 @@ class SearchLoop:
                 s.state.pending.add(cand.id)
                 self._launch(cand, s, lambda build, result, cand=cand: self._searched(s, cand, build, result))
 
-    def _compile_ahead(self, s: _Shape) -> None:
-        """Start compiling what the proposer is likely to propose next for the shape, at most one build a process
-        of the ahead pool at a time: with one GPU NVRTC then runs while the GPU evaluates instead of between
-        evaluations. What is proposed, and in which order, does not depend on it."""
-        if self.ahead is None or s.phase != "search":
+    def _compile_ahead(self, state: SearchState) -> None:
+        """Start compiling what the proposer is likely to propose next for the shape (the one searching, or the next
+        one while the last one's follow-up runs), at most one build a process of the ahead pool at a time: with one
+        GPU NVRTC then runs while the GPU evaluates instead of between evaluations. What is proposed, and in which
+        order, does not depend on it."""
+        if self.ahead is None:
             return
         self._ahead_busy = [f for f in self._ahead_busy if not f.done()]
-        for c in self.proposer.upcoming(s.state):
+        for c in self.proposer.upcoming(state):
             if len(self._ahead_busy) >= max(1, self.ahead.processes):
                 return
             if c.id in self._ahead:
@@ -182,6 +196,7 @@ class SearchLoop:
                 continue
             build = self.ahead.submit(source, self.arch, c.id, self.config.compile_timeout_s)
             self._ahead[c.id] = source, build
+            self._ahead_for[c.id] = state.problem
             if not build.done():
                 self._ahead_busy.append(build)
 
@@ -308,7 +323,10 @@ class SearchLoop:
                 again = self.builder.submit(source, self.arch, cand.id, self.config.compile_timeout_s)
                 self._await(again, s, lambda b: self._built(cand, s, b, then))
 
-        self._await(ahead, s, built_ahead)
+        if ahead.done() and ahead.exception() is None:  # built while the GPU evaluated: to the GPU at once
+            built_ahead(ahead.result())
+        else:
+            self._await(ahead, s, built_ahead)
 
     def _built(self, cand: Candidate, s: _Shape | None, build: BuildResult, then: Done) -> None:
         self.store.add_build(build)

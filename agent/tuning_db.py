@@ -71,6 +71,7 @@ class TuningDB:
             # results may be recorded from the loop's worker threads: one connection, writes under a lock
             self.db = sqlite3.connect(self.path, isolation_level=None, timeout=10.0, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")  # several runs may write at once
+            self.db.execute("PRAGMA synchronous=NORMAL")  # as the run store: safe from a crash, not a power loss
             self.db.executescript(SCHEMA)
             row = self.db.execute("SELECT value FROM meta WHERE key = 'marker'").fetchone()
             if row is None:

@@ -18,7 +18,7 @@ from agent import gbt
 from agent.bandit import ThompsonBandit
 from agent.cost_model import FAILURE_PENALTY, MIN_PROBLEMS, features, train, training_set
 from agent.proposers.base import SearchState
-from agent.proposers.builtin import BuiltinProposer
+from agent.proposers.builtin import ROOFLINE_SD, BuiltinProposer, roofline_priors
 from agent.tuning_db import TuningDB, TuningRow
 from core.device import H200
 from core.records import Candidate, EvalResult, Problem, Status, Timing
@@ -129,10 +129,53 @@ def test_the_model_sets_priors_and_the_better_family_goes_first():
     sm90, sm80 = state.bandit.priors["builtin:sm90_wgmma"], state.bandit.priors["builtin:sm80_mma"]
     assert sm90[0] > sm80[0] + 0.3 and first.family == "sm90_wgmma"
     assert first.params["block_n"] == 64 and first.params["block_m"] == 256  # what the truth favours
-    # without a model the bandit keeps its default prior and the family its own order
+    # without a model the priors are the families' rooflines, level with the bandit's default where fastest
     plain = SearchState(problem, "sm_90a", ThompsonBandit(seed=0), device=H200)
     BuiltinProposer().propose(plain, n=1)
-    assert plain.bandit.priors == {}
+    roof90, roof80 = plain.bandit.priors["builtin:sm90_wgmma"], plain.bandit.priors["builtin:sm80_mma"]
+    assert roof90[0] == plain.bandit.prior_mean and roof80[0] < roof90[0] - 0.5
+
+
+@pytest.mark.parametrize("shape, lower", [
+    ((4096, 4096, 4096), (0.7, 0.8)),  # compute-bound: mma.sync's reach of Hopper's tensor rate, log 0.4 / 0.85
+    ((64, 64, 64), (0.0, 0.0)),  # a launch: level
+    ((57, 28672, 4096), (0.0, 0.0)),  # reading B at the memory's rate: level
+    ((131, 400, 5632), (0.01, 0.3)),  # between
+])
+def test_roofline_priors_lower_a_family_by_its_reach_where_the_problem_is_compute_bound(shape, lower):
+    families = families_for_arch("sm_90a")
+    priors = roofline_priors(Problem(*shape), families, H200, {}, -0.3)
+    assert priors["sm90_wgmma"] == (-0.3, ROOFLINE_SD)
+    assert lower[0] <= -0.3 - priors["sm80_mma"][0] <= lower[1] + 1e-9
+    # a family whose mean is known (from the learned model) sets the level of the others by its own roofline
+    anchored = roofline_priors(Problem(*shape), families, H200, {"sm90_wgmma": 0.1}, -0.3)
+    assert anchored["sm80_mma"][0] == pytest.approx(priors["sm80_mma"][0] + 0.4)
+    assert roofline_priors(Problem(*shape), families, H200, {}, -0.3) == priors
+    assert roofline_priors(Problem(*shape), [f for f in families if not f.tensor_share], H200, {}, 0.0) == {}
+
+
+def test_a_model_that_rates_a_slow_family_high_is_held_to_its_roofline():
+    class Flattering:  # a model trained where sm80_mma was tried only on small problems, where it was fast
+        def order(self, problem, family, settings, sms):
+            return settings
+
+        def prior(self, problem, family, ordered, sms):
+            return (0.2 if family == "sm80_mma" else 0.0), 0.3
+
+    big = SearchState(Problem(4096, 4096, 4096), "sm_90a", ThompsonBandit(seed=0), device=H200)
+    BuiltinProposer(Flattering()).propose(big)
+    assert big.bandit.priors["builtin:sm90_wgmma"] == (0.0, 0.3)
+    assert big.bandit.priors["builtin:sm80_mma"][0] == pytest.approx(math.log(0.4 / 0.85) + ROOFLINE_SD, abs=0.05)
+    tiny = SearchState(Problem(64, 64, 64), "sm_90a", ThompsonBandit(seed=0), device=H200)
+    BuiltinProposer(Flattering()).propose(tiny)
+    assert tiny.bandit.priors["builtin:sm80_mma"] == (0.2, 0.3)  # within its roofline: the model's
+
+
+def test_the_roofline_prior_sends_a_large_problem_to_the_hopper_family_first():
+    problem = Problem(4096, 4096, 4096)
+    firsts = [BuiltinProposer().propose(SearchState(problem, "sm_90a", ThompsonBandit(seed=s), device=H200))[0]
+              for s in range(40)]
+    assert sum(c.family == "sm90_wgmma" for c in firsts) >= 36  # level priors: half each
 
 
 def test_leave_one_shape_out_needs_fewer_candidates_than_todays_order_and_random():

@@ -246,7 +246,9 @@ def test_compiling_ahead_changes_nothing_recorded_and_spares_the_inline_compiles
     for p in (P, Q):
         assert recorded(plain, p) == recorded(fast, p)
     tried = {c.id for p in (P, Q) for c in fast.candidates(p)}
-    assert len(tried) == 16 and len(inline.ids) <= 2  # each shape's first candidate, before anything was ahead
+    # the first shape's first candidate, before anything was ahead; the second shape's first settings compiled
+    # ahead while the first shape's re-measurement ran
+    assert len(tried) == 16 and len(inline.ids) <= 1
     assert tried - set(inline.ids) <= set(ahead.ids)
     # a build ahead that failed is compiled again in line, and the candidate is recorded as if nothing happened
     inline = CountingBuilds()

@@ -25,5 +25,22 @@ print(f"{len(rows)} results: {sum(r['status'] == 'ok' for r in rows)} ok, {len(b
       f"{sum(bool(r.get('fresh')) for r in rows)} re-checked on fresh inputs")
 for r in bad:
     print("REJECTED", r["candidate_id"], r["status"], r["reason"][:200])
+# where the run's time went: the GPU's evaluations (re-measurements at their candidate's wall time) against the span
+db = sqlite3.connect(sys.argv[1])
+wall = {cid: json.loads(rec).get("wall_s", 0.0) for cid, rec in db.execute("SELECT candidate_id, record FROM results")}
+extra = sum(wall.get(cid, 0.0) for (cid,) in db.execute("SELECT candidate_id FROM measurements")) - sum(
+    wall[cid] for (cid,) in db.execute("SELECT candidate_id FROM results WHERE status = 'ok'"))
+t0 = db.execute("SELECT MIN(created) FROM candidates").fetchone()[0]
+t1 = max(db.execute("SELECT MAX(created) FROM results").fetchone()[0], db.execute(
+    "SELECT MAX(created) FROM measurements").fetchone()[0] or 0)
+busy = sum(wall.values()) + max(extra, 0.0)
+cached = db.execute("SELECT SUM(cached), COUNT(*), SUM(CASE WHEN cached THEN 0 ELSE compile_s END) FROM builds").fetchone()
+fam = dict(db.execute("SELECT family, COUNT(*) FROM candidates GROUP BY family").fetchall())
+firsts = [wall[cid] for (cid,) in db.execute("SELECT id FROM candidates c WHERE seq = (SELECT MIN(seq) FROM candidates "
+                                             "WHERE problem_key = c.problem_key)") if cid in wall]
+print(f"GPU busy {busy:.0f} s of {t1 - t0:.0f} s ({busy / (t1 - t0):.0%}); evaluations median "
+      f"{sorted(wall.values())[len(wall) // 2]:.2f} s, each shape's first {sum(firsts) / max(1, len(firsts)):.2f} s "
+      f"on average; builds {cached[0]} of {cached[1]} from the cache, the rest {cached[2] or 0:.0f} s of NVRTC; "
+      f"candidates by family {fam}")
 PY
 tail -42 "$OUT/devsuite_${L}_bench.log"

@@ -19,6 +19,7 @@ class Sm90Wgmma(Family):
     name: ClassVar[str] = "sm90_wgmma"
     arches: ClassVar[tuple[str, ...]] = ("sm_90a",)
     params_model: ClassVar[type[Params]] = Sm90WgmmaParams
+    tensor_share: ClassVar[dict[str, float]] = {"sm_90a": 0.85}  # H200: 0.74-0.95 of the floor where it wins
     description: ClassVar[str] = (
         "Hopper HGEMM: a producer warpgroup streams A/B tiles with TMA (host-encoded tensor maps) or cp.async "
         "into a STAGES-deep ring of 128-byte-swizzled shared memory (mbarrier full/empty handshake); 1-4 consumer "
