@@ -16,7 +16,7 @@ import pytest
 
 from agent import gbt
 from agent.bandit import ThompsonBandit
-from agent.cost_model import FAILURE_PENALTY, MIN_PROBLEMS, features, train, training_set
+from agent.cost_model import DEMOTE_MAX, FAILURE_PENALTY, MIN_PROBLEMS, features, train, training_set
 from agent.proposers.base import SearchState
 from agent.proposers.builtin import ROOFLINE_SD, BuiltinProposer, roofline_priors
 from agent.tuning_db import TuningDB, TuningRow
@@ -118,6 +118,18 @@ def test_measured_settings_go_first_and_ties_keep_the_rules_order():
     ordered = model.order(problem, "sm90_wgmma", space, 132)
     best_measured = max(space, key=lambda p: truth(problem, "sm90_wgmma", p))
     assert ordered[0] == best_measured and sorted(map(str, ordered)) == sorted(map(str, space))
+
+
+def test_the_learned_order_holds_no_setting_back_more_than_a_few_places():
+    rows = synthetic_rows()
+    problem = Problem(3000, 1024, 1024)  # never measured
+    space = get_family("sm90_wgmma").space(problem, H200)
+    model, _ = train(rows, DEVICE, rank_weight=0.0)  # the trees alone
+    ordered = model.order(problem, "sm90_wgmma", space, 132)
+    place = {json.dumps(p, sort_keys=True): i for i, p in enumerate(ordered)}
+    delays = [place[json.dumps(p, sort_keys=True)] - i for i, p in enumerate(space)]
+    assert max(delays) <= DEMOTE_MAX and sorted(place.values()) == list(range(len(space)))
+    assert ordered[:DEMOTE_MAX] != space[:DEMOTE_MAX]  # the model still brings its own picks forward
 
 
 def test_the_model_sets_priors_and_the_better_family_goes_first():
