@@ -323,7 +323,7 @@ class SearchLoop:
                 again = self.builder.submit(source, self.arch, cand.id, self.config.compile_timeout_s)
                 self._await(again, s, lambda b: self._built(cand, s, b, then))
 
-        if ahead.done() and ahead.exception() is None:  # built while the GPU evaluated: to the GPU at once
+        if ahead.done() and not ahead.cancelled() and ahead.exception() is None:  # built while the GPU evaluated
             built_ahead(ahead.result())
         else:
             self._await(ahead, s, built_ahead)

@@ -65,7 +65,7 @@ class Family(ABC):
     searched: ClassVar[bool] = True  # False: the built-in search skips it (reference and base families)
     deterministic: ClassVar[bool] = True  # False only for families that reduce with atomics in any order
     # The share of a device's dense tensor rate the family's kernels reach on large problems, by the arch they run
-    # as (the bandit's roofline prior, agent.cost_model.roofline_prior); a family without one gets no prior.
+    # as (the bandit's roofline prior, agent.proposers.builtin.roofline_priors); without one: no such prior.
     tensor_share: ClassVar[dict[str, float]] = {}
 
     @property
