@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: a search over a shape suite, then `bench` on it (logs, the run store and the tuning database land
 # in $OUT). Each family's first PREBUILD settings a shape (default 8; 0: none) are compiled before the run.
-# Usage on the GPU machine: [LAYOUT=nk] [PREBUILD=8] bash tools/gpu_devsuite.sh SHAPES_FILE BUDGET_MINUTES MAX_CANDIDATES
+# Usage on the GPU machine: [LAYOUT=nk] [PREBUILD=8] [RUN_ARGS=--no-db] bash tools/gpu_devsuite.sh SHAPES_FILE
+#   BUDGET_MINUTES MAX_CANDIDATES      (RUN_ARGS: more options of `agent run`; --no-db: the run without the learner)
 . tools/gpu_env.sh
 export HGEMM_AGENT_CACHE=$PWD/.cache/cubins
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -13,10 +14,11 @@ if [ "${PREBUILD:-8}" != 0 ]; then  # PREBUILD=0: nothing compiled before the ru
   echo "prebuild rc=$? $(( $(date +%s) - T0 )) s: $(tail -1 "$OUT/devsuite_${L}_prebuild.log")"
 fi
 timeout $(( ${2%.*} * 60 + 150 )) python3 -m agent run --shapes "$1" --budget-minutes "$2" --max-candidates "$3" --no-profile \
-  --b-layout "$L" > "$OUT/devsuite_${L}_run.log" 2>&1
+  --b-layout "$L" ${RUN_ARGS:-} > "$OUT/devsuite_${L}_run.log" 2>&1
 echo "run rc=$? $(( $(date +%s) - T0 )) s"; R=$(ls -t runs | grep -v gitkeep | head -1)
 timeout 200 python3 -m agent bench "$R" > "$OUT/devsuite_${L}_bench.log" 2>&1; echo "bench rc=$? $(( $(date +%s) - T0 )) s"
 cp "runs/$R/run.sqlite" "$OUT/devsuite_${L}.sqlite"; cp "runs/$R/bench/bench.json" "$OUT/devsuite_${L}_bench.json"
+[ -f "$HGEMM_AGENT_TUNING_DB" ] || python3 -m agent db --db "$HGEMM_AGENT_TUNING_DB" --import "$R" > /dev/null  # --no-db
 python3 - "$OUT/devsuite_${L}.sqlite" <<'PY'
 import json, sqlite3, sys
 rows = [json.loads(r[0]) for r in sqlite3.connect(sys.argv[1]).execute("SELECT record FROM results")]
