@@ -102,10 +102,15 @@ def test_kn_b_is_one_copy_of_every_panel_where_n_is_a_multiple_of_64(cluster_m):
     assert (b.dims, b.box, b.strides) == ((4040, 1000), (64, 64), ())
 
 
-def test_space_leads_with_tma_and_keeps_cp_async_in_reach():
-    space = FAMILY.space(Problem(4096, 4096, 4096))
+@pytest.mark.parametrize("problem,cp_async", [
+    (Problem(4096, 4096, 4096), 0),  # two consumer warpgroups, K whole: cp.async never won there
+    (Problem(64, 16384, 4096), 2),  # one consumer warpgroup
+    (Problem(512, 1024, 8192, "nk"), 2),  # split-K leaders
+], ids=lambda x: x.key if isinstance(x, Problem) else str(x))
+def test_space_leads_with_tma_and_keeps_cp_async_in_reach_where_it_wins(problem, cp_async):
+    space = FAMILY.space(problem)
     assert space[0]["loader"] == "tma"
-    assert [p["loader"] for p in space[:12]].count("cp_async") == 2
+    assert [p["loader"] for p in space[:12]].count("cp_async") == cp_async
 
 
 @pytest.mark.parametrize("problem,lead", [(Problem(16384, 512, 128), True), (Problem(4096, 4096, 4096), True),

@@ -313,7 +313,11 @@ SWAP_FIT_RANK = 2  # swapped tiles of M just past a multiple of 64: right after 
 SWAP_ALTERNATE_RANK = 7  # their other kind (persistent or not): after the fitted and split-K entries
 FITTED_RANK = 4  # tile shapes fitted to the problem's waves: after the best guesses of the measured shapes
 SPLIT_RANK = 6  # split-K where smaller tiles could fill the SMs without it (_split_class "some")
-CP_ASYNC_RANK = 8  # the cp.async producer of the two best guesses: it wins now and then where TMA barely loses
+# The cp.async producer of the two best guesses where they have one consumer warpgroup or split K: it wins now and
+# then where TMA barely loses. Of larger tiles whole in K it never won on the H200: 151 measured over sessions 7-10,
+# 3 within 2% of the shape's best (all at K <= 64, where the producer hardly matters); of the others, 77 measured, 23
+# within 2%, 14 won (small-M tiles and split-K leaders: 131_400_5632, 16_4096_4096, 64_1024_16384, 512_1024_8192 nk).
+CP_ASYNC_RANK = 8
 # clusters of 2 sharing B by TMA multicast: measured 0.9-1.0x of the same tiles without (1.07-1.17x only where B's
 # rows are off 128-byte boundaries), so for longer searches
 MULTICAST_RANK = 12
@@ -385,7 +389,8 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
     _enter_at(ordered, SWAP_FIT_RANK, swap_leads)
     _enter_at(ordered, FITTED_RANK, _fitted_settings(problem, sms, shapes[0][0]))
     _enter_at(ordered, SWAP_ALTERNATE_RANK, swap_alternates)
-    _enter_at(ordered, CP_ASYNC_RANK, [with_update(p, {"loader": "cp_async"}) for p in ordered[:2]])
+    _enter_at(ordered, CP_ASYNC_RANK, [with_update(p, {"loader": "cp_async"}) for p in ordered[:2]
+                                       if p.consumers == 1 or p.split_k > 1 or p.k_groups > 1])
     wide = [p for p in picked if not p.persistent and p.block_n % 128 == 0][:2]
     _enter_at(ordered, MULTICAST_RANK, [with_update(p, {"cluster_m": 2}) for p in wide])
     seen: dict[str, dict[str, Any]] = {}
