@@ -315,8 +315,8 @@ FITTED_RANK = 4  # tile shapes fitted to the problem's waves: after the best gue
 SPLIT_RANK = 6  # split-K where smaller tiles could fill the SMs without it (_split_class "some")
 # The cp.async producer of the two best guesses where they have one consumer warpgroup or split K: it wins now and
 # then where TMA barely loses. Of larger tiles whole in K it never won on the H200: 151 measured over sessions 7-10,
-# 3 within 2% of the shape's best (all at K <= 64, where the producer hardly matters); of the others, 77 measured, 23
-# within 2%, 14 won (small-M tiles and split-K leaders: 131_400_5632, 16_4096_4096, 64_1024_16384, 512_1024_8192 nk).
+# 3 within 2% of the shape's best (all at K <= 64, where the producer hardly matters); of the others, 93 measured, 23
+# within 2%, 13 won (small-M tiles and split-K leaders: 131_400_5632, 16_4096_4096, 64_1024_16384, 512_1024_8192 nk).
 CP_ASYNC_RANK = 8
 # clusters of 2 sharing B by TMA multicast: measured 0.9-1.0x of the same tiles without (1.07-1.17x only where B's
 # rows are off 128-byte boundaries), so for longer searches
