@@ -103,11 +103,19 @@ class CostModel:
         return predicted
 
     def order(self, problem: Problem, family: str, settings: list[dict[str, Any]], sms: int) -> list[dict[str, Any]]:
-        """The family's settings, best predicted first; unchanged for a family the model knows too little of."""
+        """The family's settings, best predicted first but none held back more than DEMOTE_MAX places behind the
+        family's own order unless measured on this problem; unchanged for a family the model knows too little of."""
         if family not in self.families:
             return list(settings)
         blended = self.scores(problem, family, settings, sms) - self.rank_weight * np.arange(len(settings))
-        return [settings[i] for i in _held_back_at_most(np.argsort(-blended, kind="stable").tolist(), DEMOTE_MAX)]
+        measured = {i for i, p in enumerate(settings) if (problem.key, family, _params_key(p)) in self.known}
+        order = _held_back_at_most(np.argsort(-blended, kind="stable").tolist(), DEMOTE_MAX, measured)
+        return [settings[i] for i in order]
+
+    def peek_order(self, problem: Problem, family: str, settings: list[dict[str, Any]], sms: int
+                   ) -> list[dict[str, Any]]:
+        """`order` (a trained model does not change)."""
+        return self.order(problem, family, settings, sms)
 
     def prior(self, problem: Problem, family: str, ordered: list[dict[str, Any]], sms: int
               ) -> tuple[float, float] | None:
@@ -117,21 +125,23 @@ class CostModel:
         return float(np.mean(self.scores(problem, family, ordered[:PRIOR_TOP], sms))), PRIOR_SD
 
 
-def _held_back_at_most(order: list[int], most: int) -> list[int]:
+def _held_back_at_most(order: list[int], most: int, free: set[int] = frozenset()) -> list[int]:
     """`order` (a permutation of the family's own order 0..n-1), changed so that setting i comes no later than place
-    i + most: where one is due, it goes next; otherwise the next of `order`."""
+    i + most, unless i is in `free`: where one is due, it goes next; otherwise the next of `order`."""
     out: list[int] = []
-    placed: set[int] = set()
+    out_set: set[int] = set()
+    placed: set[int] = set(free)  # placed, or never due
     pending = iter(order)
-    due = 0  # every setting before it is placed
+    due = 0  # every setting before it is placed (or free)
     while len(out) < len(order):
         while due in placed:
             due += 1
         if due + most <= len(out):
             pick = due
         else:
-            pick = next(i for i in pending if i not in placed)
+            pick = next(i for i in pending if i not in out_set)
         out.append(pick)
+        out_set.add(pick)
         placed.add(pick)
     return out
 
@@ -242,6 +252,12 @@ class Learner:
 
     def order(self, problem: Problem, family: str, settings: list[dict[str, Any]], sms: int) -> list[dict[str, Any]]:
         self._refresh()
+        return self.peek_order(problem, family, settings, sms)
+
+    def peek_order(self, problem: Problem, family: str, settings: list[dict[str, Any]], sms: int
+                   ) -> list[dict[str, Any]]:
+        """The order by the model as it is, never retraining it (to compile a shape's settings ahead of its turn
+        without moving when the model retrains, and so what it orders by)."""
         return self.model.order(problem, family, settings, sms) if self.model else list(settings)
 
     def prior(self, problem: Problem, family: str, ordered: list[dict[str, Any]], sms: int

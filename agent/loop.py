@@ -145,7 +145,7 @@ class SearchLoop:
 
     def _next_state(self, index: int, problem: Problem) -> SearchState:
         """The search state of the shape to begin next, made once (its settings compile ahead before it begins)."""
-        if self._upcoming is None or self._upcoming[0] != index:
+        if self._upcoming is None or self._upcoming[0] != index or self._upcoming[1].problem != problem:
             self._upcoming = index, self.restore(problem)
         return self._upcoming[1]
 

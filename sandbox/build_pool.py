@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from core.records import BuildResult
@@ -44,7 +44,7 @@ class BuildPool:
         def finish(f: Future) -> None:
             try:
                 out.set_result(f.result())
-            except BrokenProcessPool as e:
+            except (BrokenProcessPool, CancelledError) as e:  # cancelled: a process died and took the pool with it
                 self._discard(pool)
                 out.set_result(_died(source, arch, candidate_id, e))
             except Exception as e:  # a bug in this process's hand-off, never a bad source: surface it

@@ -77,6 +77,12 @@ def test_build_pool_compiles_in_processes_and_survives_a_dead_compiler(tmp_path,
             os.kill(pid, signal.SIGKILL)
         lost = doomed.result(timeout=60)
         assert not lost.ok and "compiler process died" in lost.error
+        # builds still queued when the pool is given up are cancelled: failed builds too, never an exception
+        queued = [pool.submit(GOOD + f"// queued {i}\n", "sm_90a", f"q{i}", 60) for i in range(6)]
+        pool._discard(pool._pool)
+        outcomes = [f.result(timeout=120) for f in queued]
+        assert all(b.ok or "compiler process died" in b.error for b in outcomes)
+        assert any(not b.ok for b in outcomes)
         assert pool.submit(GOOD + "// after\n", "sm_90a", "a", 60).result(timeout=120).ok  # a fresh pool
     finally:
         pool.close()

@@ -16,7 +16,15 @@ import pytest
 
 from agent import gbt
 from agent.bandit import ThompsonBandit
-from agent.cost_model import DEMOTE_MAX, FAILURE_PENALTY, MIN_PROBLEMS, features, train, training_set
+from agent.cost_model import (
+    DEMOTE_MAX,
+    FAILURE_PENALTY,
+    MIN_PROBLEMS,
+    _held_back_at_most,
+    features,
+    train,
+    training_set,
+)
 from agent.proposers.base import SearchState
 from agent.proposers.builtin import ROOFLINE_SD, ROOFLINE_SLACK, BuiltinProposer, roofline_priors
 from agent.tuning_db import TuningDB, TuningRow
@@ -138,6 +146,49 @@ def test_the_learned_order_holds_no_setting_back_more_than_a_few_places(monkeypa
     assert delays()[1] > DEMOTE_MAX + 5  # what the trees alone would have done
 
 
+def test_the_hold_back_keeps_every_setting_once_and_frees_the_measured_ones():
+    rng = random.Random(0)
+    for _ in range(500):
+        n, most = rng.randint(1, 40), rng.randint(0, 5)
+        order = rng.sample(range(n), n)
+        free = set(rng.sample(range(n), rng.randint(0, n)))
+        out = _held_back_at_most(order, most, free)
+        place = {v: i for i, v in enumerate(out)}
+        assert sorted(out) == list(range(n)) and all(place[i] <= i + most for i in range(n) if i not in free)
+    assert _held_back_at_most([5, 6, 7, 8, 9, 0, 1, 2, 3, 4], 3) == [5, 6, 7, 0, 1, 2, 3, 4, 8, 9]
+    # settings measured on the problem before (0, 1: known slow there) may stay at the back
+    assert _held_back_at_most([5, 6, 7, 8, 9, 2, 3, 4, 0, 1], 3, {0, 1})[-2:] == [0, 1]
+
+
+def test_compiling_ahead_peeks_at_the_order_without_retraining_or_fixing_it():
+    class Counting:  # a Learner's calls: order may retrain, peek_order never does
+        def __init__(self):
+            self.calls = []
+
+        def order(self, problem, family, settings, sms):
+            self.calls.append(("order", family))
+            return list(reversed(settings))
+
+        def peek_order(self, problem, family, settings, sms):
+            self.calls.append(("peek", family))
+            return list(reversed(settings))
+
+        def prior(self, problem, family, ordered, sms):
+            return None
+
+    model = Counting()
+    proposer = BuiltinProposer(model)
+    state = SearchState(Problem(3000, 1024, 1024), "sm_90a", ThompsonBandit(seed=0), device=H200)
+    ahead = proposer.upcoming(state)
+    proposer.upcoming(state)  # peeked orders are kept for the next look ahead
+    assert {kind for kind, _ in model.calls} == {"peek"} and len(model.calls) == 2
+    first = proposer.propose(state)[0]
+    assert [kind for kind, _ in model.calls[2:]] == ["order", "order"]  # the shape's own order, fixed now
+    assert first.id in {c.id for c in ahead}
+    proposer.upcoming(state)
+    assert len(model.calls) == 4  # once fixed, looking ahead reads it
+
+
 def test_the_model_sets_priors_and_the_better_family_goes_first():
     model, _ = train(synthetic_rows(), DEVICE, rank_weight=0.003)  # a weak prior: the trees' own first choice
     problem = Problem(3000, 1024, 1024)  # never measured
@@ -172,7 +223,6 @@ def test_roofline_priors_lower_a_family_by_its_reach_where_the_problem_is_comput
     # a family whose mean is known (from the learned model) sets the level of the others by its own roofline
     anchored = roofline_priors(Problem(*shape), families, H200, {"sm90_wgmma": 0.1}, -0.3)
     assert anchored["sm80_mma"][0] == pytest.approx(priors["sm80_mma"][0] + 0.4)
-    assert roofline_priors(Problem(*shape), families, H200, {}, -0.3) == priors
     assert roofline_priors(Problem(*shape), [f for f in families if not f.tensor_share], H200, {}, 0.0) == {}
 
 

@@ -18,7 +18,8 @@ timeout $(( ${2%.*} * 60 + 150 )) python3 -m agent run --shapes "$1" --budget-mi
 echo "run rc=$? $(( $(date +%s) - T0 )) s"; R=$(ls -t runs | grep -v gitkeep | head -1)
 timeout 200 python3 -m agent bench "$R" > "$OUT/devsuite_${L}_bench.log" 2>&1; echo "bench rc=$? $(( $(date +%s) - T0 )) s"
 cp "runs/$R/run.sqlite" "$OUT/devsuite_${L}.sqlite"; cp "runs/$R/bench/bench.json" "$OUT/devsuite_${L}_bench.json"
-[ -f "$HGEMM_AGENT_TUNING_DB" ] || python3 -m agent db --db "$HGEMM_AGENT_TUNING_DB" --import "$R" > /dev/null  # --no-db
+case " ${RUN_ARGS:-} " in *" --no-db "*)  # the run kept no tuning rows: import its results for the analyses
+  python3 -m agent db --db "$OUT/tuning.sqlite" --import "$R" > /dev/null ;; esac
 python3 - "$OUT/devsuite_${L}.sqlite" <<'PY'
 import json, sqlite3, sys
 rows = [json.loads(r[0]) for r in sqlite3.connect(sys.argv[1]).execute("SELECT record FROM results")]
@@ -32,9 +33,11 @@ db = sqlite3.connect(sys.argv[1])
 wall = {cid: json.loads(rec).get("wall_s", 0.0) for cid, rec in db.execute("SELECT candidate_id, record FROM results")}
 extra = sum(wall.get(cid, 0.0) for (cid,) in db.execute("SELECT candidate_id FROM measurements")) - sum(
     wall[cid] for (cid,) in db.execute("SELECT candidate_id FROM results WHERE status = 'ok'"))
-t0 = db.execute("SELECT MIN(created) FROM candidates").fetchone()[0]
-t1 = max(db.execute("SELECT MAX(created) FROM results").fetchone()[0], db.execute(
+t0 = db.execute("SELECT MIN(created) FROM candidates").fetchone()[0] or 0
+t1 = max(db.execute("SELECT MAX(created) FROM results").fetchone()[0] or 0, db.execute(
     "SELECT MAX(created) FROM measurements").fetchone()[0] or 0)
+if not wall or t1 <= t0:
+    sys.exit()
 busy = sum(wall.values()) + max(extra, 0.0)
 cached = db.execute("SELECT SUM(cached), COUNT(*), SUM(CASE WHEN cached THEN 0 ELSE compile_s END) FROM builds").fetchone()
 fam = dict(db.execute("SELECT family, COUNT(*) FROM candidates GROUP BY family").fetchall())

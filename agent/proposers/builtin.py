@@ -3,7 +3,8 @@
 An arm is a family; within it, settings are tried in the family's own order (its cost model's best guesses
 first), or in the learned cost model's order where the tuning database holds enough measurements of the family on
 this GPU model (a run's `Learner` retrains as the run measures new problems), which then also sets the arm's
-prior; where it sets none, a roofline of each family's reach on the device does (`roofline_prior`).
+prior, held to a roofline of each family's reach on the device (`roofline_priors`), which alone sets the prior
+where the model sets none.
 `RandomProposer` draws uniformly from the same space: the baseline the bandit must beat.
 """
 
@@ -61,18 +62,28 @@ class BuiltinProposer(Proposer):
     def __init__(self, model: CostModel | Learner | None = None):
         self.model = model
         self._spaces: dict[tuple, list[tuple[str, Candidate]]] = {}
+        self._peeked: dict[tuple, list[tuple[str, Candidate]]] = {}  # orders seen ahead of a shape's turn
 
-    def _space(self, state: SearchState, family: Family) -> list[tuple[str, Candidate]]:
+    def _space(self, state: SearchState, family: Family, peek: bool = False) -> list[tuple[str, Candidate]]:
         """The family's settings for the problem as (id, candidate), in the order they are tried (computed once:
-        ids are hashes, and the untried ones are looked up for every proposal)."""
+        ids are hashes, and the untried ones are looked up for every proposal). peek: before the shape's first
+        proposal (compiling ahead), an order that neither retrains the model nor fixes the shape's order."""
         key = (state.problem, state.arch, state.device.name, state.device.sms, family.name)
-        if key not in self._spaces:
-            settings = family.space(state.problem, state.device)
-            if self.model is not None:
-                settings = self.model.order(state.problem, family.name, settings, state.device.sms)
-            candidates = [Candidate(state.problem, family.name, p, origin=self.name) for p in settings]
-            self._spaces[key] = [(c.id, c) for c in candidates]
-        return self._spaces[key]
+        if key in self._spaces:
+            return self._spaces[key]
+        if peek and key in self._peeked:
+            return self._peeked[key]
+        settings = family.space(state.problem, state.device)
+        if self.model is not None:
+            order = self.model.peek_order if peek else self.model.order
+            settings = order(state.problem, family.name, settings, state.device.sms)
+        space = [(c.id, c) for c in (Candidate(state.problem, family.name, p, origin=self.name) for p in settings)]
+        if peek:
+            self._peeked[key] = space
+        else:
+            self._peeked.pop(key, None)
+            self._spaces[key] = space
+        return space
 
     def _untried(self, state: SearchState) -> list[Candidate]:
         tried = state.tried_ids
@@ -84,7 +95,7 @@ class BuiltinProposer(Proposer):
         tried = state.tried_ids
         out = []
         for family in families_for_arch(state.arch):
-            out += [c for cid, c in self._space(state, family) if cid not in tried][:per_family]
+            out += [c for cid, c in self._space(state, family, peek=True) if cid not in tried][:per_family]
         return out
 
     def propose(self, state: SearchState, n: int = 1) -> list[Candidate]:
