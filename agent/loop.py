@@ -73,9 +73,9 @@ class SearchLoop:
         self.builder = builder or BuildPool()
         # compiles the proposer's likely next candidates while the GPUs evaluate (None: not at all, or compile only)
         self.ahead = ahead if self.executor is not None else None
-        self._ahead: dict[str, tuple[str, Future]] = {}  # candidate id -> its source and build, started ahead
+        # candidate id -> its problem, source and build, started ahead
+        self._ahead: dict[str, tuple[Problem, str, Future]] = {}
         self._ahead_busy: list[Future] = []  # builds started ahead and not finished (stale ones too)
-        self._ahead_for: dict[str, Problem] = {}  # candidate id -> the problem it was compiled ahead for
         self._upcoming: tuple[int, SearchState] | None = None  # the next shape's state, made before it begins
         self.observe = observer or (lambda kind, data: None)
         # None, compile-only or --no-profile: no profiles; switched off for the run when ncu cannot profile
@@ -151,8 +151,7 @@ class SearchLoop:
 
     def _begin(self, index: int, problem: Problem, deadline: float) -> _Shape:
         # the last shape's builds started ahead and never proposed (still counted while busy) are forgotten
-        self._ahead = {cid: v for cid, v in self._ahead.items() if self._ahead_for.get(cid) == problem}
-        self._ahead_for = {cid: self._ahead_for[cid] for cid in self._ahead}
+        self._ahead = {cid: v for cid, v in self._ahead.items() if v[0] == problem}
         state = self._next_state(index, problem)
         self._upcoming = None
         self.observe("shape", {"problem": problem, "resumed": len(state.tried)})
@@ -195,8 +194,7 @@ class SearchLoop:
             except Exception:  # the candidate's own launch records why
                 continue
             build = self.ahead.submit(source, self.arch, c.id, self.config.compile_timeout_s)
-            self._ahead[c.id] = source, build
-            self._ahead_for[c.id] = state.problem
+            self._ahead[c.id] = state.problem, source, build
             if not build.done():
                 self._ahead_busy.append(build)
 
@@ -305,7 +303,7 @@ class SearchLoop:
 
     def _launch(self, cand: Candidate, s: _Shape | None, then: Done) -> None:
         self.store.add_candidate(cand)
-        source, ahead = self._ahead.pop(cand.id, (None, None))  # rendered when its build started ahead
+        _, source, ahead = self._ahead.pop(cand.id, (None, None, None))  # rendered when its build started ahead
         try:
             source = source or get_family(cand.family).render(cand.params, cand.problem, cand.template_override)
         except Exception as e:  # invalid parameters, or an edited template that does not render

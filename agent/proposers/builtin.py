@@ -35,10 +35,7 @@ def roofline_us(problem: Problem, family: Family, device: DeviceFacts) -> float 
     """The family's time for the problem at its reach of the device's tensor rate, or at the memory bandwidth,
     whichever is slower, plus a launch; None for a family without a reach on this arch."""
     share = family.tensor_share.get(device.arch)
-    if not share:
-        return None
-    return LAUNCH_US + max(problem.flops / (share * device.tensor_tflops * 1e6),
-                           problem.operand_bytes / (device.hbm_tbps * 1e6))
+    return LAUNCH_US + problem.floor_us(share * device.tensor_tflops, device.hbm_tbps) if share else None
 
 
 def roofline_priors(problem: Problem, families: list[Family], device: DeviceFacts, known: dict[str, float],
