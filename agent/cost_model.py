@@ -67,7 +67,7 @@ def features(problem: Problem, family: str, params: dict[str, Any], sms: int) ->
         values.append(float(CHOICE_CODES.get(v, -1) if isinstance(v, str) else v))
     bm, bn, bk = (max(1, int(params.get(name, d))) for name, d in (("block_m", 64), ("block_n", 64), ("block_k", 64)))
     parts = max(1, params.get("split_k", 1)) * max(1, params.get("k_groups", 1)) * max(1, params.get("warps_k", 1))
-    tiles = -(-m // bm) * -(-n // bn)
+    tiles = problem.tiles(bm, bn)
     ctas = tiles * max(1, params.get("split_k", 1)) * max(1, params.get("k_groups", 1))
     slots = sms * max(1, params.get("min_blocks", 1))
     waves = ctas / slots
@@ -112,10 +112,7 @@ class CostModel:
         order = _held_back_at_most(np.argsort(-blended, kind="stable").tolist(), DEMOTE_MAX, measured)
         return [settings[i] for i in order]
 
-    def peek_order(self, problem: Problem, family: str, settings: list[dict[str, Any]], sms: int
-                   ) -> list[dict[str, Any]]:
-        """`order` (a trained model does not change)."""
-        return self.order(problem, family, settings, sms)
+    peek_order = order  # a trained model does not change: looking ahead orders as the shape's turn will
 
     def prior(self, problem: Problem, family: str, ordered: list[dict[str, Any]], sms: int
               ) -> tuple[float, float] | None:

@@ -321,7 +321,7 @@ class SearchLoop:
                 again = self.builder.submit(source, self.arch, cand.id, self.config.compile_timeout_s)
                 self._await(again, s, lambda b: self._built(cand, s, b, then))
 
-        if ahead.done() and not ahead.cancelled() and ahead.exception() is None:  # built while the GPU evaluated
+        if ahead.done():  # built while the GPU evaluated: to the GPU at once (a build pool's future never raises)
             built_ahead(ahead.result())
         else:
             self._await(ahead, s, built_ahead)

@@ -60,6 +60,10 @@ class Problem:
         """A, B and C (and the bias), each element 2 bytes."""
         return 2 * (self.m * self.k + self.k * self.n + self.m * self.n + (self.n if self.bias else 0))
 
+    def tiles(self, block_m: int, block_n: int) -> int:
+        """C tiles of block_m x block_n that cover the M x N output."""
+        return -(-self.m // block_m) * -(-self.n // block_n)
+
     def floor_us(self, peak_tflops: float = 800.0, peak_tbps: float = 4.3) -> float:
         """Roofline floor: the larger of the arithmetic and memory times, launch latency excluded."""
         return max(self.flops / (peak_tflops * 1e6), self.operand_bytes / (peak_tbps * 1e6))

@@ -13,6 +13,7 @@ def test_problem_floor_and_key():
     assert p.floor_us() == p.flops / 800e6  # compute-bound
     tiny = Problem(16, 4096, 4096)
     assert tiny.floor_us() == tiny.operand_bytes / 4.3e6  # memory-bound
+    assert Problem(205, 1000, 64).tiles(128, 256) == 2 * 4 and Problem(256, 1024, 64).tiles(128, 256) == 2 * 4
 
 
 def test_candidate_id_is_content_addressed():

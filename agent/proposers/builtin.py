@@ -27,7 +27,8 @@ LAUNCH_US = 0.5
 ROOFLINE_SD = 0.3
 # How far above its roofline the learned model may rate a family: where the roofline has sm80_mma level it measured
 # up to log 1.27 ahead of sm90_wgmma (tiny problems), mostly 0.05-0.10; with 0.3 (the roofline's RMS error) the
-# model's prior still sent sm80_mma first on 4 large problems late in the H200's 48-shape kn run (one draw in ~7).
+# model's prior still sent sm80_mma first on 4 large problems late in the H200's 48-shape kn run (by the priors, one
+# draw in ~7).
 ROOFLINE_SLACK = 0.1
 
 

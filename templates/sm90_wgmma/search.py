@@ -23,7 +23,7 @@ TILES = [
 
 def _cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
     """Relative time: waves of resident blocks times a tile's work, inflated by its traffic and fixed costs."""
-    tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
+    tiles = problem.tiles(p.block_m, p.block_n)
     waves = -(-tiles // (sms * p.min_blocks))
     per_sm = min(p.min_blocks, -(-tiles // sms))
     k_tiles = -(-problem.k // p.block_k)
@@ -48,7 +48,7 @@ def _split_cost(p: Sm90WgmmaParams, problem: Problem, smem_per_sm: int) -> float
     wgmma issue (~bm*bn/16 clocks) and its cp.async loads (~4 clocks a 128-byte row of A or B: the rate measured
     per SM on the H200), CTAs sharing an SM share its load rate, and clusters beyond what fits run in a second wave.
     Calibrated on 64_1024_16384 and 256_128_16384 (both layouts): it ranks the measured best first."""
-    tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
+    tiles = problem.tiles(p.block_m, p.block_n)
     slots = min(smem_per_sm // (p.smem_bytes + SMEM_RESERVED_PER_BLOCK), 2048 // p.threads)
     cap = CLUSTERS_PER_SLOT[p.split_k]
     waves = -(-tiles // (cap * slots))
@@ -71,9 +71,9 @@ def _split_class(problem: Problem, sms: int) -> str | None:
         return "long"
     if problem.m <= 64:
         return None
-    if -(-problem.m // 64) * -(-problem.n // 64) <= sms // 2:
+    if problem.tiles(64, 64) <= sms // 2:
         return "few"
-    return "some" if -(-problem.m // 128) * -(-problem.n // 128) <= sms // 4 else None
+    return "some" if problem.tiles(128, 128) <= sms // 4 else None
 
 
 def _split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90WgmmaParams]:
@@ -89,7 +89,7 @@ def _split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90Wg
     for bm, bn, consumers in TILES:
         if (problem.b_layout == "kn" and bn % 64) or bm > -(-problem.m // 64) * 64 or bn > -(-problem.n // 64) * 64:
             continue  # kn needs 64-column panels; rows or columns past M, N would be computed for nothing
-        tiles = -(-problem.m // bm) * -(-problem.n // bn)
+        tiles = problem.tiles(bm, bn)
         if tiles >= sms // 2:
             continue
         for split in (8, 4) if kind == "long" else (8, 4, 2):
@@ -223,7 +223,7 @@ def _swap_fit_settings(problem: Problem, sms: int,
     (measured 205_50304_1024 0.93 -> 0.98x, 7214_896_896 0.90 -> 0.96x; 222_32000_4096, 3 stages: 0.99 -> 0.96x)."""
     leads, alternates = [], []
     for p in _ahead(problem, sms, _swapped_shapes(problem), SWAP_FIT_GAIN * listed_best):
-        tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
+        tiles = problem.tiles(p.block_m, p.block_n)
         persistent = with_update(p, {"persistent": True}) if tiles > sms * p.min_blocks else None
         if persistent is not None and persistent.stages >= 4:
             leads.append(persistent)
@@ -270,7 +270,7 @@ def _swap_split_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
         bm, bn = fields["block_m"], fields["block_n"]
         if fields["consumers"] < 2 or -(-problem.m // bm) * bm >= listed_rows:
             continue  # one consumer warpgroup a CTA: too small a tile to split; or no rows saved
-        tiles = -(-problem.m // bm) * -(-problem.n // bn)
+        tiles = problem.tiles(bm, bn)
         parts = min(8, sms // tiles, k_tiles // MIN_K_TILES)
         if tiles >= sms // 2 or parts < 2:
             continue
@@ -364,7 +364,7 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
     # tile's loads and MMAs overlap the last one's stores (measured on the H200: 1.04-1.16x of cuBLAS at
     # K <= 128, where the others reach 0.8x; 1.0x at 4096 cubed), unless the room C takes beside the ring leaves
     # too shallow a ring for a long K. In one wave there is nothing to overlap (1024 cubed: 0.93x against 0.97x).
-    one_wave = -(-problem.m // best.block_m) * -(-problem.n // best.block_n) <= sms * best.min_blocks
+    one_wave = problem.tiles(best.block_m, best.block_n) <= sms * best.min_blocks
     lead = [] if one_wave else list({
         v.model_dump_json(): v for v in (with_update(p, {"persistent": True, "epilogue": "tma"})
                                          for p in picked[:10])

@@ -19,7 +19,8 @@ class Sm90Wgmma(Family):
     name: ClassVar[str] = "sm90_wgmma"
     arches: ClassVar[tuple[str, ...]] = ("sm_90a",)
     params_model: ClassVar[type[Params]] = Sm90WgmmaParams
-    tensor_share: ClassVar[dict[str, float]] = {"sm_90a": 0.85}  # H200: 0.74-0.95 of the floor where it wins
+    # with sm80_mma's 0.4: their ratio is what the H200 measured on compute-bound problems (BENCHMARKS.md, session 10)
+    tensor_share: ClassVar[dict[str, float]] = {"sm_90a": 0.85}
     description: ClassVar[str] = (
         "Hopper HGEMM: a producer warpgroup streams A/B tiles with TMA (host-encoded tensor maps) or cp.async "
         "into a STAGES-deep ring of 128-byte-swizzled shared memory (mbarrier full/empty handshake); 1-4 consumer "
@@ -46,7 +47,7 @@ class Sm90Wgmma(Family):
     def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
         p = self.parse(params, problem)
         assert isinstance(p, Sm90WgmmaParams)
-        tiles = -(-problem.m // p.block_m) * -(-problem.n // p.block_n)
+        tiles = problem.tiles(p.block_m, p.block_n)
         # split-K: the kernel's __cluster_dims__(split_k, 1, 1) groups consecutive blocks, one cluster per tile and K
         # group; k_groups > 1 adds the workspace (the groups' fp32 partial tiles) and one arrival counter per CTA of
         # a tile's cluster
