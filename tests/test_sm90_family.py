@@ -383,16 +383,30 @@ FEW_TILES = [Problem(1024, 128, 4096, "kn"), Problem(1024, 128, 4096, "nk"), Pro
 
 
 @pytest.mark.parametrize("problem", FEW_TILES, ids=lambda p: p.key)
-def test_few_tiles_at_any_m_get_split_k_first_and_k_groups_beside_it(problem):
+def test_few_tiles_at_any_m_get_split_k_first_in_two_tilings(problem):
     space = FAMILY.space(problem)
     assert space[0]["split_k"] > 1 and space[1]["split_k"] > 1
-    grouped = [p for p in space if p["k_groups"] > 1]
-    assert grouped and all(p["block_m"] >= 64 and not p["swap_ab"] for p in grouped)
+    tiling = [(p["block_m"], p["block_n"], p["split_k"], p["k_groups"]) for p in space[:2]]
+    assert tiling[0] != tiling[1], "the two leaders are two tilings, not one tiling's two rings"
     for p in space:
         if p["split_k"] > 1 or p["k_groups"] > 1:
             tiles = -(-problem.m // p["block_m"]) * -(-problem.n // p["block_n"])
             assert FAMILY.launch(p, problem).grid == (tiles * p["split_k"] * p["k_groups"], 1, 1)
             assert -(-problem.k // 64) // (p["split_k"] * p["k_groups"]) >= 16
+
+
+def test_split_pairs_in_k_groups_where_a_cluster_of_four_misses_a_wave():
+    """512_1024_8192: 32 tiles of 128 x 128 split 4 ways are 32 clusters of 4, more than run at once (30); as cluster
+    pairs in 2 K groups they fit one wave, and each CTA keeps 32 k-tiles to amortise the workspace sums. At K = 4096
+    (16 k-tiles a CTA) the sums cost more than the wave brings: no K groups there."""
+    for layout in ("kn", "nk"):
+        space = FAMILY.space(Problem(512, 1024, 8192, layout))
+        first = space[0]
+        assert (first["block_m"], first["block_n"], first["split_k"], first["k_groups"]) == (128, 128, 2, 2)
+        assert space[1]["k_groups"] == 1 and space[1]["split_k"] == 4
+        grouped = {(p["block_m"], p["block_n"], p["consumers"]) for p in space if p["k_groups"] > 1}
+        assert grouped == {(128, 128, 2)}, "K groups for the cheapest such tile only"
+        assert all(p["k_groups"] == 1 for p in FAMILY.space(Problem(512, 1024, 4096, layout)))
 
 
 def test_some_tiles_get_split_k_after_the_best_unsplit_guesses():

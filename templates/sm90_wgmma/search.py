@@ -21,6 +21,12 @@ TILES = [
 ]
 
 
+def _issue(warpgroups: int) -> float:
+    """How a CTA slot's consumer warpgroups issue wgmma: two per SM measured best on the H200 (three: 3-15% slower;
+    one leaves gaps between wgmma groups)."""
+    return {2: 1.0, 3: 1.06}.get(warpgroups, 1.1)
+
+
 def _cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
     """Relative time: waves of resident blocks times a tile's work, inflated by its traffic and fixed costs."""
     tiles = problem.tiles(p.block_m, p.block_n)
@@ -28,9 +34,8 @@ def _cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
     per_sm = min(p.min_blocks, -(-tiles // sms))
     k_tiles = -(-problem.k // p.block_k)
     traffic = 1 + 40 / p.block_m + 40 / p.block_n
-    # Two consumer warpgroups per SM measured best on the H200 (three: 3-15% slower; one leaves gaps between wgmma
-    # groups); the ring fills once per tile.
-    issue = {2: 1.0, 3: 1.06}.get(per_sm * p.consumers, 1.1)
+    # the ring fills once per tile
+    issue = _issue(per_sm * p.consumers)
     # kn with block_n = 192: B rows of 24 chunks leave producer threads idle; measured 5-20% slower on the H200.
     uneven = 1.15 if problem.b_layout == "kn" and 128 % (p.block_n // 8) else 1.0
     return waves * per_sm * p.block_m * p.block_n * traffic * issue * uneven * (k_tiles + 2 + 2 / p.stages)
@@ -43,19 +48,29 @@ MIN_K_TILES = 16  # the fewest k-tiles a CTA of a split tile gets (its pipeline'
 CLUSTERS_PER_SLOT = {2: 66, 4: 30, 8: 14}
 
 
+# K groups sum through the workspace, which costs more than a cluster's sums through distributed shared memory: the
+# last CTA of a tile reads the other groups' fp32 partials. Measured on the H200 (session 11, 3 shapes of 16 k-tiles a
+# CTA): a tile's split pairs in 2 K groups 12-32% slower than one cluster of 4 where that fits a wave, i.e. 3-7
+# k-tiles' wgmma issue per group beyond the first.
+WORKSPACE_SUM = 6
+
+
 def _split_cost(p: Sm90WgmmaParams, problem: Problem, smem_per_sm: int) -> float:
     """Relative time of a split-K setting. These problems stream operands: a CTA's k-tile costs the slower of its
     wgmma issue (~bm*bn/16 clocks) and its cp.async loads (~4 clocks a 128-byte row of A or B: the rate measured
-    per SM on the H200), CTAs sharing an SM share its load rate, and clusters beyond what fits run in a second wave.
-    Calibrated on 64_1024_16384 and 256_128_16384 (both layouts): it ranks the measured best first."""
+    per SM on the H200), CTAs sharing an SM share its load rate, clusters beyond what fits run in a second wave, and
+    K groups add their workspace sums. Calibrated on 64_1024_16384 and 256_128_16384 (both layouts): it ranks the
+    measured best first."""
     tiles = problem.tiles(p.block_m, p.block_n)
     slots = min(smem_per_sm // (p.smem_bytes + SMEM_RESERVED_PER_BLOCK), 2048 // p.threads)
+    clusters = tiles * p.k_groups
     cap = CLUSTERS_PER_SLOT[p.split_k]
-    waves = -(-tiles // (cap * slots))
-    sharing = min(slots, -(-tiles // cap))  # CTAs of one SM that load at once
-    k_share = -(-problem.k // (p.block_k * p.split_k))
+    waves = -(-clusters // (cap * slots))
+    sharing = min(slots, -(-clusters // cap))  # CTAs of one SM that load at once
+    k_share = -(-problem.k // (p.block_k * p.split_k * p.k_groups))
     per_k_tile = max(p.block_m * p.block_n / 16, 4 * (p.block_m + p.block_n) * sharing)
-    return waves * ((k_share + 2) * per_k_tile + p.block_m * p.block_n / 16)
+    sums = 1 + WORKSPACE_SUM * (p.k_groups - 1)
+    return waves * ((k_share + 2) * per_k_tile + sums * p.block_m * p.block_n / 16)
 
 
 def _split_class(problem: Problem, sms: int) -> str | None:
@@ -80,7 +95,13 @@ def _split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90Wg
     """Split-K settings for long-K problems with few C tiles (`_split_class`), best guesses first: every tile shape
     with split_k 8 or 4 (and 2 outside the "long" class, where K is shorter against the tiles), tiles x split_k
     within two waves of CTAs, every CTA at least 16 k-tiles, with the deepest ring that fits and with a 4-stage ring
-    (several CTAs per SM); none for other problems."""
+    (several CTAs per SM); where a tile's cluster of 4 or 8 CTAs would not fit one wave (GPC placement) and each CTA
+    would get at least 2 x MIN_K_TILES, also as cluster pairs in K groups, for the cheapest such tile only
+    (512_1024_8192: 32 tiles of 128 x 128 in pairs of 2 groups 0.91-0.94x of cuBLAS, the rules' split leaders
+    0.86-0.92x, three runs of session 11; at 16 k-tiles a CTA they lost to every fitting cluster). The two best
+    tilings lead (each its best ring), so the first two are not one tiling twice; on equal cost, two consumer
+    warpgroups first (128 x 64 with two against 64 x 128 with one: the two won 6 of 8 problems of the class, by
+    10-40%). None for other problems."""
     kind = _split_class(problem, sms)
     if kind is None:
         return []
@@ -95,16 +116,36 @@ def _split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90Wg
         for split in (8, 4) if kind == "long" else (8, 4, 2):
             if tiles * split > 2 * sms or k_tiles // split < 16 or tiles * split < 32:
                 continue
-            for rings in ((8, 6, 5), (4,)):  # the deepest that fits; a shallow one
-                for stages in rings:
-                    try:
-                        found.append(Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=consumers, stages=stages,
-                                                     split_k=split))
-                        break
-                    except ValueError:
-                        continue
-    found.sort(key=lambda p: _split_cost(p, problem, smem_per_sm))
-    return found[:12]
+            ways = [{"split_k": split}]
+            if (split >= 4 and CLUSTERS_PER_SLOT[split] < tiles <= CLUSTERS_PER_SLOT[2] * 2 // split
+                    and k_tiles // split >= 2 * MIN_K_TILES):  # the workspace sums amortised over a longer K
+                ways.append({"split_k": 2, "k_groups": split // 2})
+            for way in ways:
+                for rings in ((8, 6, 5), (4,)):  # the deepest that fits; a shallow one
+                    for stages in rings:
+                        try:
+                            found.append(Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=consumers,
+                                                         stages=stages, **way))
+                            break
+                        except ValueError:
+                            continue
+    found.sort(key=lambda p: (_split_cost(p, problem, smem_per_sm), _issue(p.consumers)))
+    grouped = [_tile(p) for p in found if p.k_groups > 1][:1]  # the K groups of the cheapest such tile only
+    found = [p for p in found if p.k_groups == 1 or _tile(p) in grouped]
+    leaders: list[Sm90WgmmaParams] = []
+    for p in found:
+        if len(leaders) < 2 and all(_tiling(p) != _tiling(q) for q in leaders):
+            leaders.append(p)
+    return (leaders + [p for p in found if p not in leaders])[:12]
+
+
+def _tiling(p: Sm90WgmmaParams) -> tuple[int, int, int, int]:
+    """What a split setting does to the problem, its ring and warpgroups aside."""
+    return p.block_m, p.block_n, p.split_k, p.k_groups
+
+
+def _tile(p: Sm90WgmmaParams) -> tuple[int, int, int]:
+    return p.block_m, p.block_n, p.consumers
 
 
 def _group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
@@ -138,23 +179,6 @@ def _group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
                 v = deepest({"block_m": 64, "block_n": bn, "consumers": 1, **way})
                 if v is not None:
                     found.append(v)
-    return found
-
-
-def _wide_group_settings(problem: Problem, sms: int, leaders: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
-    """For the split classes at M > 64 beyond the measured "long" one: the tilings of the two best split-K settings
-    with the same CTAs a tile in K groups through the workspace, as a cluster pair plus groups and as groups alone;
-    clusters of 4 and 8 fit fewer than 132 / size at once (GPC placement), groups have no such limit but pay the
-    workspace. Not measured there yet."""
-    if _split_class(problem, sms) not in ("few", "some"):
-        return []
-    found = []
-    for p in leaders[:2]:
-        ways = [{"split_k": 2, "k_groups": p.split_k // 2}] if p.split_k >= 4 else []
-        for way in ways + [{"split_k": 1, "k_groups": p.split_k}]:
-            v = with_update(p, way)
-            if v is not None:
-                found.append(v)
     return found
 
 
@@ -375,13 +399,11 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
     # Long-K problems with few tiles: split-K settings first, K groups after the two best (measured on par with
     # them on 64_1024_16384); skinny problems with few tiles: K groups first. Every other list is unchanged.
     split = _split_settings(problem, sms, device.smem_per_sm)
-    wide = _wide_group_settings(problem, sms, split)
     if _split_class(problem, sms) == "some":
         ordered = list(picked)
-        _enter_at(ordered, SPLIT_RANK, split[:2] + wide + split[2:])
+        _enter_at(ordered, SPLIT_RANK, split)
     else:
-        ordered = (_swap_settings(problem, sms) + split[:2] + _group_settings(problem, sms) + split[2:4] + wide
-                   + split[4:] + picked)
+        ordered = _swap_settings(problem, sms) + split[:2] + _group_settings(problem, sms) + split[2:] + picked
     swap_leads, swap_alternates = _swap_fit_settings(problem, sms, shapes[0][0])
     swap_split = _swap_split_settings(problem, sms)
     if swap_split:  # few tiles: split, they lead; unsplit, they fill under a wave as the listed shapes do
