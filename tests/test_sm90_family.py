@@ -121,6 +121,21 @@ def test_persistent_tma_store_leads_only_beyond_one_wave(problem, lead):
     assert (first["persistent"] and first["epilogue"] == "tma") == lead
 
 
+def test_a_fitted_best_guess_beyond_one_wave_leads_persistent_with_the_smem_epilogue_too():
+    """3072_2304_768 nk: the best guess is 128 x 224 (two whole waves), whose columns are no whole 64-column panels
+    for TMA stores; its persistent kind keeps the smem epilogue and follows the TMA-store leads. kn has no such
+    widths (its persistent smem leads are swapped tiles), and a problem whose best guess takes TMA stores gets none."""
+    def smem_leads(problem):
+        return [i for i, p in enumerate(FAMILY.space(problem)[:4])
+                if p["persistent"] and p["epilogue"] == "smem" and not p["swap_ab"]]
+    space = FAMILY.space(Problem(3072, 2304, 768, "nk"))
+    (i,) = smem_leads(Problem(3072, 2304, 768, "nk"))
+    assert (space[i]["block_m"], space[i]["block_n"]) == (128, 224) and space[0]["epilogue"] == "tma"
+    assert FAMILY.launch(space[i], Problem(3072, 2304, 768, "nk")).grid == (132, 1, 1)
+    assert "PERSISTENT = true" in FAMILY.render(space[i], Problem(3072, 2304, 768, "nk"))
+    assert smem_leads(Problem(3072, 2304, 768, "kn")) == [] == smem_leads(Problem(4096, 4096, 4096, "nk"))
+
+
 def test_kn_transposes_b_by_descriptor_and_nk_does_not():
     kn = FAMILY.render({"block_n": 128}, Problem(256, 256, 256, "kn"))
     nk = FAMILY.render({"block_n": 128}, Problem(256, 256, 256, "nk"))
