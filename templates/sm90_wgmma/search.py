@@ -34,10 +34,10 @@ def _cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
     per_sm = min(p.min_blocks, -(-tiles // sms))
     k_tiles = -(-problem.k // p.block_k)
     traffic = 1 + 40 / p.block_m + 40 / p.block_n
-    # the ring fills once per tile
     issue = _issue(per_sm * p.consumers)
     # kn with block_n = 192: B rows of 24 chunks leave producer threads idle; measured 5-20% slower on the H200.
     uneven = 1.15 if problem.b_layout == "kn" and 128 % (p.block_n // 8) else 1.0
+    # the ring fills once per tile
     return waves * per_sm * p.block_m * p.block_n * traffic * issue * uneven * (k_tiles + 2 + 2 / p.stages)
 
 
@@ -145,6 +145,7 @@ def _tiling(p: Sm90WgmmaParams) -> tuple[int, int, int, int]:
 
 
 def _tile(p: Sm90WgmmaParams) -> tuple[int, int, int]:
+    """A setting's tile shape and warpgroups."""
     return p.block_m, p.block_n, p.consumers
 
 
