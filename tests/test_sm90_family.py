@@ -11,7 +11,7 @@ import pytest
 from core.records import Problem
 from sandbox import driver
 from sandbox.build import compile_cuda
-from templates.sm90_wgmma import search
+from templates.sm90_wgmma import costs, search
 from templates.sm90_wgmma.params import Sm90WgmmaParams
 from templates.sm90_wgmma.space import Sm90Wgmma
 from tests.gpu_reference import PAIRS, cases, check_kernel
@@ -434,7 +434,7 @@ def test_some_tiles_get_split_k_after_the_best_unsplit_guesses():
 def test_fitted_tiles_enter_where_listed_shapes_quantise_badly_and_nowhere_else():
     # 140 tiles of 128 x 128: a second wave of 8; 128 x 176 makes 105, one wave
     odd = FAMILY.space(Problem(4437, 512, 3584, "nk"))
-    listed = {(bm, bn) for bm, bn, _ in search.TILES}
+    listed = {(bm, bn) for bm, bn, _ in costs.TILES}
     fitted = [p for p in odd if (p["block_m"], p["block_n"]) not in listed and not p["swap_ab"]]
     assert fitted and odd.index(fitted[0]) == search.FITTED_RANK
     assert all(p["block_n"] % 16 == 0 for p in fitted)

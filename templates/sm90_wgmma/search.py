@@ -1,8 +1,8 @@
 """The search order of the sm90_wgmma family: which settings to try for a problem on a device, best guesses first.
 
-Rough cost models rank tile shapes by waves of resident blocks; split-K, K-group and swapped-role settings lead for
-the problem classes they serve. The rules and the slots where some kinds enter come from measurements on the H200
-(BENCHMARKS.md); a learned model can reorder what this returns.
+Rough cost models (`costs.py`) rank tile shapes by waves of resident blocks; split-K, K-group and swapped-role
+settings lead for the problem classes they serve. The rules and the slots where some kinds enter come from
+measurements on the H200 (BENCHMARKS.md); a learned model can reorder what this returns.
 """
 
 from __future__ import annotations
@@ -11,66 +11,8 @@ from typing import Any
 
 from core.device import H200, DeviceFacts
 from core.records import Problem
-from templates.sm90_wgmma.params import SMEM_RESERVED_PER_BLOCK, Sm90WgmmaParams, deepest, with_update
-
-# (block_m, block_n, consumers), from the large-problem favourites down to small-problem shapes.
-TILES = [
-    (128, 256, 2), (256, 128, 2), (128, 192, 2), (256, 192, 2), (128, 128, 2), (192, 128, 3), (256, 64, 2),
-    (128, 64, 2), (128, 128, 1), (64, 256, 1), (64, 192, 1), (64, 128, 1), (64, 64, 1),
-    (128, 224, 2), (128, 160, 2), (128, 96, 2), (64, 96, 1), (64, 48, 1), (64, 32, 1), (64, 16, 1),
-]
-
-
-def _issue(warpgroups: int) -> float:
-    """How a CTA slot's consumer warpgroups issue wgmma: two per SM measured best on the H200 (three: 3-15% slower;
-    one leaves gaps between wgmma groups)."""
-    return {2: 1.0, 3: 1.06}.get(warpgroups, 1.1)
-
-
-def _cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
-    """Relative time: waves of resident blocks times a tile's work, inflated by its traffic and fixed costs."""
-    tiles = problem.tiles(p.block_m, p.block_n)
-    waves = -(-tiles // (sms * p.min_blocks))
-    per_sm = min(p.min_blocks, -(-tiles // sms))
-    k_tiles = -(-problem.k // p.block_k)
-    traffic = 1 + 40 / p.block_m + 40 / p.block_n
-    issue = _issue(per_sm * p.consumers)
-    # kn with block_n = 192: B rows of 24 chunks leave producer threads idle; measured 5-20% slower on the H200.
-    uneven = 1.15 if problem.b_layout == "kn" and 128 % (p.block_n // 8) else 1.0
-    # the ring fills once per tile
-    return waves * per_sm * p.block_m * p.block_n * traffic * issue * uneven * (k_tiles + 2 + 2 / p.stages)
-
-
-# Clusters of 8, 4, 2 CTAs that run at once per CTA slot of an SM: clusters must fit inside one GPC, so the 132 SMs
-# hold fewer than 132 / size (64x64 tiles, split_k=8, 1 block per SM: 16 clusters measured clearly slower per CTA
-# than 8 or 11 on the H200; 32 clusters of 4 ran on 120 SMs, the last 2 clusters in a second wave).
-MIN_K_TILES = 16  # the fewest k-tiles a CTA of a split tile gets (its pipeline's fill and the sum amortised)
-CLUSTERS_PER_SLOT = {2: 66, 4: 30, 8: 14}
-
-
-# K groups sum through the workspace, which costs more than a cluster's sums through distributed shared memory: the
-# last CTA of a tile reads the other groups' fp32 partials. Measured on the H200 (session 11, 3 shapes of 16 k-tiles a
-# CTA): a tile's split pairs in 2 K groups 12-32% slower than one cluster of 4 where that fits a wave, i.e. 3-7
-# k-tiles' wgmma issue per group beyond the first.
-WORKSPACE_SUM = 6
-
-
-def _split_cost(p: Sm90WgmmaParams, problem: Problem, smem_per_sm: int) -> float:
-    """Relative time of a split-K setting. These problems stream operands: a CTA's k-tile costs the slower of its
-    wgmma issue (~bm*bn/16 clocks) and its cp.async loads (~4 clocks a 128-byte row of A or B: the rate measured
-    per SM on the H200), CTAs sharing an SM share its load rate, clusters beyond what fits run in a second wave, and
-    K groups add their workspace sums. Calibrated on 64_1024_16384 and 256_128_16384 (both layouts): it ranks the
-    measured best first."""
-    tiles = problem.tiles(p.block_m, p.block_n)
-    slots = min(smem_per_sm // (p.smem_bytes + SMEM_RESERVED_PER_BLOCK), 2048 // p.threads)
-    clusters = tiles * p.k_groups
-    cap = CLUSTERS_PER_SLOT[p.split_k]
-    waves = -(-clusters // (cap * slots))
-    sharing = min(slots, -(-clusters // cap))  # CTAs of one SM that load at once
-    k_share = -(-problem.k // (p.block_k * p.split_k * p.k_groups))
-    per_k_tile = max(p.block_m * p.block_n / 16, 4 * (p.block_m + p.block_n) * sharing)
-    sums = 1 + WORKSPACE_SUM * (p.k_groups - 1)
-    return waves * ((k_share + 2) * per_k_tile + sums * p.block_m * p.block_n / 16)
+from templates.sm90_wgmma.costs import CLUSTERS_PER_SLOT, MIN_K_TILES, TILES, issue_factor, split_cost, tile_cost
+from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, with_update
 
 
 def _split_class(problem: Problem, sms: int) -> str | None:
@@ -129,7 +71,7 @@ def _split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90Wg
                             break
                         except ValueError:
                             continue
-    found.sort(key=lambda p: (_split_cost(p, problem, smem_per_sm), _issue(p.consumers)))
+    found.sort(key=lambda p: (split_cost(p, problem, smem_per_sm), issue_factor(p.consumers)))
     grouped = [_tile(p) for p in found if p.k_groups > 1][:1]  # the K groups of the cheapest such tile only
     found = [p for p in found if p.k_groups == 1 or _tile(p) in grouped]
     leaders: list[Sm90WgmmaParams] = []
@@ -220,7 +162,7 @@ FITTED_GAIN = 0.97  # a fitted shape enters where the cost model puts it at leas
 
 def _fitted_settings(problem: Problem, sms: int, listed_best: float) -> list[Sm90WgmmaParams]:
     """Tile shapes off the TILES list whose CTAs fill the waves of SMs better with less padding (DeepGEMM picks
-    block_n in steps of 16 for that), where `_cost` ranks them clearly ahead of the best listed shape; the two best,
+    block_n in steps of 16 for that), where `tile_cost` ranks them clearly ahead of the best listed shape; the two best,
     each with its best ring. For odd sizes: 4437_512_3584 nk has 140 tiles of 128 x 128 (two waves, the second of
     8), 35 x 3 = 105 of 128 x 176 (one)."""
     step = 64 if problem.b_layout == "kn" else 16
@@ -232,7 +174,7 @@ def _fitted_settings(problem: Problem, sms: int, listed_best: float) -> list[Sm9
 
 
 # Swapped tiles of M just past a multiple of 64: the rows are wgmma's N (steps of 16), the B tile split among the
-# consumers in 64-row wgmmas. They enter where `_cost` puts them this far ahead of every listed shape (measured on
+# consumers in 64-row wgmmas. They enter where `tile_cost` puts them this far ahead of every listed shape (measured on
 # the H200, BENCHMARKS.md session 9: 4437_512_3584 0.84 -> 0.99x of cuBLAS, 205_50304_1024 0.87-0.89 -> 0.98-1.00x,
 # 222_32000_4096 0.92 -> 0.99x, 3072_2304_768 kn 1.01 -> 1.10x; unsplit, 657_9984_3144 and 414_2472_11744 not helped).
 SWAP_FIT_GAIN = 0.92
@@ -243,7 +185,7 @@ def _swap_fit_settings(problem: Problem, sms: int,
                        listed_best: float) -> tuple[list[Sm90WgmmaParams], list[Sm90WgmmaParams]]:
     """Swapped-role tiles for M > 48 whose rows, M split evenly over the fewest tiles of at most 256 rows and rounded
     up to 16, pad M far less than 64-row multiples do (205 rows: one 208-row tile, not 256; 414: two of 208, not 512;
-    657: three of 224, not 768), where `_cost` ranks them well ahead of the best listed shape: the two best, each as
+    657: three of 224, not 768), where `tile_cost` ranks them well ahead of the best listed shape: the two best, each as
     a lead and an alternate. Beyond one wave the lead is the persistent kind where that keeps a ring of 4 stages
     (measured 205_50304_1024 0.93 -> 0.98x, 7214_896_896 0.90 -> 0.96x; 222_32000_4096, 3 stages: 0.99 -> 0.96x)."""
     leads, alternates = [], []
@@ -281,7 +223,7 @@ def _swap_split_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     192- and 256-row tiles pad M to) with each tile's K split, where they fill under half the SMs: over as many CTAs
     as one wave holds (at most 8, each at least MIN_K_TILES k-tiles), in K groups, and in one cluster of the largest
     power of two of them where that many clusters run at once. The two K-group settings and the one cluster split
-    with the least work a CTA (a tile's area over its parts, with `_cost`'s traffic term), in that order: group,
+    with the least work a CTA (a tile's area over its parts, with `tile_cost`'s traffic term), in that order: group,
     cluster, group. Measured on the H200 (BENCHMARKS.md session 9): 414_2472_11744 kn, 2 x 20 tiles of 208 x 128 in 3
     K groups 1.014x of cuBLAS (every unsplit, split-K and stream-K setting before: 0.58-0.79x). Not proposed where M
     is a multiple of 128 (512_1024_8192 kn: 176 x 128 split_k 4 0.920x against the listed split-K leader's 0.887x, but
@@ -311,9 +253,9 @@ def _swap_split_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
 
 
 def _ahead(problem: Problem, sms: int, shapes: list[dict[str, Any]], bar: float) -> list[Sm90WgmmaParams]:
-    """The two shapes of `shapes` that `_cost` puts below `bar`, cheapest first, each with its best ring and blocks
+    """The two shapes of `shapes` that `tile_cost` puts below `bar`, cheapest first, each with its best ring and blocks
     per SM."""
-    ranked = sorted((_cost(Sm90WgmmaParams.model_construct(**fields), problem, sms), i)
+    ranked = sorted((tile_cost(Sm90WgmmaParams.model_construct(**fields), problem, sms), i)
                     for i, fields in enumerate(shapes))
     found = []
     for cost, i in ranked:
@@ -322,7 +264,7 @@ def _ahead(problem: Problem, sms: int, shapes: list[dict[str, Any]], bar: float)
         variants = [v for v in (_valid(**shapes[i], stages=stages, min_blocks=blocks)
                                 for stages in (4, 3, 5, 6) for blocks in (1, 2)) if v is not None]
         if variants:
-            found.append(min(variants, key=lambda v: _cost(v, problem, sms)))
+            found.append(min(variants, key=lambda v: tile_cost(v, problem, sms)))
     return found
 
 
@@ -387,8 +329,8 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
                 except ValueError:
                     continue
         if variants:
-            ranked = sorted(variants, key=lambda v: _cost(v, problem, sms))
-            shapes.append((_cost(ranked[0], problem, sms), ranked))
+            ranked = sorted(variants, key=lambda v: tile_cost(v, problem, sms))
+            shapes.append((tile_cost(ranked[0], problem, sms), ranked))
     shapes.sort(key=lambda item: item[0])
     picked: list[Sm90WgmmaParams] = []
     # The best shapes get more pipeline variants; the rest keep the search broad.

@@ -1,0 +1,69 @@
+"""What the sm90_wgmma family's search order (`search.py`) ranks with: the tile shapes it lists, and two rough cost
+models, relative times of a setting on a problem: one for whole tiles (waves of resident blocks), one for split-K
+settings (streamed operands, cluster placement, workspace sums). Their constants come from measurements on the H200
+(BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from core.records import Problem
+from templates.sm90_wgmma.params import SMEM_RESERVED_PER_BLOCK, Sm90WgmmaParams
+
+# (block_m, block_n, consumers), from the large-problem favourites down to small-problem shapes.
+TILES = [
+    (128, 256, 2), (256, 128, 2), (128, 192, 2), (256, 192, 2), (128, 128, 2), (192, 128, 3), (256, 64, 2),
+    (128, 64, 2), (128, 128, 1), (64, 256, 1), (64, 192, 1), (64, 128, 1), (64, 64, 1),
+    (128, 224, 2), (128, 160, 2), (128, 96, 2), (64, 96, 1), (64, 48, 1), (64, 32, 1), (64, 16, 1),
+]
+
+
+def issue_factor(warpgroups: int) -> float:
+    """How a CTA slot's consumer warpgroups issue wgmma: two per SM measured best on the H200 (three: 3-15% slower;
+    one leaves gaps between wgmma groups)."""
+    return {2: 1.0, 3: 1.06}.get(warpgroups, 1.1)
+
+
+def tile_cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
+    """Relative time: waves of resident blocks times a tile's work, inflated by its traffic and fixed costs."""
+    tiles = problem.tiles(p.block_m, p.block_n)
+    waves = -(-tiles // (sms * p.min_blocks))
+    per_sm = min(p.min_blocks, -(-tiles // sms))
+    k_tiles = -(-problem.k // p.block_k)
+    traffic = 1 + 40 / p.block_m + 40 / p.block_n
+    issue = issue_factor(per_sm * p.consumers)
+    # kn with block_n = 192: B rows of 24 chunks leave producer threads idle; measured 5-20% slower on the H200.
+    uneven = 1.15 if problem.b_layout == "kn" and 128 % (p.block_n // 8) else 1.0
+    # the ring fills once per tile
+    return waves * per_sm * p.block_m * p.block_n * traffic * issue * uneven * (k_tiles + 2 + 2 / p.stages)
+
+
+# Clusters of 8, 4, 2 CTAs that run at once per CTA slot of an SM: clusters must fit inside one GPC, so the 132 SMs
+# hold fewer than 132 / size (64x64 tiles, split_k=8, 1 block per SM: 16 clusters measured clearly slower per CTA
+# than 8 or 11 on the H200; 32 clusters of 4 ran on 120 SMs, the last 2 clusters in a second wave).
+MIN_K_TILES = 16  # the fewest k-tiles a CTA of a split tile gets (its pipeline's fill and the sum amortised)
+CLUSTERS_PER_SLOT = {2: 66, 4: 30, 8: 14}
+
+
+# K groups sum through the workspace, which costs more than a cluster's sums through distributed shared memory: the
+# last CTA of a tile reads the other groups' fp32 partials. Measured on the H200 (session 11, 3 shapes of 16 k-tiles a
+# CTA): a tile's split pairs in 2 K groups 12-32% slower than one cluster of 4 where that fits a wave, i.e. 3-7
+# k-tiles' wgmma issue per group beyond the first.
+WORKSPACE_SUM = 6
+
+
+def split_cost(p: Sm90WgmmaParams, problem: Problem, smem_per_sm: int) -> float:
+    """Relative time of a split-K setting. These problems stream operands: a CTA's k-tile costs the slower of its
+    wgmma issue (~bm*bn/16 clocks) and its cp.async loads (~4 clocks a 128-byte row of A or B: the rate measured
+    per SM on the H200), CTAs sharing an SM share its load rate, clusters beyond what fits run in a second wave, and
+    K groups add their workspace sums. Calibrated on 64_1024_16384 and 256_128_16384 (both layouts): it ranks the
+    measured best first."""
+    tiles = problem.tiles(p.block_m, p.block_n)
+    slots = min(smem_per_sm // (p.smem_bytes + SMEM_RESERVED_PER_BLOCK), 2048 // p.threads)
+    clusters = tiles * p.k_groups
+    cap = CLUSTERS_PER_SLOT[p.split_k]
+    waves = -(-clusters // (cap * slots))
+    sharing = min(slots, -(-clusters // cap))  # CTAs of one SM that load at once
+    k_share = -(-problem.k // (p.block_k * p.split_k * p.k_groups))
+    per_k_tile = max(p.block_m * p.block_n / 16, 4 * (p.block_m + p.block_n) * sharing)
+    sums = 1 + WORKSPACE_SUM * (p.k_groups - 1)
+    return waves * ((k_share + 2) * per_k_tile + sums * p.block_m * p.block_n / 16)
