@@ -161,7 +161,12 @@ class SearchLoop:
         """Propose while there is room in flight, until the shape's budget or candidates run out."""
         while s.phase == "search" and self._room():
             left = self.config.max_candidates - len(s.state.tried) - len(s.state.pending)
-            if left <= 0 or time.monotonic() + self._follow_up_reserve(s) >= s.deadline:
+            reserve = self._follow_up_reserve(s)
+            if left <= 0 or time.monotonic() + reserve >= s.deadline:
+                if left > 0:  # where a shape's time went, for runs that give some shapes few candidates
+                    self.store.event("budget", f"{s.problem.key}: time share spent after {len(s.state.tried)} "
+                                     f"candidates ({len(s.state.pending)} in flight); {reserve:.1f} s kept for "
+                                     "re-measurement")
                 s.phase = "drain"
                 return
             batch = self.proposer.propose(s.state, n=min(left, self._depth() - len(self.pending)))

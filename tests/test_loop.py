@@ -122,6 +122,9 @@ def test_a_shape_keeps_room_in_its_budget_for_its_re_measurement(tmp_path, wall_
     SearchLoop(store, RunConfig(budget_minutes=0.2, max_candidates=10), BuiltinProposer(), "sm_90a", slow).run([P])
     tried = len(store.results(P))
     assert 2 <= tried <= most and (wall_s > 1 or tried == most)
+    spent = [m for _, kind, m in store.events() if kind == "budget"]  # a shape cut short by time says so
+    assert spent == ([f"{P.key}: time share spent after {tried} candidates (0 in flight); 12.0 s kept for "
+                      "re-measurement"] if wall_s > 1 else [])
 
 
 def test_remeasure_records_extra_measurements(tmp_path):

@@ -47,5 +47,8 @@ print(f"GPU busy {busy:.0f} s of {t1 - t0:.0f} s ({busy / (t1 - t0):.0%}); evalu
       f"{sorted(wall.values())[len(wall) // 2]:.2f} s, each shape's first {sum(firsts) / max(1, len(firsts)):.2f} s "
       f"on average; builds {cached[0]} of {cached[1]} from the cache, the rest {cached[2] or 0:.0f} s of NVRTC; "
       f"candidates by family {fam}")
+cut = [m for (m,) in db.execute("SELECT message FROM events WHERE kind = 'budget' ORDER BY ts")]
+if cut:  # shapes that stopped proposing short of the candidates, on time
+    print(f"{len(cut)} shapes cut short by their time share: " + "; ".join(cut[:6]) + ("; ..." if len(cut) > 6 else ""))
 PY
 tail -42 "$OUT/devsuite_${L}_bench.log"
