@@ -17,12 +17,6 @@ TILES = [
 ]
 
 
-def issue_factor(warpgroups: int) -> float:
-    """How a CTA slot's consumer warpgroups issue wgmma: two per SM measured best on the H200 (three: 3-15% slower;
-    one leaves gaps between wgmma groups)."""
-    return {2: 1.0, 3: 1.06}.get(warpgroups, 1.1)
-
-
 def tile_cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
     """Relative time: waves of resident blocks times a tile's work, inflated by its traffic and fixed costs."""
     tiles = problem.tiles(p.block_m, p.block_n)
@@ -30,7 +24,9 @@ def tile_cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
     per_sm = min(p.min_blocks, -(-tiles // sms))
     k_tiles = -(-problem.k // p.block_k)
     traffic = 1 + 40 / p.block_m + 40 / p.block_n
-    issue = issue_factor(per_sm * p.consumers)
+    # Two consumer warpgroups per SM measured best on the H200 (three: 3-15% slower; one leaves gaps between wgmma
+    # groups).
+    issue = {2: 1.0, 3: 1.06}.get(per_sm * p.consumers, 1.1)
     # kn with block_n = 192: B rows of 24 chunks leave producer threads idle; measured 5-20% slower on the H200.
     uneven = 1.15 if problem.b_layout == "kn" and 128 % (p.block_n // 8) else 1.0
     # the ring fills once per tile

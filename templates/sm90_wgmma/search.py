@@ -11,7 +11,7 @@ from typing import Any
 
 from core.device import H200, DeviceFacts
 from core.records import Problem
-from templates.sm90_wgmma.costs import CLUSTERS_PER_SLOT, MIN_K_TILES, TILES, issue_factor, split_cost, tile_cost
+from templates.sm90_wgmma.costs import CLUSTERS_PER_SLOT, MIN_K_TILES, TILES, split_cost, tile_cost
 from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, with_update
 
 
@@ -41,9 +41,7 @@ def _split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90Wg
     would get at least 2 x MIN_K_TILES, also as cluster pairs in K groups, for the cheapest such tile only
     (512_1024_8192: 32 tiles of 128 x 128 in pairs of 2 groups 0.91-0.94x of cuBLAS, the rules' split leaders
     0.86-0.92x, three runs of session 11; at 16 k-tiles a CTA they lost to every fitting cluster). The two best
-    tilings lead (each its best ring), so the first two are not one tiling twice; on equal cost, two consumer
-    warpgroups first (128 x 64 with two against 64 x 128 with one: the two won 6 of 8 problems of the class, by
-    10-40%). None for other problems."""
+    tilings lead (each its best ring), so the first two are not one tiling twice. None for other problems."""
     kind = _split_class(problem, sms)
     if kind is None:
         return []
@@ -71,7 +69,7 @@ def _split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90Wg
                             break
                         except ValueError:
                             continue
-    found.sort(key=lambda p: (split_cost(p, problem, smem_per_sm), issue_factor(p.consumers)))
+    found.sort(key=lambda p: split_cost(p, problem, smem_per_sm))
     grouped = [_tile(p) for p in found if p.k_groups > 1][:1]  # the K groups of the cheapest such tile only
     found = [p for p in found if p.k_groups == 1 or _tile(p) in grouped]
     leaders: list[Sm90WgmmaParams] = []
