@@ -324,7 +324,6 @@ def test_wider_problems_get_no_swapped_roles(problem):
     ({"swap_ab": True, "consumers": 2, "block_n": 64}, "block_n=64 \\(swap_ab\\) must split into consumers=2"),
     ({"block_m": 208}, "need swap_ab"),
     ({"swap_ab": True, "epilogue": "tma"}, "epilogue=smem"),
-    ({"swap_ab": True, "cluster_m": 2, "block_n": 128}, "cluster_m=1"),
 ])
 def test_swapped_roles_reject_what_they_cannot_do(update, message):
     with pytest.raises(ValueError, match=message):
@@ -332,7 +331,7 @@ def test_swapped_roles_reject_what_they_cannot_do(update, message):
 
 
 PAST_64_ROWS = [(Problem(205, 50304, 1024, "kn"), 208), (Problem(222, 32000, 4096, "nk"), 224),
-                (Problem(657, 9984, 3144, "kn"), 224)]
+                (Problem(657, 9984, 3136, "kn"), 224)]
 
 
 @pytest.mark.parametrize("problem,rows", PAST_64_ROWS, ids=lambda x: getattr(x, "key", x))
@@ -342,6 +341,49 @@ def test_m_past_a_multiple_of_64_gets_swapped_tiles_of_its_rows(problem, rows):
     assert fitted["swap_ab"] and fitted["block_m"] == rows and fitted["consumers"] == fitted["block_n"] // 64
     assert not any(p["swap_ab"] for p in space[:search.SWAP_FIT_RANK])
     assert -(-problem.m // rows) * rows - problem.m < 16  # padded by less than 16 rows (64-row tiles: 51-111)
+
+
+def test_rows_off_128_byte_lines_weigh_by_the_rows_a_tile_loads_per_output():
+    def factor(problem, **fields):
+        return costs.odd_rows_factor(Sm90WgmmaParams(**{"consumers": 2, "stages": 4, **fields}), problem, 132)
+    odd_nk, odd_kn = Problem(657, 9984, 3144, "nk"), Problem(657, 9984, 3144, "kn")
+    assert costs.odd_rows(odd_nk) == (True, True) and costs.odd_rows(odd_kn) == (True, False)
+    assert costs.odd_rows(Problem(657, 9984, 3136, "nk")) == (False, False)
+    assert costs.odd_rows(Problem(1000, 3000, 3136, "kn")) == (False, True)  # kn: B's rows are N long
+    assert costs.odd_rows(Problem(286, 8232, 40, "nk")) == (False, False)  # one k-tile: not counted
+    wide, tall = {"block_m": 128, "block_n": 256}, {"block_m": 256, "block_n": 128}
+    # nk: both operands' rows count, a pair's B rows once; kn 128 x 256: A's 128 rows a k-tile, within the free rate
+    assert factor(odd_nk, **wide) > factor(odd_nk, **wide, cluster_m=2) == factor(odd_kn, **tall) > 1.1
+    assert factor(odd_kn, **wide) == 1.0 == factor(Problem(657, 9984, 3136, "nk"), **wide)
+    # few tiles leave the L2 to fewer SMs
+    assert factor(Problem(128, 1024, 3144, "nk"), **wide) < factor(odd_nk, **wide)
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_rows_off_128_byte_lines_bring_wide_swapped_tiles_and_multicast_pairs(layout):
+    # 657_9984_3144 (measured, session 12): kn 112 x 256 swapped 0.99x of cuBLAS (224 x 128: 0.86x); nk the same
+    # tiles in multicast pairs 0.95x (the rules' first before: 0.78x)
+    space = FAMILY.space(Problem(657, 9984, 3144, layout))
+    fitted = space[search.SWAP_FIT_RANK]
+    assert fitted["swap_ab"] and (fitted["block_m"], fitted["block_n"]) == (112, 256)
+    assert fitted["cluster_m"] == (2 if layout == "nk" else 1)  # kn: B's rows (N = 9984) are on lines
+    assert (space[0]["cluster_m"] == 2) == (layout == "nk")  # the pair of the best tile leads where it saves rows
+    # rows on lines: no pairs in the first dozen, the swapped tiles as before
+    aligned = FAMILY.space(Problem(657, 9984, 3136, layout))
+    assert all(p["cluster_m"] == 1 for p in aligned[:search.MULTICAST_RANK])
+    assert all(p["block_n"] < 256 for p in aligned if p["swap_ab"])
+
+
+@pytest.mark.parametrize("problem", [Problem(6180, 3064, 6296, "nk"), Problem(2952, 1432, 1272, "kn"),
+                                     Problem(767, 2608, 1976, "nk")], ids=lambda p: p.key)
+def test_pairs_where_rows_are_off_lines_launch_and_compile(problem):
+    pairs = [p for p in FAMILY.space(problem)[:8] if p["cluster_m"] == 2]
+    assert pairs
+    for p in pairs:
+        spec = FAMILY.launch(p, problem)
+        assert spec.grid[0] % 2 == 0
+        b = compile_cuda(FAMILY.render(p, problem), "sm_90a", cache_dir=None)
+        assert b.ok and b.spill_bytes == 0, b.log[-1500:]
 
 
 def test_few_swapped_tiles_with_a_long_k_split_it_and_lead():
@@ -512,6 +554,9 @@ GPU_KINDS = {
     "persistent_smem": ({**_PERSISTENT, "epilogue": "smem"}, (1100, 1000, 520)),
     "cp_async": ({**_PLAIN, "loader": "cp_async"}, (333, 1000, 520)),
     "multicast": ({**_PLAIN, "stages": 6, "cluster_m": 2}, (333, 1000, 520)),
+    # swapped roles in multicast pairs: the B tile (wgmma's A operand) shared by CTAs on adjacent rows of M
+    "swapped_multicast": ({**_SWAPPED, "block_m": 112, "block_n": 256, "consumers": 2, "stages": 4, "cluster_m": 2},
+                          (333, 1000, 520)),
     "split_k": ({"block_m": 64, "block_n": 128, "consumers": 1, "stages": 8, "split_k": 4}, (100, 264, 8200)),
     "k_groups": ({"block_m": 64, "block_n": 64, "consumers": 1, "stages": 8, "k_groups": 4}, (77, 200, 8200)),
     "split_k_k_groups": ({"block_m": 64, "block_n": 128, "consumers": 1, "stages": 8, "split_k": 2, "k_groups": 2},

@@ -17,9 +17,39 @@ TILES = [
 ]
 
 
+# Rows of an operand that start off 128-byte lines (A: K x 2 bytes not a multiple of 128; B: the same in nk, N x 2
+# bytes in kn): every 128-byte row a TMA copy brings spans two lines, and past a rate of such rows the L2 cannot keep
+# up. Measured on the H200 (session 12, 657_9984 at K = 3144 against 3136 and 3200, both layouts, ten settings): a
+# tile slows with u, such rows a k-tile per 1024 outputs of the tile (a multicast pair's B rows counted once a pair),
+# past ODD_ROWS_FREE: u = 4 +2%, u = 8 +17-20% (multicast pairs +6-7%), u = 12-13 +29-36%; cuBLAS +3% kn, +7% nk.
+ODD_ROWS_FREE, ODD_ROWS_SLOPE = 4.0, 0.04
+# A multicast pair where rows are on lines: measured 0.9-1.0x of the same tiles without (657_9984_3136 nk: 0.98x)
+MULTICAST_COST = 1.02
+
+
+ODD_ROWS_MIN_K_TILES = 8  # where K is shorter, a tile's loads weigh little against its fill and stores: not counted
+
+
+def odd_rows(problem: Problem) -> tuple[bool, bool]:
+    """Whether A's rows and B's rows in memory (nk: N rows of K; kn: K rows of N) start off 128-byte lines, where K
+    spans at least ODD_ROWS_MIN_K_TILES k-tiles."""
+    if problem.k < ODD_ROWS_MIN_K_TILES * 64:
+        return False, False
+    return problem.k % 64 != 0, (problem.k if problem.b_layout == "nk" else problem.n) % 64 != 0
+
+
+def odd_rows_factor(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
+    """How much rows off 128-byte lines slow a tile: u (see ODD_ROWS_FREE) scaled by the share of SMs busy."""
+    odd_a, odd_b = odd_rows(problem)
+    rows = p.block_m * odd_a + p.block_n // p.cluster_m * odd_b
+    u = rows * 1024 / (p.block_m * p.block_n) * min(1.0, problem.tiles(p.block_m, p.block_n) / sms)
+    return 1 + ODD_ROWS_SLOPE * max(0.0, u - ODD_ROWS_FREE)
+
+
 def tile_cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
-    """Relative time: waves of resident blocks times a tile's work, inflated by its traffic and fixed costs."""
-    tiles = problem.tiles(p.block_m, p.block_n)
+    """Relative time: waves of resident blocks times a tile's work, inflated by its traffic (rows off 128-byte lines
+    included) and fixed costs. Multicast pairs launch whole pairs of row tiles."""
+    tiles = -(-problem.m // (p.block_m * p.cluster_m)) * p.cluster_m * -(-problem.n // p.block_n)
     waves = -(-tiles // (sms * p.min_blocks))
     per_sm = min(p.min_blocks, -(-tiles // sms))
     k_tiles = -(-problem.k // p.block_k)
@@ -30,7 +60,10 @@ def tile_cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
     # kn with block_n = 192: B rows of 24 chunks leave producer threads idle; measured 5-20% slower on the H200.
     uneven = 1.15 if problem.b_layout == "kn" and 128 % (p.block_n // 8) else 1.0
     # the ring fills once per tile
-    return waves * per_sm * p.block_m * p.block_n * traffic * issue * uneven * (k_tiles + 2 + 2 / p.stages)
+    pair = MULTICAST_COST if p.cluster_m > 1 else 1.0
+    # rows off 128-byte lines slow the k-tiles' loads, not the ring's fill or the stores
+    return (waves * per_sm * p.block_m * p.block_n * traffic * issue * uneven * pair
+            * (k_tiles * odd_rows_factor(p, problem, sms) + 2 + 2 / p.stages))
 
 
 # Clusters of 8, 4, 2 CTAs that run at once per CTA slot of an SM: clusters must fit inside one GPC, so the 132 SMs

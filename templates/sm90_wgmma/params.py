@@ -72,7 +72,7 @@ class Sm90WgmmaParams(Params):
         "consumers per consumer) as wgmma's A operand and the A tile as its B operand (wgmma N = block_m, any "
         "multiple of 16), so rows of A are not padded to 64: tiny M (a 16-row A), or M just past a multiple of 64 "
         "(205 rows in one 208-row tile, not 256); the accumulators hold C transposed, written back through shared "
-        "memory (smem epilogue or the split-K exchange tile). No multicast")
+        "memory (smem epilogue or the split-K exchange tile)")
 
     @property
     def wgmma_m(self) -> int:
@@ -147,10 +147,9 @@ class Sm90WgmmaParams(Params):
 
     @model_validator(mode="after")
     def _feasible(self) -> Sm90WgmmaParams:
-        if self.swap_ab and (self.block_n % 64 or self.epilogue != "smem" or self.cluster_m != 1):
+        if self.swap_ab and (self.block_n % 64 or self.epilogue != "smem"):
             raise ValueError(f"swap_ab: block_n={self.block_n} must be a multiple of 64 (the m64 wgmma rows), with "
-                             f"epilogue=smem (not {self.epilogue}: C is transposed through shared memory) and "
-                             f"cluster_m=1 (not {self.cluster_m})")
+                             f"epilogue=smem (not {self.epilogue}: C is transposed through shared memory)")
         if not self.swap_ab and self.block_m % 64:
             raise ValueError(f"block_m={self.block_m}: without swap_ab the rows are m64 wgmmas (64, 128, 192 or "
                              "256); other multiples of 16 need swap_ab")

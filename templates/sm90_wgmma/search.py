@@ -11,7 +11,7 @@ from typing import Any
 
 from core.device import H200, DeviceFacts
 from core.records import Problem
-from templates.sm90_wgmma.costs import CLUSTERS_PER_SLOT, MIN_K_TILES, TILES, split_cost, tile_cost
+from templates.sm90_wgmma.costs import CLUSTERS_PER_SLOT, MIN_K_TILES, TILES, odd_rows, split_cost, tile_cost
 from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, with_update
 
 
@@ -177,6 +177,10 @@ def _fitted_settings(problem: Problem, sms: int, listed_best: float) -> list[Sm9
 # 222_32000_4096 0.92 -> 0.99x, 3072_2304_768 kn 1.01 -> 1.10x; unsplit, 657_9984_3144 and 414_2472_11744 not helped).
 SWAP_FIT_GAIN = 0.92
 SWAP_FIT_COLS = ((128, 2), (192, 3), (64, 1))  # (block_n, consumers): one m64 wgmma row block per consumer
+# Where rows are off 128-byte lines, also 256 columns (fewer of A's rows a k-tile per output), and where B's are,
+# multicast pairs of the 128- and 256-column tiles (B's rows read once a pair). Measured on the H200 (session 12):
+# 657_9984_3144 kn 112 x 256 0.99x of cuBLAS (224 x 128: 0.86x), nk 112 x 256 in pairs 0.95x (the best before: 0.88x).
+ODD_ROWS_COLS = ((256, 2),)
 
 
 def _swap_fit_settings(problem: Problem, sms: int,
@@ -187,7 +191,7 @@ def _swap_fit_settings(problem: Problem, sms: int,
     a lead and an alternate. Beyond one wave the lead is the persistent kind where that keeps a ring of 4 stages
     (measured 205_50304_1024 0.93 -> 0.98x, 7214_896_896 0.90 -> 0.96x; 222_32000_4096, 3 stages: 0.99 -> 0.96x)."""
     leads, alternates = [], []
-    for p in _ahead(problem, sms, _swapped_shapes(problem), SWAP_FIT_GAIN * listed_best):
+    for p in _ahead(problem, sms, _swapped_shapes(problem, odd=True), SWAP_FIT_GAIN * listed_best):
         tiles = problem.tiles(p.block_m, p.block_n)
         persistent = with_update(p, {"persistent": True}) if tiles > sms * p.min_blocks else None
         if persistent is not None and persistent.stages >= 4:
@@ -199,16 +203,20 @@ def _swap_fit_settings(problem: Problem, sms: int,
     return leads, alternates
 
 
-def _swapped_shapes(problem: Problem) -> list[dict[str, Any]]:
+def _swapped_shapes(problem: Problem, odd: bool = False) -> list[dict[str, Any]]:
     """Swapped tiles of M's rows for M > 48: M split evenly over ceil(M / 256) to ceil(M / 64) tiles, rounded up
-    to 16, where that is not a multiple of 64 (those are listed shapes), with each of SWAP_FIT_COLS."""
+    to 16, where that is not a multiple of 64 (those are listed shapes), with each of SWAP_FIT_COLS; with `odd`,
+    where rows are off 128-byte lines, also ODD_ROWS_COLS and multicast pairs."""
     if problem.m <= 48:
         return []  # tiny M: _swap_settings
+    odd_a, odd_b = odd_rows(problem) if odd else (False, False)
     even = (-(-problem.m // tiles) for tiles in range(-(-problem.m // 256), -(-problem.m // 64) + 1))
     rows = {-(-share // 16) * 16 for share in even}
-    return [{"block_m": bm, "block_n": bn, "consumers": consumers, "swap_ab": True, "epilogue": "smem"}
-            for bm in sorted(rows) if bm % 64 and bm > 64 for bn, consumers in SWAP_FIT_COLS
-            if bn <= -(-problem.n // 64) * 64]
+    cols = SWAP_FIT_COLS + (ODD_ROWS_COLS if odd_a or odd_b else ())
+    shapes = [{"block_m": bm, "block_n": bn, "consumers": consumers, "swap_ab": True, "epilogue": "smem"}
+              for bm in sorted(rows) if bm % 64 and bm > 64 for bn, consumers in cols
+              if bn <= -(-problem.n // 64) * 64]
+    return shapes + [{**s, "cluster_m": 2} for s in shapes if odd_b and s["block_n"] % 128 == 0]
 
 
 # Measured at M = 414 only (512 is a multiple of 128: not proposed); smaller M (71-149 rows: one tile of rows, where
@@ -289,6 +297,15 @@ MULTICAST_RANK = 12
 MAX_SEEDS = 30
 
 
+def _pair_first(picked: list[Sm90WgmmaParams], problem: Problem, sms: int, k_tiles: int) -> bool:
+    """Whether the best guess, a multicast pair (which has no persistent kind), goes before the persistent leads:
+    where `tile_cost` puts it further ahead of the best single tile than persistent blocks could gain by hiding a
+    tile's fixed costs (its ring's fill and stores, 2 of its k_tiles + 2)."""
+    best, plain = picked[0], next((p for p in picked if p.cluster_m == 1), None)
+    return best.cluster_m > 1 and (plain is None or tile_cost(best, problem, sms) < tile_cost(plain, problem, sms)
+                                   * k_tiles / (k_tiles + 2))
+
+
 def _enter_at(ordered: list[Sm90WgmmaParams], rank: int, extra: list[Sm90WgmmaParams | None]) -> None:
     """Insert the settings of `extra` that exist so that the first is tried at position `rank` (1-based count)."""
     ordered[rank:rank] = [v for v in extra if v is not None]
@@ -313,27 +330,35 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
     sms = device.sms
     k_tiles = -(-problem.k // 64)
     shapes: list[tuple[float, list[Sm90WgmmaParams]]] = []
+    # Where B's rows are off 128-byte lines, each tile also as a multicast pair, a shape of its own that `tile_cost`
+    # ranks (it weighs the rows saved) and that brings one variant
     for bm, bn, consumers in TILES:
         if problem.b_layout == "kn" and bn % 64:
             continue
-        variants = []
-        for stages in (4, 3, 5, 6, 8):  # preference order; the deepest ring that fits closes the list
-            if stages > k_tiles + 1 and stages != 4:
-                continue  # a ring deeper than K only costs shared memory
-            for min_blocks in (1, 2):
-                try:
-                    variants.append(Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=consumers,
-                                                    stages=stages, min_blocks=min_blocks))
-                except ValueError:
-                    continue
-        if variants:
-            ranked = sorted(variants, key=lambda v: tile_cost(v, problem, sms))
-            shapes.append((tile_cost(ranked[0], problem, sms), ranked))
+        for cluster_m in (1, 2) if odd_rows(problem)[1] else (1,):
+            variants = []
+            for stages in (4, 3, 5, 6, 8):  # preference order; the deepest ring that fits closes the list
+                if stages > k_tiles + 1 and stages != 4:
+                    continue  # a ring deeper than K only costs shared memory
+                for min_blocks in (1, 2):
+                    try:
+                        variants.append(Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=consumers, stages=stages,
+                                                        min_blocks=min_blocks, cluster_m=cluster_m))
+                    except ValueError:
+                        continue
+            if variants:
+                ranked = sorted(variants, key=lambda v: tile_cost(v, problem, sms))
+                shapes.append((tile_cost(ranked[0], problem, sms), ranked))
     shapes.sort(key=lambda item: item[0])
     picked: list[Sm90WgmmaParams] = []
     # The best shapes get more pipeline variants; the rest keep the search broad.
-    for rank, (_, variants) in enumerate(shapes[:10]):
+    rank = 0
+    for _, variants in shapes[:10 + sum(v[0].cluster_m > 1 for _, v in shapes[:10])]:
+        if variants[0].cluster_m > 1:
+            picked.append(variants[0])
+            continue
         picked.extend(variants[: 3 if rank < 3 else 2 if rank < 6 else 1])
+        rank += 1
     best = picked[0]
     tiles_m = -(-problem.m // best.block_m)
     for group in (16, 4, 1):
@@ -347,7 +372,8 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
     lead = [] if one_wave else _persistent_leads(picked[:10], k_tiles)
     # Other epilogues of the two best guesses (persistent with direct stores measured 0.3-0.97x: left out).
     others = [with_update(p, u) for p in picked[:2] for u in ({"epilogue": "direct"}, {"epilogue": "tma"})]
-    picked = lead + picked + [v for v in others if v is not None]
+    first = picked[:1] if _pair_first(picked, problem, sms, k_tiles) else []
+    picked = first + lead + picked[len(first):] + [v for v in others if v is not None]
     # Long-K problems with few tiles: split-K settings first, K groups after the two best (measured on par with
     # them on 64_1024_16384); skinny problems with few tiles: K groups first. Every other list is unchanged.
     split = _split_settings(problem, sms, device.smem_per_sm)
