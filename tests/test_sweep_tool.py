@@ -42,6 +42,26 @@ def test_arguments(tmp_path, monkeypatch):
     assert args.json == tmp_path / "sweep.json" and args.problems == [Problem(64, 64, 64, "nk")]
 
 
+def test_a_settings_file_adds_each_shapes_own_settings(tmp_path):
+    own = tmp_path / "orders.json"
+    own.write_text(json.dumps({"657_9984_3144:nk": [SMALL], "64_64_64:kn": [SMALL, {"block_n": 100}]}))
+    args = sweep.parse_args(["--shapes", "64_64_64", "--top", "1", "--settings", str(own)])
+    assert args.problems == [Problem(64, 64, 64), Problem(657, 9984, 3144, "nk")]  # the file's shapes swept too
+    rows = sweep.expand(SM90, Problem(64, 64, 64), 1, [], [], sweep.H200, None, args.own[Problem(64, 64, 64)])
+    assert [r.label for r in rows] == ["#0", "s1", "s2"] and rows[2].params is None  # block_n 100: invalid
+    assert sweep.parse_args(["--settings", str(own)]).problems == list(args.own)  # no --shapes needed
+
+
+@pytest.mark.parametrize("text", ["[1]", '{"64_64_64": {"block_m": 64}}', '{"64_64_64": [1]}', '{"64_64_6x": []}',
+                                  "{"])
+def test_a_bad_settings_file_exits_2(tmp_path, text, capsys):
+    own = tmp_path / "orders.json"
+    own.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        sweep.parse_args(["--settings", str(own)])
+    assert e.value.code == 2 and "error" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [[], ["--shapes", "64_64_64:xy"], ["--shapes", "64_64_60"],
                                   ["--shapes", "64_64_64", "--update", "{epilogue: tma}"],
                                   ["--shapes", "64_64_64", "--params", "[1]"],

@@ -4,9 +4,12 @@
     python3 tools/sweep.py --shapes 4096_4096_4096:both --top 2 --update '{"epilogue": "tma"}'
     python3 tools/sweep.py --shapes-file FILE --top 0 --params '{"block_m": 64, "block_n": 128, "split_k": 2}'
     python3 tools/sweep.py --shapes 4096_4096_4096 --template OLD.cu.j2    # the same sweep on another template
+    python3 tools/sweep.py --top 0 --settings FILE.json    # each shape's own settings (tools/compare_orders.py)
 
 Per shape (M_N_K[:kn|nk|both], or lines of a shapes file): space()'s first --top settings and each --params setting,
-each followed by every --update applied to it (with a shallower ring where its own no longer fits). Each is rendered,
+each followed by every --update applied to it (with a shallower ring where its own no longer fits); with --settings,
+also the settings a JSON file lists for the shape (an object {"M_N_K:layout": [setting, ...]}; its shapes are swept
+too). Each is rendered,
 compiled by sandbox.build.compile_cuda in a BuildPool (NVRTC, the cubin cache, --jobs processes) and evaluated by the
 sandboxed GPU worker (sandbox.pool.WorkerPool): the full correctness checks, then warm and cold-L2 device time next
 to cuBLAS in the same process. Rows print as they finish; everything goes to --json (default $OUT/sweep.json where
@@ -80,6 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--params", type=json.loads, action="append", default=[], help="a setting as JSON (repeatable)")
     ap.add_argument("--update", type=json.loads, action="append", default=[],
                     help="JSON fields changed in every setting, compared beside it (repeatable)")
+    ap.add_argument("--settings", type=Path, help='JSON {"M_N_K:layout": [setting, ...]}: settings of one shape each')
     ap.add_argument("--template", type=Path, help="render from this template file instead of the family's")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="cubin cache folder")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
@@ -89,14 +93,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--compile-only", action="store_true", help="render and compile (no GPU)")
     args = ap.parse_args(argv)
     try:
+        own = json.loads(args.settings.read_text()) if args.settings else {}
+        if not isinstance(own, dict) or not all(isinstance(v, list) for v in own.values()):
+            raise ValueError(f"{args.settings}: expected an object of lists of settings by shape")
+        args.own = {parse_shape(key): value for key, value in own.items()}
         text = args.shapes + ("\n" + args.shapes_file.read_text() if args.shapes_file else "")
-        args.problems = parse_shapes(text, args.b_layout)
+        args.problems = list(dict.fromkeys((parse_shapes(text, args.b_layout) if text.strip() else [])
+                                           + list(args.own)))
+        if not args.problems:
+            raise ShapeError("no shape given")
         args.family = get_family(args.family)
         args.template_text = args.template.read_text() if args.template else None
     except (ValueError, OSError) as e:
         ap.error(str(e))
-    if any(not isinstance(p, dict) for p in args.params + args.update):
-        ap.error("--params and --update take JSON objects")
+    if any(not isinstance(p, dict) for p in args.params + args.update + [q for v in args.own.values() for q in v]):
+        ap.error("--params, --update and --settings take JSON objects (in --settings, a list of them per shape)")
     if args.json is None and os.environ.get("OUT"):
         args.json = Path(os.environ["OUT"]) / "sweep.json"
     return args
@@ -119,11 +130,12 @@ def fit(family: Family, problem: Problem, params: dict, update: dict | None = No
 
 
 def expand(family: Family, problem: Problem, top: int, given: list[dict], updates: list[dict],
-           device: DeviceFacts, template: str | None) -> list[Row]:
-    """The rows of one shape: space()'s first `top` and the given settings, each followed by its updates; a setting
-    reached twice is kept once (the first label)."""
+           device: DeviceFacts, template: str | None, own: list[dict] = ()) -> list[Row]:
+    """The rows of one shape: space()'s first `top`, the given settings and the shape's own, each followed by its
+    updates; a setting reached twice is kept once (the first label)."""
     found = [(f"#{i}", p, "") for i, p in enumerate(family.space(problem, device)[:top])]
     found += [(f"p{j}", *fit(family, problem, g)) for j, g in enumerate(given, 1)]
+    found += [(f"s{j}", *fit(family, problem, g)) for j, g in enumerate(own, 1)]
     rows: list[Row] = []
     seen: set[str] = set()
     for label, params, why in found:
@@ -215,7 +227,8 @@ def report(rows: list[Row], family: Family, updates: list[dict]) -> list[str]:
             out.append(f"  u{k} does not apply to {len(found)} settings, e.g. {name(found[0])}: "
                        f"{found[0].result.reason[:300]}")
     fields = ", ".join(f"{abbrev(n)}={n}" for n in family.params_model.model_fields if n not in ("block_m", "block_n"))
-    out.append(f"setting: where from (#i space() rank, pj --params, +uk --update), block_m x block_n, then the fields "
+    out.append(f"setting: where from (#i space() rank, pj --params, sj --settings, +uk --update), block_m x block_n, "
+               "then the fields "
                f"other than {family.name}'s defaults ({fields})")
     out += [f"  u{k} = {json.dumps(u)}" for k, u in enumerate(updates, 1)]
     for problem in dict.fromkeys(r.problem for r in rows):
@@ -232,7 +245,8 @@ def sweep(args: argparse.Namespace, device: DeviceFacts, evaluate: Callable[[Eva
     t0 = time.monotonic()
     family: Family = args.family
     rows = [row for p in args.problems
-            for row in expand(family, p, args.top, args.params, args.update, device, args.template_text)]
+            for row in expand(family, p, args.top, args.params, args.update, device, args.template_text,
+                              args.own.get(p, []))]
     build(rows, family, args.template_text, device.arch, args.cache, args.jobs)
     built = [r.build for r in rows if r.build]
     print(f"{family.name} for {device.name} ({device.arch}): {len(rows)} settings over {len(args.problems)} shapes, "
