@@ -23,11 +23,9 @@ TILES = [
 # tile slows with u, such rows a k-tile per 1024 outputs of the tile (a multicast pair's B rows counted once a pair),
 # past ODD_ROWS_FREE: u = 4 +2%, u = 8 +17-20% (multicast pairs +6-7%), u = 12-13 +29-36%; cuBLAS +3% kn, +7% nk.
 ODD_ROWS_FREE, ODD_ROWS_SLOPE = 4.0, 0.04
+ODD_ROWS_MIN_K_TILES = 8  # where K is shorter, a tile's loads weigh little against its fill and stores: not counted
 # A multicast pair where rows are on lines: measured 0.9-1.0x of the same tiles without (657_9984_3136 nk: 0.98x)
 MULTICAST_COST = 1.02
-
-
-ODD_ROWS_MIN_K_TILES = 8  # where K is shorter, a tile's loads weigh little against its fill and stores: not counted
 
 
 def odd_rows(problem: Problem) -> tuple[bool, bool]:

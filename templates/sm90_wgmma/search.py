@@ -352,8 +352,10 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
     shapes.sort(key=lambda item: item[0])
     picked: list[Sm90WgmmaParams] = []
     # The best shapes get more pipeline variants; the rest keep the search broad.
-    rank = 0
-    for _, variants in shapes[:10 + sum(v[0].cluster_m > 1 for _, v in shapes[:10])]:
+    rank = 0  # of the single-tile shapes: the first ten, and the pairs ranked among them
+    for _, variants in shapes:
+        if rank == 10:
+            break
         if variants[0].cluster_m > 1:
             picked.append(variants[0])
             continue
