@@ -11,116 +11,9 @@ from typing import Any
 
 from core.device import H200, DeviceFacts
 from core.records import Problem
-from templates.sm90_wgmma.costs import CLUSTERS_PER_SLOT, MIN_K_TILES, TILES, odd_rows, split_cost, tile_cost
+from templates.sm90_wgmma.costs import CLUSTERS_PER_SLOT, MIN_K_TILES, TILES, odd_rows, tile_cost
 from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, with_update
-
-
-def _split_class(problem: Problem, sms: int) -> str | None:
-    """Which problems split-K serves, all with at least 32 k-tiles (halves keep 16). "long": K long against M and
-    N (K >= 8 max(M, N)), measured on the dev suite: split settings lead. At M > 64 (skinny problems have K groups
-    and swapped roles of their own): "few" where even 64 x 64 tiles fill at most half the SMs (1024_128_4096:
-    32, and the best unsplit settings streamed K through them at 0.70x of cuBLAS): split settings lead too;
-    "some" where 128 x 128 tiles fill at most a quarter of the SMs but smaller tiles fill them: split settings enter
-    at SPLIT_RANK, after the best unsplit guesses. None: no split-K."""
-    if problem.k < 32 * 64:
-        return None
-    if problem.k >= 8 * max(problem.m, problem.n):
-        return "long"
-    if problem.m <= 64:
-        return None
-    if problem.tiles(64, 64) <= sms // 2:
-        return "few"
-    return "some" if problem.tiles(128, 128) <= sms // 4 else None
-
-
-def _split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90WgmmaParams]:
-    """Split-K settings for long-K problems with few C tiles (`_split_class`), best guesses first: every tile shape
-    with split_k 8 or 4 (and 2 outside the "long" class, where K is shorter against the tiles), tiles x split_k
-    within two waves of CTAs, every CTA at least 16 k-tiles, with the deepest ring that fits and with a 4-stage ring
-    (several CTAs per SM); where a tile's cluster of 4 or 8 CTAs would not fit one wave (GPC placement) and each CTA
-    would get at least 2 x MIN_K_TILES, also as cluster pairs in K groups, for the cheapest such tile only
-    (512_1024_8192: 32 tiles of 128 x 128 in pairs of 2 groups 0.91-0.94x of cuBLAS, the rules' split leaders
-    0.86-0.92x, three runs of session 11; at 16 k-tiles a CTA they lost to every fitting cluster). The two best
-    tilings lead (each its best ring), so the first two are not one tiling twice. None for other problems."""
-    kind = _split_class(problem, sms)
-    if kind is None:
-        return []
-    k_tiles = -(-problem.k // 64)
-    found: list[Sm90WgmmaParams] = []
-    for bm, bn, consumers in TILES:
-        if (problem.b_layout == "kn" and bn % 64) or bm > -(-problem.m // 64) * 64 or bn > -(-problem.n // 64) * 64:
-            continue  # kn needs 64-column panels; rows or columns past M, N would be computed for nothing
-        tiles = problem.tiles(bm, bn)
-        if tiles >= sms // 2:
-            continue
-        for split in (8, 4) if kind == "long" else (8, 4, 2):
-            if tiles * split > 2 * sms or k_tiles // split < 16 or tiles * split < 32:
-                continue
-            ways = [{"split_k": split}]
-            if (split >= 4 and CLUSTERS_PER_SLOT[split] < tiles <= CLUSTERS_PER_SLOT[2] * 2 // split
-                    and k_tiles // split >= 2 * MIN_K_TILES):  # the workspace sums amortised over a longer K
-                ways.append({"split_k": 2, "k_groups": split // 2})
-            for way in ways:
-                for rings in ((8, 6, 5), (4,)):  # the deepest that fits; a shallow one
-                    for stages in rings:
-                        try:
-                            found.append(Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=consumers,
-                                                         stages=stages, **way))
-                            break
-                        except ValueError:
-                            continue
-    found.sort(key=lambda p: split_cost(p, problem, smem_per_sm))
-    grouped = [_tile(p) for p in found if p.k_groups > 1][:1]  # the K groups of the cheapest such tile only
-    found = [p for p in found if p.k_groups == 1 or _tile(p) in grouped]
-    leaders: list[Sm90WgmmaParams] = []
-    for p in found:
-        if len(leaders) < 2 and all(_tiling(p) != _tiling(q) for q in leaders):
-            leaders.append(p)
-    return (leaders + [p for p in found if p not in leaders])[:12]
-
-
-def _tiling(p: Sm90WgmmaParams) -> tuple[int, int, int, int]:
-    """What a split setting does to the problem, its ring and warpgroups aside."""
-    return p.block_m, p.block_n, p.split_k, p.k_groups
-
-
-def _tile(p: Sm90WgmmaParams) -> tuple[int, int, int]:
-    """A setting's tile shape and warpgroups."""
-    return p.block_m, p.block_n, p.consumers
-
-
-def _group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
-    """K-group settings for skinny problems (M <= 64) whose 64-row tiles fill at most half the SMs: 64 x 64, 128, 256
-    tiles with as many CTAs per tile as one wave holds (at most 8), first with each CTA at least MIN_K_TILES / 2
-    k-tiles, then at least MIN_K_TILES; the deepest ring that fits; none for other problems. A tile's CTAs are K
-    groups, or cluster pairs in K groups (the pair sums through distributed shared memory, which costs less than the
-    workspace), pairs first. 64 x 256 tiles only as one pair, or in a wave of groups: their sums spill in others
-    (fewer groups where K is short; pairs in groups).
-    Measured on the H200: 64_4096_16384 64x64 with 2 groups 1.03-1.14x of cuBLAS (the best single-CTA tiles
-    0.91-1.03x), a cluster pair 37.6 against 38.6 us kn; 64_1024_4096 nk (decode's k/v projections at batch 64)
-    64x64 in 4 pairs of 8 k-tiles 1.23x, 8 groups 1.10x, 4 groups of 16 k-tiles 1.06x, the best unsplit tiles
-    0.66-0.80x; on M = 128-1024 the fp32 partials cost more than the extra SMs bring (0.33-0.77x)."""
-    k_tiles = -(-problem.k // 64)
-    if problem.m > 64 or -(-problem.n // 64) > sms // 2:
-        return []
-    found = []
-    for bn in (64, 128, 256):
-        tiles = -(-problem.n // bn)
-        if bn > -(-problem.n // 64) * 64:
-            continue
-        for floor in (MIN_K_TILES // 2, MIN_K_TILES):
-            groups = min(8, sms // tiles, k_tiles // floor)
-            if groups < 2:
-                continue
-            if bn == 256 and groups < min(8, sms // tiles):
-                continue  # 64 x 256 sums spill in fewer groups than a wave holds (where K is short)
-            pairs = groups == 2 or (groups >= 4 and bn < 256)  # and as pairs in groups
-            ways = [{"split_k": 2, "k_groups": groups // 2}] if pairs else []
-            for way in ways + [{"k_groups": groups}]:
-                v = deepest({"block_m": 64, "block_n": bn, "consumers": 1, **way})
-                if v is not None:
-                    found.append(v)
-    return found
+from templates.sm90_wgmma.splits import group_settings, split_class, split_settings
 
 
 def _swap_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
@@ -224,7 +117,7 @@ def _swapped_shapes(problem: Problem, odd: bool = False) -> list[dict[str, Any]]
 SWAP_SPLIT_MIN_M = 256
 
 
-def _swap_split_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
+def _swapsplit_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     """Swapped tiles of M's rows (two or three consumers, M > SWAP_SPLIT_MIN_M, fewer rows than the listed 128-,
     192- and 256-row tiles pad M to) with each tile's K split, where they fill under half the SMs: over as many CTAs
     as one wave holds (at most 8, each at least MIN_K_TILES k-tiles), in K groups, and in one cluster of the largest
@@ -285,14 +178,14 @@ def _valid(**fields: Any) -> Sm90WgmmaParams | None:
 SWAP_FIT_RANK = 2  # swapped tiles of M just past a multiple of 64: right after the two best listed guesses
 SWAP_ALTERNATE_RANK = 7  # their other kind (persistent or not): after the fitted and split-K entries
 FITTED_RANK = 4  # tile shapes fitted to the problem's waves: after the best guesses of the measured shapes
-SPLIT_RANK = 6  # split-K where smaller tiles could fill the SMs without it (_split_class "some")
+SPLIT_RANK = 6  # split-K where smaller tiles could fill the SMs without it (splits.split_class "some")
 # The cp.async producer of the two best guesses where they have one consumer warpgroup or split K: it wins now and
 # then where TMA barely loses. Of larger tiles whole in K it never won on the H200: 151 measured over sessions 7-10,
 # 3 within 2% of the shape's best (all at K <= 64, where the producer hardly matters); of the others, 93 measured, 23
 # within 2%, 13 won (small-M tiles and split-K leaders: 131_400_5632, 16_4096_4096, 64_1024_16384, 512_1024_8192 nk).
 CP_ASYNC_RANK = 8
-# clusters of 2 sharing B by TMA multicast: measured 0.9-1.0x of the same tiles without (1.07-1.17x only where B's
-# rows are off 128-byte boundaries), so for longer searches
+# clusters of 2 sharing B by TMA multicast where B's rows are on 128-byte lines: measured 0.9-1.0x of the same tiles
+# without, so for longer searches (where they are off lines, pairs are shapes of their own that tile_cost ranks)
 MULTICAST_RANK = 12
 MAX_SEEDS = 30
 
@@ -378,14 +271,14 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
     picked = first + lead + picked[len(first):] + [v for v in others if v is not None]
     # Long-K problems with few tiles: split-K settings first, K groups after the two best (measured on par with
     # them on 64_1024_16384); skinny problems with few tiles: K groups first. Every other list is unchanged.
-    split = _split_settings(problem, sms, device.smem_per_sm)
-    if _split_class(problem, sms) == "some":
+    split = split_settings(problem, sms, device.smem_per_sm)
+    if split_class(problem, sms) == "some":
         ordered = list(picked)
         _enter_at(ordered, SPLIT_RANK, split)
     else:
-        ordered = _swap_settings(problem, sms) + split[:2] + _group_settings(problem, sms) + split[2:] + picked
+        ordered = _swap_settings(problem, sms) + split[:2] + group_settings(problem, sms) + split[2:] + picked
     swap_leads, swap_alternates = _swap_fit_settings(problem, sms, shapes[0][0])
-    swap_split = _swap_split_settings(problem, sms)
+    swap_split = _swapsplit_settings(problem, sms)
     if swap_split:  # few tiles: split, they lead; unsplit, they fill under a wave as the listed shapes do
         swap_leads, swap_alternates = swap_split, swap_leads + swap_alternates
     _enter_at(ordered, SWAP_FIT_RANK, swap_leads)

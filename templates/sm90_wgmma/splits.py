@@ -1,0 +1,118 @@
+"""Split-K settings of the sm90_wgmma family's search order (`search.py`): which problems split K over several CTAs
+a C tile (thread-block clusters summing through distributed shared memory, K groups summing through a workspace), and
+the settings that do it, best guesses first. From measurements on the H200 (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from core.records import Problem
+from templates.sm90_wgmma.costs import CLUSTERS_PER_SLOT, MIN_K_TILES, TILES, split_cost
+from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest
+
+
+def split_class(problem: Problem, sms: int) -> str | None:
+    """Which problems split-K serves, all with at least 32 k-tiles (halves keep 16). "long": K long against M and
+    N (K >= 8 max(M, N)), measured on the dev suite: split settings lead. At M > 64 (skinny problems have K groups
+    and swapped roles of their own): "few" where even 64 x 64 tiles fill at most half the SMs (1024_128_4096:
+    32, and the best unsplit settings streamed K through them at 0.70x of cuBLAS): split settings lead too;
+    "some" where 128 x 128 tiles fill at most a quarter of the SMs but smaller tiles fill them: split settings enter
+    at SPLIT_RANK, after the best unsplit guesses. None: no split-K."""
+    if problem.k < 32 * 64:
+        return None
+    if problem.k >= 8 * max(problem.m, problem.n):
+        return "long"
+    if problem.m <= 64:
+        return None
+    if problem.tiles(64, 64) <= sms // 2:
+        return "few"
+    return "some" if problem.tiles(128, 128) <= sms // 4 else None
+
+
+def split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90WgmmaParams]:
+    """Split-K settings for long-K problems with few C tiles (`split_class`), best guesses first: every tile shape
+    with split_k 8 or 4 (and 2 outside the "long" class, where K is shorter against the tiles), tiles x split_k
+    within two waves of CTAs, every CTA at least 16 k-tiles, with the deepest ring that fits and with a 4-stage ring
+    (several CTAs per SM); where a tile's cluster of 4 or 8 CTAs would not fit one wave (GPC placement) and each CTA
+    would get at least 2 x MIN_K_TILES, also as cluster pairs in K groups, for the cheapest such tile only
+    (512_1024_8192: 32 tiles of 128 x 128 in pairs of 2 groups 0.91-0.94x of cuBLAS, the rules' split leaders
+    0.86-0.92x, three runs of session 11; at 16 k-tiles a CTA they lost to every fitting cluster). The two best
+    tilings lead (each its best ring), so the first two are not one tiling twice. None for other problems."""
+    kind = split_class(problem, sms)
+    if kind is None:
+        return []
+    k_tiles = -(-problem.k // 64)
+    found: list[Sm90WgmmaParams] = []
+    for bm, bn, consumers in TILES:
+        if (problem.b_layout == "kn" and bn % 64) or bm > -(-problem.m // 64) * 64 or bn > -(-problem.n // 64) * 64:
+            continue  # kn needs 64-column panels; rows or columns past M, N would be computed for nothing
+        tiles = problem.tiles(bm, bn)
+        if tiles >= sms // 2:
+            continue
+        for split in (8, 4) if kind == "long" else (8, 4, 2):
+            if tiles * split > 2 * sms or k_tiles // split < 16 or tiles * split < 32:
+                continue
+            ways = [{"split_k": split}]
+            if (split >= 4 and CLUSTERS_PER_SLOT[split] < tiles <= CLUSTERS_PER_SLOT[2] * 2 // split
+                    and k_tiles // split >= 2 * MIN_K_TILES):  # the workspace sums amortised over a longer K
+                ways.append({"split_k": 2, "k_groups": split // 2})
+            for way in ways:
+                for rings in ((8, 6, 5), (4,)):  # the deepest that fits; a shallow one
+                    for stages in rings:
+                        try:
+                            found.append(Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=consumers,
+                                                         stages=stages, **way))
+                            break
+                        except ValueError:
+                            continue
+    found.sort(key=lambda p: split_cost(p, problem, smem_per_sm))
+    grouped = [_tile(p) for p in found if p.k_groups > 1][:1]  # the K groups of the cheapest such tile only
+    found = [p for p in found if p.k_groups == 1 or _tile(p) in grouped]
+    leaders: list[Sm90WgmmaParams] = []
+    for p in found:
+        if len(leaders) < 2 and all(_tiling(p) != _tiling(q) for q in leaders):
+            leaders.append(p)
+    return (leaders + [p for p in found if p not in leaders])[:12]
+
+
+def _tiling(p: Sm90WgmmaParams) -> tuple[int, int, int, int]:
+    """What a split setting does to the problem, its ring and warpgroups aside."""
+    return p.block_m, p.block_n, p.split_k, p.k_groups
+
+
+def _tile(p: Sm90WgmmaParams) -> tuple[int, int, int]:
+    """A setting's tile shape and warpgroups."""
+    return p.block_m, p.block_n, p.consumers
+
+
+def group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
+    """K-group settings for skinny problems (M <= 64) whose 64-row tiles fill at most half the SMs: 64 x 64, 128, 256
+    tiles with as many CTAs per tile as one wave holds (at most 8), first with each CTA at least MIN_K_TILES / 2
+    k-tiles, then at least MIN_K_TILES; the deepest ring that fits; none for other problems. A tile's CTAs are K
+    groups, or cluster pairs in K groups (the pair sums through distributed shared memory, which costs less than the
+    workspace), pairs first. 64 x 256 tiles only as one pair, or in a wave of groups: their sums spill in others
+    (fewer groups where K is short; pairs in groups).
+    Measured on the H200: 64_4096_16384 64x64 with 2 groups 1.03-1.14x of cuBLAS (the best single-CTA tiles
+    0.91-1.03x), a cluster pair 37.6 against 38.6 us kn; 64_1024_4096 nk (decode's k/v projections at batch 64)
+    64x64 in 4 pairs of 8 k-tiles 1.23x, 8 groups 1.10x, 4 groups of 16 k-tiles 1.06x, the best unsplit tiles
+    0.66-0.80x; on M = 128-1024 the fp32 partials cost more than the extra SMs bring (0.33-0.77x)."""
+    k_tiles = -(-problem.k // 64)
+    if problem.m > 64 or -(-problem.n // 64) > sms // 2:
+        return []
+    found = []
+    for bn in (64, 128, 256):
+        tiles = -(-problem.n // bn)
+        if bn > -(-problem.n // 64) * 64:
+            continue
+        for floor in (MIN_K_TILES // 2, MIN_K_TILES):
+            groups = min(8, sms // tiles, k_tiles // floor)
+            if groups < 2:
+                continue
+            if bn == 256 and groups < min(8, sms // tiles):
+                continue  # 64 x 256 sums spill in fewer groups than a wave holds (where K is short)
+            pairs = groups == 2 or (groups >= 4 and bn < 256)  # and as pairs in groups
+            ways = [{"split_k": 2, "k_groups": groups // 2}] if pairs else []
+            for way in ways + [{"k_groups": groups}]:
+                v = deepest({"block_m": 64, "block_n": bn, "consumers": 1, **way})
+                if v is not None:
+                    found.append(v)
+    return found
