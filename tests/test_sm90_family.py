@@ -371,7 +371,8 @@ def test_rows_off_128_byte_lines_bring_wide_swapped_tiles_and_multicast_pairs(la
     # rows on lines: no pairs in the first dozen, the swapped tiles as before
     aligned = FAMILY.space(Problem(657, 9984, 3136, layout))
     assert all(p["cluster_m"] == 1 for p in aligned[:search.MULTICAST_RANK])
-    assert all(p["block_n"] < 256 for p in aligned if p["swap_ab"])
+    swapped = [p for p in aligned if p["swap_ab"]]
+    assert swapped and all(p["block_n"] < 256 for p in swapped)
 
 
 @pytest.mark.parametrize("problem", [Problem(6180, 3064, 6296, "nk"), Problem(2952, 1432, 1272, "kn"),

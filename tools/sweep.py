@@ -98,10 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise ValueError(f"{args.settings}: expected an object of lists of settings by shape")
         args.own = {parse_shape(key): value for key, value in own.items()}
         text = args.shapes + ("\n" + args.shapes_file.read_text() if args.shapes_file else "")
-        args.problems = list(dict.fromkeys((parse_shapes(text, args.b_layout) if text.strip() else [])
-                                           + list(args.own)))
-        if not args.problems:
-            raise ShapeError("no shape given")
+        listed = parse_shapes(text, args.b_layout) if text.strip() or not args.own else []  # none: an error
+        args.problems = list(dict.fromkeys(listed + list(args.own)))
         args.family = get_family(args.family)
         args.template_text = args.template.read_text() if args.template else None
     except (ValueError, OSError) as e:

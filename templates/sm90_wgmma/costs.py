@@ -7,7 +7,7 @@ settings (streamed operands, cluster placement, workspace sums). Their constants
 from __future__ import annotations
 
 from core.records import Problem
-from templates.sm90_wgmma.params import SMEM_RESERVED_PER_BLOCK, Sm90WgmmaParams
+from templates.sm90_wgmma.params import SMEM_RESERVED_PER_BLOCK, Sm90WgmmaParams, launched_tiles
 
 # (block_m, block_n, consumers), from the large-problem favourites down to small-problem shapes.
 TILES = [
@@ -21,7 +21,7 @@ TILES = [
 # bytes in kn): every 128-byte row a TMA copy brings spans two lines, and past a rate of such rows the L2 cannot keep
 # up. Measured on the H200 (session 12, 657_9984 at K = 3144 against 3136 and 3200, both layouts, ten settings): a
 # tile slows with u, such rows a k-tile per 1024 outputs of the tile (a multicast pair's B rows counted once a pair),
-# past ODD_ROWS_FREE: u = 4 +2%, u = 8 +17-20% (multicast pairs +6-7%), u = 12-13 +29-36%; cuBLAS +3% kn, +7% nk.
+# past ODD_ROWS_FREE: u = 4 +2-4%, u = 8 +16-22% (multicast pairs +6-8%), u = 12-13 +28-36%; cuBLAS +3% kn, +7% nk.
 ODD_ROWS_FREE, ODD_ROWS_SLOPE = 4.0, 0.04
 ODD_ROWS_MIN_K_TILES = 8  # where K is shorter, a tile's loads weigh little against its fill and stores: not counted
 # A multicast pair where rows are on lines: measured 0.9-1.0x of the same tiles without (657_9984_3136 nk: 0.98x)
@@ -47,7 +47,7 @@ def odd_rows_factor(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
 def tile_cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
     """Relative time: waves of resident blocks times a tile's work, inflated by its traffic (rows off 128-byte lines
     included) and fixed costs. Multicast pairs launch whole pairs of row tiles."""
-    tiles = -(-problem.m // (p.block_m * p.cluster_m)) * p.cluster_m * -(-problem.n // p.block_n)
+    tiles = launched_tiles(p, problem)
     waves = -(-tiles // (sms * p.min_blocks))
     per_sm = min(p.min_blocks, -(-tiles // sms))
     k_tiles = -(-problem.k // p.block_k)

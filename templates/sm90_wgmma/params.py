@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from core.records import Problem
 from templates.family import SMEM_PER_BLOCK_MAX, Params
 
 SMEM_PER_SM = 228 * 1024
@@ -190,6 +191,12 @@ class Sm90WgmmaParams(Params):
                              + (" or min_blocks=1" if self.min_blocks > 1 else ""))
         return self
 
+
+
+def launched_tiles(p: Sm90WgmmaParams, problem: Problem) -> int:
+    """C tiles the launch covers: whole multicast clusters along M (a trailing CTA past M still loads its share of B
+    for its peers)."""
+    return -(-problem.m // (p.block_m * p.cluster_m)) * p.cluster_m * -(-problem.n // p.block_n)
 
 
 def deepest(fields: dict[str, Any], top: int = 8) -> Sm90WgmmaParams | None:

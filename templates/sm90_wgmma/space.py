@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 from core.device import H200, DeviceFacts
 from core.records import LaunchSpec, Problem, TensorMapSpec
 from templates.family import Family, Params
-from templates.sm90_wgmma.params import Sm90WgmmaParams
+from templates.sm90_wgmma.params import Sm90WgmmaParams, launched_tiles
 from templates.sm90_wgmma.search import seeds
 
 
@@ -47,12 +47,10 @@ class Sm90Wgmma(Family):
     def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
         p = self.parse(params, problem)
         assert isinstance(p, Sm90WgmmaParams)
-        tiles = problem.tiles(p.block_m, p.block_n)
         # split-K: the kernel's __cluster_dims__(split_k, 1, 1) groups consecutive blocks, one cluster per tile and K
         # group; k_groups > 1 adds the workspace (the groups' fp32 partial tiles) and one arrival counter per CTA of
         # a tile's cluster
-        if p.cluster_m > 1:  # whole clusters: a trailing CTA past M still loads its share of B for its peers
-            tiles = -(-problem.m // (p.block_m * p.cluster_m)) * p.cluster_m * -(-problem.n // p.block_n)
+        tiles = launched_tiles(p, problem)
         grid = min(tiles, device.sms * p.min_blocks) if p.persistent else tiles * p.split_k * p.k_groups
         grouped = p.k_groups > 1
         maps: tuple[TensorMapSpec, ...] = ()
