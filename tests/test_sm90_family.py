@@ -11,7 +11,7 @@ import pytest
 from core.records import Problem
 from sandbox import driver
 from sandbox.build import compile_cuda
-from templates.sm90_wgmma import costs, search
+from templates.sm90_wgmma import costs, search, splits
 from templates.sm90_wgmma.params import Sm90WgmmaParams
 from templates.sm90_wgmma.space import Sm90Wgmma
 from tests.gpu_reference import PAIRS, cases, check_kernel
@@ -243,7 +243,7 @@ def test_k_groups_with_clusters_count_one_arrival_per_cta_of_a_cluster():
 
 @pytest.mark.parametrize("update,message", [
     ({"loader": "cp_async"}, "loader=tma"), ({"persistent": True, "epilogue": "tma"}, "no persistent"),
-    ({"split_k": 2}, "split_k and k_groups 1"), ({"block_n": 192}, "multiple of 128"),
+    ({"split_k": 2}, "split_k 1"), ({"block_n": 192}, "multiple of 128"),
 ])
 def test_multicast_rejects_what_it_cannot_do(update, message):
     with pytest.raises(ValueError, match=message):
@@ -388,8 +388,9 @@ def test_pairs_where_rows_are_off_lines_launch_and_compile(problem):
 
 
 def test_few_swapped_tiles_with_a_long_k_split_it_and_lead():
-    # 414 rows: 2 x 20 tiles of 208 x 128 fill 40 SMs; 3 K groups fill 120 (measured 1.01x against 0.58-0.79x)
-    space = FAMILY.space(Problem(414, 2472, 11744, "kn"))
+    # 414 rows: 2 x 20 tiles of 208 x 128 fill 40 SMs; 3 K groups fill 120 (measured 1.01x against 0.58-0.79x);
+    # multicast pairs in K groups enter before them (test_long_k_few_tiles_get_multicast_pairs_in_k_groups)
+    space = [p for p in FAMILY.space(Problem(414, 2472, 11744, "kn")) if not (p["cluster_m"] > 1 and p["k_groups"] > 1)]
     lead = space[search.SWAP_FIT_RANK]
     assert lead["swap_ab"] and (lead["block_m"], lead["block_n"], lead["k_groups"]) == (208, 128, 3)
     following = space[search.SWAP_FIT_RANK + 1]
@@ -399,6 +400,23 @@ def test_few_swapped_tiles_with_a_long_k_split_it_and_lead():
     # one tile of rows (M <= 256): the listed split-K settings, measured 1.2-1.4x there, keep their places
     for problem in (Problem(131, 400, 5632, "kn"), Problem(71, 3584, 3584, "nk")):
         assert not any(p["swap_ab"] and p["split_k"] * p["k_groups"] > 1 for p in FAMILY.space(problem))
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_long_k_few_tiles_get_multicast_pairs_in_k_groups(layout):
+    # 512_1024_8192: 64 x 128 pairs in 2 groups (64 k-tiles a CTA) measured 0.99-1.00x, the rules' first eight 0.94x
+    space = FAMILY.space(Problem(512, 1024, 8192, layout))
+    pairs = [p for p in space[:search.PAIR_GROUP_RANK + 2] if p["cluster_m"] == 2 and p["k_groups"] > 1]
+    assert len(pairs) == 2 and space[search.PAIR_GROUP_RANK] == pairs[0]
+    assert (pairs[0]["block_m"], pairs[0]["block_n"], pairs[0]["k_groups"]) == (64, 128, 2)
+    for p in pairs:
+        spec = FAMILY.launch(p, Problem(512, 1024, 8192, layout))
+        assert spec.grid[0] >= 0.75 * 132 and 8192 // 64 // p["k_groups"] >= splits.PAIR_MIN_K_TILES
+        assert spec.workspace_bytes > 0 and "multicast::cluster" in FAMILY.render(p, Problem(512, 1024, 8192, layout))
+    # short K a CTA (measured 0.35-0.92x against split-K clusters), M <= 128, or tiles that fill the SMs: none
+    for problem in (Problem(1024, 128, 4096, layout), Problem(1372, 192, 6168, layout),
+                    Problem(128, 8192, 8192, layout), Problem(4096, 4096, 4096, layout)):
+        assert not any(p["cluster_m"] > 1 and p["k_groups"] > 1 for p in FAMILY.space(problem)), problem.key
 
 
 def test_swapped_tiles_beyond_a_wave_lead_persistent_where_the_ring_keeps_4_stages():
@@ -457,8 +475,8 @@ def test_split_pairs_in_k_groups_where_a_cluster_of_four_misses_a_wave():
     """512_1024_8192: 32 tiles of 128 x 128 split 4 ways are 32 clusters of 4, more than run at once (30); as cluster
     pairs in 2 K groups they fit one wave, and each CTA keeps 32 k-tiles to amortise the workspace sums. At K = 4096
     (16 k-tiles a CTA) the sums cost more than the wave brings: no K groups there."""
-    for layout in ("kn", "nk"):
-        space = FAMILY.space(Problem(512, 1024, 8192, layout))
+    for layout in ("kn", "nk"):  # the split-K settings; multicast pairs in K groups have a test of their own
+        space = [p for p in FAMILY.space(Problem(512, 1024, 8192, layout)) if p["cluster_m"] == 1]
         first = space[0]
         assert (first["block_m"], first["block_n"], first["split_k"], first["k_groups"]) == (128, 128, 2, 2)
         assert space[1]["k_groups"] == 1 and space[1]["split_k"] == 4
@@ -574,6 +592,11 @@ GPU_KINDS = {
                                (150, 1000, 8200)),
     "swapped_fitted_k_groups": ({**_SWAPPED, "block_m": 208, "consumers": 2, "stages": 5, "k_groups": 3},
                                 (414, 1000, 8200)),
+    # multicast pairs in K groups: each CTA of a pair sums its own C tile's groups; 3 row tiles, so the second
+    # pair's trailing CTA lies past M and still loads its share of B
+    "multicast_k_groups": ({**_PLAIN, "stages": 6, "cluster_m": 2, "k_groups": 3}, (333, 1000, 8200)),
+    "swapped_multicast_k_groups": ({**_SWAPPED, "block_m": 144, "block_n": 128, "consumers": 2, "stages": 5,
+                                    "cluster_m": 2, "k_groups": 3}, (414, 1000, 8200)),
 }
 
 

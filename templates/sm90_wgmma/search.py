@@ -13,7 +13,7 @@ from core.device import H200, DeviceFacts
 from core.records import Problem
 from templates.sm90_wgmma.costs import CLUSTERS_PER_SLOT, MIN_K_TILES, TILES, odd_rows, tile_cost
 from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, with_update
-from templates.sm90_wgmma.splits import group_settings, split_class, split_settings
+from templates.sm90_wgmma.splits import group_settings, pair_group_settings, split_class, split_settings
 
 
 def _swap_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
@@ -175,6 +175,7 @@ def _valid(**fields: Any) -> Sm90WgmmaParams | None:
 
 
 # Kinds of setting that enter the list at a fixed rank (the candidate number they are tried at), not by cost:
+PAIR_GROUP_RANK = 1  # multicast pairs in K groups (splits.pair_group_settings): right after the best guess
 SWAP_FIT_RANK = 2  # swapped tiles of M just past a multiple of 64: right after the two best listed guesses
 SWAP_ALTERNATE_RANK = 7  # their other kind (persistent or not): after the fitted and split-K entries
 FITTED_RANK = 4  # tile shapes fitted to the problem's waves: after the best guesses of the measured shapes
@@ -286,6 +287,10 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
     _enter_at(ordered, SWAP_ALTERNATE_RANK, swap_alternates)
     _enter_at(ordered, CP_ASYNC_RANK, [with_update(p, {"loader": "cp_async"}) for p in ordered[:2]
                                        if p.consumers == 1 or p.split_k > 1 or p.k_groups > 1])
+    # after the cp.async variants, which are of the two best guesses before them
+    tile_fields = [{"block_m": bm, "block_n": bn, "consumers": c} for bm, bn, c in TILES]
+    pairs = pair_group_settings(problem, sms, device.smem_per_sm, tile_fields + _swapped_shapes(problem))
+    _enter_at(ordered, PAIR_GROUP_RANK, pairs[:2])
     wide = [p for p in picked if not p.persistent and p.block_n % 128 == 0][:2]
     _enter_at(ordered, MULTICAST_RANK, [with_update(p, {"cluster_m": 2}) for p in wide])
     seen: dict[str, dict[str, Any]] = {}

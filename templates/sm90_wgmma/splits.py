@@ -64,7 +64,7 @@ def split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90Wgm
                             break
                         except ValueError:
                             continue
-    found.sort(key=lambda p: split_cost(p, problem, smem_per_sm))
+    found.sort(key=lambda p: split_cost(p, problem, sms, smem_per_sm))
     grouped = [_tile(p) for p in found if p.k_groups > 1][:1]  # the K groups of the cheapest such tile only
     found = [p for p in found if p.k_groups == 1 or _tile(p) in grouped]
     leaders: list[Sm90WgmmaParams] = []
@@ -116,3 +116,39 @@ def group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
                 if v is not None:
                     found.append(v)
     return found
+
+
+
+# Multicast pairs in K groups pay where each CTA keeps a long K. Measured on the H200 (session 13, the rules' first
+# eight and up to six pairs each on 17 few-tile long-K problems, nk unless noted): at 58-81 k-tiles a CTA the best pair
+# was 1.05-1.27x the best of the eight (512_1024_8192 64 x 128 pairs in 2 groups 0.94 -> 0.99x of cuBLAS kn, 1.00x nk;
+# 1607_392_11704 176 x 128 swapped pairs in 3 groups 0.91 -> 1.15x; 579_1000_14960 1.01 -> 1.07x; 256_2048_16384
+# 0.90 -> 0.99x), the same tiles unpaired 0.91-0.99x; at 16-32 k-tiles pairs measured 0.35-0.92x against split-K
+# clusters' 0.97-1.39x (1024_128_4096, 1372_192_6168, 221_1024_8192, 128_4096_4096, 2048_256_2048).
+PAIR_MIN_K_TILES = 3 * MIN_K_TILES
+# Pairs of 64-row tiles at M <= 128 are not proposed: there K groups of 64-row tiles measured 0.33-0.77x of the
+# unsplit settings (128_8192_8192; not measured in pairs)
+PAIR_MIN_M = 128
+PAIR_FILL = 0.75  # the share of the SMs a pair setting's CTAs fill at least (those measured: 0.82-0.97)
+
+
+def pair_group_settings(problem: Problem, sms: int, smem_per_sm: int, shapes: list[dict]) -> list[Sm90WgmmaParams]:
+    """Multicast pairs in K groups for problems (M > PAIR_MIN_M) whose C tiles fill under half the SMs with a long K:
+    the two CTAs of a pair take vertically adjacent C tiles and share each B tile (read from L2 once a pair), and as
+    many K groups as one wave holds (at most 8, each CTA at least PAIR_MIN_K_TILES k-tiles) fill at least PAIR_FILL
+    of the SMs. Of `shapes` (tile fields: the listed tiles, the swapped tiles of M's rows), those with at least two
+    row tiles and 128-column multiples, each with its deepest ring, cheapest first by `split_cost`."""
+    if problem.m <= PAIR_MIN_M:
+        return []
+    k_tiles = -(-problem.k // 64)
+    found = []
+    for fields in shapes:
+        bm, bn = fields["block_m"], fields["block_n"]
+        if bn % 128 or -(-problem.m // bm) < 2 or bn > -(-problem.n // 64) * 64:
+            continue
+        tiles = -(-problem.m // (2 * bm)) * 2 * -(-problem.n // bn)
+        groups = min(8, sms // tiles, k_tiles // PAIR_MIN_K_TILES)
+        if (tiles < sms // 2 and groups >= 2 and tiles * groups >= PAIR_FILL * sms
+                and (v := deepest({**fields, "cluster_m": 2, "k_groups": groups}))):
+            found.append(v)
+    return sorted(found, key=lambda p: split_cost(p, problem, sms, smem_per_sm))
