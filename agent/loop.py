@@ -9,8 +9,8 @@ result is recorded, and the bandit updated, in this thread as it comes back, in 
 ready at once. Shapes take turns: the next shape starts proposing once the current one has proposed its last
 candidate, so idle GPUs take its candidates while the previous shape's last evaluations, its re-measurement
 (successive halving, round by round, a round's measurements at once) and its profiles finish. A shape's time
-budget is its share of what is left when it starts; it stops proposing early enough for its re-measurement to
-fit in that share too.
+budget is its share of what is left when it starts (shapes are searched cheapest first, so what the small ones leave
+goes to the costly ones); it stops proposing early enough for its re-measurement to fit in that share too.
 """
 
 from __future__ import annotations
@@ -88,7 +88,10 @@ class SearchLoop:
     # scheduling
     def run(self, problems: list[Problem]) -> list[ShapeSummary]:
         deadline = time.monotonic() + self.config.budget_minutes * 60
-        waiting, active, summaries = list(enumerate(problems)), [], {}
+        # cheapest first (by the roofline floor): what a shape leaves of its share goes to the shapes after it, so
+        # the time small shapes do not need goes to the costly ones, whose evaluations take longest
+        waiting = sorted(enumerate(problems), key=lambda item: item[1].floor_us())
+        active, summaries = [], {}
         while waiting or active:
             for s in [s for s in active if s.jobs == 0 and s.phase != "search"]:
                 if s.phase == "drain":

@@ -110,6 +110,18 @@ def test_budget_stops_the_search(tmp_path):
     assert len(store.results(P)) <= 1
 
 
+def test_shapes_are_searched_cheapest_first_and_reported_in_their_order(tmp_path):
+    big, small = Problem(4096, 4096, 4096), Problem(64, 64, 64)
+    store = RunStore(tmp_path / "r", create=True)
+    store.add_problems([big, small])
+    summaries = SearchLoop(store, RunConfig(max_candidates=2), BuiltinProposer(), "sm_90a",
+                           fake_evaluate).run([big, small])
+    assert [s.problem for s in summaries] == [big, small]
+    seqs = {p: [seq for (seq,) in store.db.execute("SELECT seq FROM candidates WHERE problem_key = ?", (p.key,))]
+            for p in (big, small)}
+    assert seqs[small] and seqs[big] and max(seqs[small]) < min(seqs[big])
+
+
 @pytest.mark.parametrize("wall_s, most", [(0.001, 10), (2.0, 5)])
 def test_a_shape_keeps_room_in_its_budget_for_its_re_measurement(tmp_path, wall_s, most):
     """Evaluations that take 2 s each (as the worker reports): in a 12 s share, re-measuring 4 leaders takes 6
