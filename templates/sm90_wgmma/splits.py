@@ -119,12 +119,14 @@ def group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
 
 
 
-# Multicast pairs in K groups pay where each CTA keeps a long K. Measured on the H200 (session 13, the rules' first
-# eight and up to six pairs each on 17 few-tile long-K problems, nk unless noted): at 58-81 k-tiles a CTA the best pair
-# was 1.05-1.27x the best of the eight (512_1024_8192 64 x 128 pairs in 2 groups 0.94 -> 0.99x of cuBLAS kn, 1.00x nk;
-# 1607_392_11704 176 x 128 swapped pairs in 3 groups 0.91 -> 1.15x; 579_1000_14960 1.01 -> 1.07x; 256_2048_16384
-# 0.90 -> 0.99x), the same tiles unpaired 0.91-0.99x; at 16-32 k-tiles pairs measured 0.35-0.92x against split-K
-# clusters' 0.97-1.39x (1024_128_4096, 1372_192_6168, 221_1024_8192, 128_4096_4096, 2048_256_2048).
+# Multicast pairs in K groups pay where each CTA keeps a long K. Measured on the H200 (session 13: the rules' first
+# eight and up to six pairs each on 17 few-tile long-K problems, one sweep, nk unless noted): of the 9 problems where
+# pairs keep 48+ k-tiles a CTA, 5 gained 5-27% over the best of the eight (1607_392_11704 176 x 128 swapped pairs in 3
+# groups 0.91 -> 1.15x of cuBLAS, unpaired 0.99x; 256_2048_16384 128 x 128 in 4 groups 0.90 -> 0.99x; 579_1000_14960
+# 1.01 -> 1.07x; 512_1024_8192 64 x 128 in 2 groups 0.94 -> 0.99-1.00x in the sweep, 0.93-0.96x in the suite runs,
+# where cuBLAS itself moved 19.8-21.7 us between evaluations), 3 were level (414, 231_3072_24576, 914_1152_10400) and
+# 512_3072_24576 lost 8% (0.83x against 0.90x). At 16-32 k-tiles a CTA pairs measured 0.35-0.92x against split-K
+# clusters' 0.97-1.39x (1024_128_4096, 1372_192_6168, 221_1024_8192, 128_4096_4096, 2048_256_2048): not proposed.
 PAIR_MIN_K_TILES = 3 * MIN_K_TILES
 # Pairs of 64-row tiles at M <= 128 are not proposed: there K groups of 64-row tiles measured 0.33-0.77x of the
 # unsplit settings (128_8192_8192; not measured in pairs)
