@@ -1,6 +1,7 @@
 """Split-K settings of the sm90_wgmma family's search order (`search.py`): which problems split K over several CTAs
-a C tile (thread-block clusters summing through distributed shared memory, K groups summing through a workspace), and
-the settings that do it, best guesses first. From measurements on the H200 (BENCHMARKS.md).
+a C tile (thread-block clusters summing through distributed shared memory, K groups summing through a workspace,
+multicast pairs in K groups), and the settings that do it, best guesses first. From measurements on the H200
+(BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -118,7 +119,6 @@ def group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     return found
 
 
-
 # Multicast pairs in K groups pay where each CTA keeps a long K. Measured on the H200 (session 13: the rules' first
 # eight and up to six pairs each on 17 few-tile long-K problems, one sweep, nk unless noted): of the 9 problems where
 # pairs keep 48+ k-tiles a CTA, 5 gained 5-27% over the best of the eight (1607_392_11704 176 x 128 swapped pairs in 3
@@ -148,7 +148,7 @@ def pair_group_settings(problem: Problem, sms: int, smem_per_sm: int, shapes: li
         bm, bn = fields["block_m"], fields["block_n"]
         if bn % 128 or -(-problem.m // bm) < 2 or bn > -(-problem.n // 64) * 64:
             continue
-        tiles = -(-problem.m // (2 * bm)) * 2 * -(-problem.n // bn)
+        tiles = 2 * problem.tiles(2 * bm, bn)  # whole pairs of row tiles (a trailing CTA past M still loads)
         groups = min(8, sms // tiles, k_tiles // PAIR_MIN_K_TILES)
         if (tiles < sms // 2 and groups >= 2 and tiles * groups >= PAIR_FILL * sms
                 and (v := deepest({**fields, "cluster_m": 2, "k_groups": groups}))):
