@@ -120,27 +120,31 @@ def group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
 
 
 # Multicast pairs in K groups pay where each CTA keeps a long K. Measured on the H200 (session 13: the rules' first
-# eight and up to six pairs each on 17 few-tile long-K problems, one sweep, nk unless noted): of the 9 problems where
-# pairs keep 48+ k-tiles a CTA, 5 gained 5-27% over the best of the eight (1607_392_11704 176 x 128 swapped pairs in 3
-# groups 0.91 -> 1.15x of cuBLAS, unpaired 0.99x; 256_2048_16384 128 x 128 in 4 groups 0.90 -> 0.99x; 579_1000_14960
-# 1.01 -> 1.07x; 512_1024_8192 64 x 128 in 2 groups 0.94 -> 0.99-1.00x in the sweep, 0.93-0.96x in the suite runs,
-# where cuBLAS itself moved 19.8-21.7 us between evaluations), 3 were level (414, 231_3072_24576, 914_1152_10400) and
-# 512_3072_24576 lost 8% (0.83x against 0.90x). At 16-32 k-tiles a CTA pairs measured 0.35-0.92x against split-K
-# clusters' 0.97-1.39x (1024_128_4096, 1372_192_6168, 221_1024_8192, 128_4096_4096, 2048_256_2048): not proposed.
+# eight and up to six pairs each on 17 few-tile long-K problems, one sweep, nk unless noted): of the 10
+# problem-layouts where pairs keep 48+ k-tiles a CTA, 5 gained 5-27% over the best of the eight (1607_392_11704
+# 176 x 128 swapped pairs in 3 groups 0.91 -> 1.15x of cuBLAS, unpaired 0.99x; 256_2048_16384 128 x 128 in 4 groups
+# 0.90 -> 0.99x; 579_1000_14960 1.01 -> 1.07x; 512_1024_8192 64 x 128 in 2 groups 0.94 -> 0.99-1.00x in the sweep,
+# both layouts, 0.93-0.96x in the suite runs, where cuBLAS itself moved 19.8-21.7 us between evaluations), 4 were
+# level (414 both layouts, 231_3072_24576, 914_1152_10400) and 512_3072_24576 lost 8% (0.83x against 0.90x). At
+# 16-32 k-tiles a CTA pairs measured 0.35-0.92x against split-K clusters' 0.97-1.39x (1024_128_4096, 1372_192_6168,
+# 221_1024_8192, 128_4096_4096, 2048_256_2048): not proposed.
 PAIR_MIN_K_TILES = 3 * MIN_K_TILES
 # Pairs of 64-row tiles at M <= 128 are not proposed: there K groups of 64-row tiles measured 0.33-0.77x of the
 # unsplit settings (128_8192_8192; not measured in pairs)
 PAIR_MIN_M = 128
-PAIR_FILL = 0.75  # the share of the SMs a pair setting's CTAs fill at least (those measured: 0.82-0.97)
+PAIR_FILL = 0.75  # the share of the SMs a pair setting's CTAs fill at least (the pairs that gained: 0.82-0.97)
 
 
-def pair_group_settings(problem: Problem, sms: int, smem_per_sm: int, shapes: list[dict]) -> list[Sm90WgmmaParams]:
-    """Multicast pairs in K groups for problems (M > PAIR_MIN_M) whose C tiles fill under half the SMs with a long K:
-    the two CTAs of a pair take vertically adjacent C tiles and share each B tile (read from L2 once a pair), and as
-    many K groups as one wave holds (at most 8, each CTA at least PAIR_MIN_K_TILES k-tiles) fill at least PAIR_FILL
-    of the SMs. Of `shapes` (tile fields: the listed tiles, the swapped tiles of M's rows), those with at least two
-    row tiles and 128-column multiples, each with its deepest ring, cheapest first by `split_cost`."""
-    if problem.m <= PAIR_MIN_M:
+def pair_group_settings(problem: Problem, sms: int, smem_per_sm: int, shapes: list[dict],
+                        min_k_tiles: int = PAIR_MIN_K_TILES, fill: float = PAIR_FILL,
+                        min_m: int = PAIR_MIN_M) -> list[Sm90WgmmaParams]:
+    """Multicast pairs in K groups for problems (M > min_m) whose C tiles fill under half the SMs with a long K: the
+    two CTAs of a pair take vertically adjacent C tiles and share each B tile (read from L2 once a pair), and as many
+    K groups as one wave holds (at most 8, each CTA at least min_k_tiles k-tiles) fill at least `fill` of the SMs. Of
+    `shapes` (tile fields: the listed tiles, the swapped tiles of M's rows), those with at least two row tiles and
+    128-column multiples, each with its deepest ring, cheapest first by `split_cost`. The defaults are the search
+    order's rule; a sweep passes looser limits to measure beyond it."""
+    if problem.m <= min_m:
         return []
     k_tiles = -(-problem.k // 64)
     found = []
@@ -149,8 +153,8 @@ def pair_group_settings(problem: Problem, sms: int, smem_per_sm: int, shapes: li
         if bn % 128 or -(-problem.m // bm) < 2 or bn > -(-problem.n // 64) * 64:
             continue
         tiles = 2 * problem.tiles(2 * bm, bn)  # whole pairs of row tiles (a trailing CTA past M still loads)
-        groups = min(8, sms // tiles, k_tiles // PAIR_MIN_K_TILES)
-        if (tiles < sms // 2 and groups >= 2 and tiles * groups >= PAIR_FILL * sms
+        groups = min(8, sms // tiles, k_tiles // min_k_tiles)
+        if (tiles < sms // 2 and groups >= 2 and tiles * groups >= fill * sms
                 and (v := deepest({**fields, "cluster_m": 2, "k_groups": groups}))):
             found.append(v)
     return sorted(found, key=lambda p: split_cost(p, problem, sms, smem_per_sm))
