@@ -5,9 +5,11 @@ bias. On a GPU (marked `gpu`): every epilogue kind computes every (dtype, bias) 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
+from core.device import H200
 from core.records import Problem
 from sandbox import driver
 from sandbox.build import compile_cuda
@@ -242,7 +244,7 @@ def test_k_groups_with_clusters_count_one_arrival_per_cta_of_a_cluster():
 
 
 @pytest.mark.parametrize("update,message", [
-    ({"loader": "cp_async"}, "loader=tma"), ({"persistent": True, "epilogue": "tma"}, "no persistent"),
+    ({"loader": "cp_async"}, "loader=tma"), ({"persistent": True, "k_groups": 2}, "persistent blocks are not"),
     ({"split_k": 2}, "split_k 1"), ({"block_n": 192}, "multiple of 128"),
 ])
 def test_multicast_rejects_what_it_cannot_do(update, message):
@@ -264,6 +266,17 @@ def test_multicast_launches_whole_clusters_and_halves_the_b_box(layout):
     assert "__cluster_dims__(2, 1, 1)" in src and ".multicast::cluster" in src
     assert "mbarrier.arrive.release.cluster" not in src  # measured 2.7x slower than the CTA-scope arrival
     assert any(q["cluster_m"] == 2 for q in FAMILY.space(Problem(2048, 2048, 2048, layout)))
+
+
+def test_persistent_pairs_launch_whole_clusters_that_fit_the_sms_at_once():
+    p = {"block_m": 128, "block_n": 256, "consumers": 2, "stages": 3, "cluster_m": 2, "persistent": True,
+         "epilogue": "tma"}
+    assert FAMILY.launch(p, Problem(4096, 4096, 4096)).grid == (132, 1, 1)  # 66 pairs of 256 pairs of tiles
+    assert FAMILY.launch(p, Problem(300, 512, 64)).grid == (8, 1, 1)  # 3 row tiles: 2 pairs (a CTA past M), 2 columns
+    odd = replace(H200, sms=131)
+    assert FAMILY.launch(p, Problem(4096, 4096, 4096), odd).grid == (130, 1, 1)
+    src = FAMILY.render(p, Problem(4096, 4096, 4096))
+    assert "__cluster_dims__(2, 1, 1)" in src and "constexpr bool PERSISTENT = true" in src
 
 
 @pytest.mark.parametrize("problem", [Problem(4096, 4096, 4096), Problem(256, 4096, 4096), Problem(128, 8192, 8192),
@@ -574,6 +587,10 @@ GPU_KINDS = {
     "cp_async": ({**_PLAIN, "loader": "cp_async"}, (333, 1000, 520)),
     "multicast": ({**_PLAIN, "stages": 6, "cluster_m": 2}, (333, 1000, 520)),
     # swapped roles in multicast pairs: the B tile (wgmma's A operand) shared by CTAs on adjacent rows of M
+    # persistent pairs: 17 row tiles make 9 pairs (the last CTA's rows past M), 72 pairs of tiles on 66 clusters
+    "persistent_multicast": ({**_PERSISTENT, "block_n": 128, "cluster_m": 2, "epilogue": "tma"}, (2100, 1000, 520)),
+    "persistent_multicast_smem": ({**_PERSISTENT, "block_n": 128, "stages": 3, "cluster_m": 2, "epilogue": "smem"},
+                                  (2100, 1000, 520)),
     "swapped_multicast": ({**_SWAPPED, "block_m": 112, "block_n": 256, "consumers": 2, "stages": 4, "cluster_m": 2},
                           (333, 1000, 520)),
     "split_k": ({"block_m": 64, "block_n": 128, "consumers": 1, "stages": 8, "split_k": 4}, (100, 264, 8200)),

@@ -67,7 +67,7 @@ class Sm90WgmmaParams(Params):
         1, description="CTAs of a thread-block cluster on vertically adjacent C tiles: each loads 1/cluster_m of "
         "every B tile and TMA-multicasts it to all of them (B read from L2 once per cluster); a stage is refilled "
         "once every CTA's consumers released it. TMA loader, one tile per CTA (K groups may split its K, a pair "
-        "sharing one K range); 1 = no cluster")
+        "sharing one K range; persistent: the pair strides over pairs of C tiles together); 1 = no cluster")
 
     swap_ab: bool = Field(
         False, description="wgmma computes C^T = B^T A^T, the B tile (block_n rows, 64 per m64 wgmma, block_n / "
@@ -163,11 +163,10 @@ class Sm90WgmmaParams(Params):
             raise ValueError(f"epilogue=tma stores 64-column panels: block_n={self.block_n} must be a multiple of "
                              f"64, and split_k={self.split_k}, k_groups={self.k_groups} must be 1 (split-K stores "
                              "its own sums)")
-        if self.cluster_m > 1 and (self.loader != "tma" or self.persistent or self.split_k > 1
-                                   or self.block_n % (64 * self.cluster_m)):
+        if self.cluster_m > 1 and (self.loader != "tma" or self.split_k > 1 or self.block_n % (64 * self.cluster_m)):
             raise ValueError(f"cluster_m={self.cluster_m} multicasts whole 64-column B panels from TMA copies in "
-                             "clusters of one tile per CTA: it needs loader=tma, block_n a multiple of "
-                             f"{64 * self.cluster_m}, no persistent blocks, split_k 1 (K groups may split K)")
+                             "clusters of one C tile per CTA at a time: it needs loader=tma, block_n a multiple of "
+                             f"{64 * self.cluster_m}, split_k 1 (K groups may split K)")
         if self.reduces and self.persistent:
             raise ValueError(f"split_k={self.split_k}, k_groups={self.k_groups}: split-K needs one tile per CTA, so "
                              "persistent blocks are not supported with it")

@@ -51,7 +51,9 @@ class Sm90Wgmma(Family):
         # group; k_groups > 1 adds the workspace (the groups' fp32 partial tiles) and one arrival counter per CTA of
         # a tile's cluster
         tiles = launched_tiles(p, problem)
-        grid = min(tiles, device.sms * p.min_blocks) if p.persistent else tiles * p.split_k * p.k_groups
+        # persistent: as many blocks as the SMs hold at once, in whole multicast clusters
+        slots = device.sms * p.min_blocks // p.cluster_m * p.cluster_m
+        grid = min(tiles, slots) if p.persistent else tiles * p.split_k * p.k_groups
         grouped = p.k_groups > 1
         maps: tuple[TensorMapSpec, ...] = ()
         if p.loader == "tma":  # boxes land as 128-byte rows (64 fp16), swizzled like the cp.async copies
