@@ -279,6 +279,47 @@ def test_persistent_pairs_launch_whole_clusters_that_fit_the_sms_at_once():
     assert "__cluster_dims__(2, 1, 1)" in src and "constexpr bool PERSISTENT = true" in src
 
 
+@pytest.mark.parametrize("update,message", [
+    ({"loader": "cp_async"}, "loader=tma"), ({"split_k": 2}, "split_k 1"), ({"cluster_m": 2}, "one axis"),
+    ({"cluster_n": 4, "persistent": True, "epilogue": "tma"}, "fewer clusters of 4 run at once"),
+])
+def test_multicast_along_n_rejects_what_it_cannot_do(update, message):
+    with pytest.raises(ValueError, match=message):
+        Sm90WgmmaParams(**{"block_m": 128, "block_n": 128, "consumers": 2, "stages": 4, "cluster_n": 2, **update})
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_multicast_along_n_launches_whole_clusters_and_shares_the_a_box(layout):
+    p = {"block_m": 144, "block_n": 64, "consumers": 1, "stages": 8, "swap_ab": True, "epilogue": "smem",
+         "cluster_n": 4}
+    prob = Problem(414, 2472, 11744, layout)
+    spec = FAMILY.launch(p, prob)
+    assert spec.grid == (3 * 40, 1, 1)  # 39 column tiles padded to 10 clusters of 4, 3 row tiles
+    boxes = {t.operand: t.box for t in spec.tensor_maps}
+    assert boxes == {"A": (64, 36), "B": (64, 64)}  # each CTA a quarter of A's 144 rows, all of its B tile
+    src = FAMILY.render(p, prob)
+    assert "__cluster_dims__(4, 1, 1)" in src and ".multicast::cluster" in src
+    persistent = {"block_m": 128, "block_n": 128, "consumers": 2, "stages": 5, "persistent": True,
+                  "epilogue": "tma", "cluster_n": 2}
+    assert FAMILY.launch(persistent, Problem(4096, 4096, 4096, layout)).grid == (132, 1, 1)  # 66 pairs
+    assert FAMILY.launch(persistent, Problem(300, 520, 64, layout)).grid == (18, 1, 1)  # 5 column tiles padded to 6
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_long_k_under_a_wave_gets_one_cluster_of_4_along_n_after_the_leaders(layout):
+    for problem, rows in ((Problem(414, 2472, 11744, layout), 144), (Problem(1607, 392, 11704, layout), 128)):
+        space = FAMILY.space(problem)
+        clustered = [i for i, p in enumerate(space) if p["cluster_n"] > 1]
+        assert clustered == [search.CLUSTER_N_RANK]
+        p = space[clustered[0]]
+        assert (p["block_m"], p["block_n"], p["cluster_n"]) == (rows, 64, 4)
+        assert 99 <= FAMILY.launch(p, problem).grid[0] <= 120  # one wave of clusters of 4
+    # a shorter K, M padded far, N padded far, or many tiles: none
+    for problem in (Problem(1024, 1536, 8960, layout), Problem(148, 3584, 18944, layout),
+                    Problem(6147, 24, 12888, layout), Problem(4096, 4096, 16384, layout)):
+        assert not any(p["cluster_n"] > 1 for p in FAMILY.space(problem)), problem.key
+
+
 @pytest.mark.parametrize("problem", [Problem(4096, 4096, 4096), Problem(256, 4096, 4096), Problem(128, 8192, 8192),
                                      Problem(2048, 2048, 2048), Problem(1000, 3000, 2000)], ids=lambda p: p.key)
 def test_other_problems_get_no_split_k(problem):
@@ -402,8 +443,10 @@ def test_pairs_where_rows_are_off_lines_launch_and_compile(problem):
 
 def test_few_swapped_tiles_with_a_long_k_split_it_and_lead():
     # 414 rows: 2 x 20 tiles of 208 x 128 fill 40 SMs; 3 K groups fill 120 (measured 1.01x against 0.58-0.79x);
-    # multicast pairs in K groups enter before them (test_long_k_few_tiles_get_multicast_pairs_in_k_groups)
-    space = [p for p in FAMILY.space(Problem(414, 2472, 11744, "kn")) if not (p["cluster_m"] > 1 and p["k_groups"] > 1)]
+    # multicast pairs in K groups enter before them (test_long_k_few_tiles_get_multicast_pairs_in_k_groups), a
+    # cluster along N among them (test_long_k_under_a_wave_gets_one_cluster_of_4_along_n_after_the_leaders)
+    space = [p for p in FAMILY.space(Problem(414, 2472, 11744, "kn"))
+             if not (p["cluster_m"] > 1 and p["k_groups"] > 1) and p["cluster_n"] == 1]
     lead = space[search.SWAP_FIT_RANK]
     assert lead["swap_ab"] and (lead["block_m"], lead["block_n"], lead["k_groups"]) == (208, 128, 3)
     following = space[search.SWAP_FIT_RANK + 1]
@@ -591,6 +634,14 @@ GPU_KINDS = {
     "persistent_multicast": ({**_PERSISTENT, "block_n": 128, "cluster_m": 2, "epilogue": "tma"}, (2100, 1000, 520)),
     "persistent_multicast_smem": ({**_PERSISTENT, "block_n": 128, "stages": 3, "cluster_m": 2, "epilogue": "smem"},
                                   (2100, 1000, 520)),
+    # multicast along N: each CTA loads 1 / cluster_n of A's rows (36 of 144: a share inside a swizzle atom); 15
+    # column tiles padded to 16, 9 to 10: a trailing CTA past N; M under one tile: shares past M zero-filled
+    "multicast_n": ({**_SWAPPED, "block_m": 144, "block_n": 64, "stages": 8, "cluster_n": 4}, (414, 904, 520)),
+    "multicast_n_plain": ({**_PLAIN, "cluster_n": 2}, (333, 1096, 520)),
+    "multicast_n_short_m": ({**_PLAIN, "cluster_n": 2}, (100, 1096, 520)),
+    "multicast_n_k_groups": ({**_SWAPPED, "block_m": 208, "consumers": 2, "stages": 5, "k_groups": 3,
+                              "cluster_n": 2}, (414, 1096, 8200)),
+    "persistent_multicast_n": ({**_PERSISTENT, "block_n": 128, "cluster_n": 2, "epilogue": "tma"}, (2100, 1096, 520)),
     "swapped_multicast": ({**_SWAPPED, "block_m": 112, "block_n": 256, "consumers": 2, "stages": 4, "cluster_m": 2},
                           (333, 1000, 520)),
     "split_k": ({"block_m": 64, "block_n": 128, "consumers": 1, "stages": 8, "split_k": 4}, (100, 264, 8200)),

@@ -81,16 +81,18 @@ WORKSPACE_SUM = 6
 def split_cost(p: Sm90WgmmaParams, problem: Problem, sms: int, smem_per_sm: int) -> float:
     """Relative time of a split-K setting. These problems stream operands: a CTA's k-tile costs the slower of its
     wgmma issue (~bm*bn/16 clocks) and its cp.async loads (~4 clocks a 128-byte row of A or B: the rate measured
-    per SM on the H200; a multicast pair's CTAs each load half the B tile), CTAs sharing an SM share its load rate,
+    per SM on the H200; the CTAs of a multicast cluster each load their share of the B tile, or of the A tile's rows,
+    along N), CTAs sharing an SM share its load rate,
     clusters beyond what fits run in a second wave, and K groups add their workspace sums. Calibrated on
     64_1024_16384 and 256_128_16384 (both layouts): it ranks the measured best first."""
-    size = p.split_k * p.cluster_m  # CTAs a cluster
+    shared = p.cluster_m * p.cluster_n  # multicast CTAs a cluster
+    size = p.split_k * shared  # CTAs a cluster
     slots = min(smem_per_sm // (p.smem_bytes + SMEM_RESERVED_PER_BLOCK), 2048 // p.threads)
-    clusters = launched_tiles(p, problem) // p.cluster_m * p.k_groups
+    clusters = launched_tiles(p, problem) // shared * p.k_groups
     cap = CLUSTERS_PER_SLOT[size] if size > 1 else sms
     waves = -(-clusters // (cap * slots))
     sharing = min(slots, -(-clusters // cap))  # CTAs of one SM that load at once
     k_share = -(-problem.k // (p.block_k * p.split_k * p.k_groups))
-    per_k_tile = max(p.block_m * p.block_n / 16, 4 * (p.block_m + p.block_n / p.cluster_m) * sharing)
+    per_k_tile = max(p.block_m * p.block_n / 16, 4 * (p.block_m / p.cluster_n + p.block_n / p.cluster_m) * sharing)
     sums = 1 + WORKSPACE_SUM * (p.k_groups - 1)
     return waves * ((k_share + 2) * per_k_tile + sums * p.block_m * p.block_n / 16)

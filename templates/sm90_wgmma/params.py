@@ -69,6 +69,12 @@ class Sm90WgmmaParams(Params):
         "once every CTA's consumers released it. TMA loader, one tile per CTA (K groups may split its K, a pair "
         "sharing one K range; persistent: the pair strides over pairs of C tiles together); 1 = no cluster")
 
+    cluster_n: Literal[1, 2, 4] = Field(
+        1, description="CTAs of a thread-block cluster on horizontally adjacent C tiles (same rows): each loads "
+        "1/cluster_n of every A tile's rows and TMA-multicasts them to all (A read from L2 once per cluster), as "
+        "cluster_m does for B; for few tiles of rows and many of columns (a swapped tile of M's rows split along N). "
+        "TMA loader, split_k 1, cluster_m 1; 1 = no cluster")
+
     swap_ab: bool = Field(
         False, description="wgmma computes C^T = B^T A^T, the B tile (block_n rows, 64 per m64 wgmma, block_n / "
         "consumers per consumer) as wgmma's A operand and the A tile as its B operand (wgmma N = block_m, any "
@@ -167,6 +173,15 @@ class Sm90WgmmaParams(Params):
             raise ValueError(f"cluster_m={self.cluster_m} multicasts whole 64-column B panels from TMA copies in "
                              "clusters of one C tile per CTA at a time: it needs loader=tma, block_n a multiple of "
                              f"{64 * self.cluster_m}, split_k 1 (K groups may split K)")
+        # (a CTA's share of A's rows, a multiple of 4 rows of 128 bytes, may start inside a swizzle atom: TMA and
+        # wgmma both swizzle by address)
+        if self.cluster_n > 1 and (self.loader != "tma" or self.split_k > 1 or self.cluster_m > 1):
+            raise ValueError(f"cluster_n={self.cluster_n} multicasts A's rows from TMA copies: it needs loader=tma, "
+                             "split_k 1 and cluster_m 1 (one axis of multicast)")
+        if self.persistent and self.cluster_n > 2:
+            raise ValueError(f"cluster_n={self.cluster_n} with persistent blocks: a persistent grid fills every SM, "
+                             "but fewer clusters of 4 run at once (30 of 33 on the H200), so the rest would wait a "
+                             "whole wave")
         if self.reduces and self.persistent:
             raise ValueError(f"split_k={self.split_k}, k_groups={self.k_groups}: split-K needs one tile per CTA, so "
                              "persistent blocks are not supported with it")
@@ -194,9 +209,10 @@ class Sm90WgmmaParams(Params):
 
 
 def launched_tiles(p: Sm90WgmmaParams, problem: Problem) -> int:
-    """C tiles the launch covers: whole multicast clusters along M (a trailing CTA past M still loads its share of B
-    for its peers)."""
-    return -(-problem.m // (p.block_m * p.cluster_m)) * p.cluster_m * -(-problem.n // p.block_n)
+    """C tiles the launch covers: whole multicast clusters along M or N (a trailing CTA past M or N still loads its
+    share of B or A for its peers)."""
+    return (-(-problem.m // (p.block_m * p.cluster_m)) * p.cluster_m
+            * -(-problem.n // (p.block_n * p.cluster_n)) * p.cluster_n)
 
 
 def deepest(fields: dict[str, Any], top: int = 8) -> Sm90WgmmaParams | None:

@@ -13,7 +13,13 @@ from core.device import H200, DeviceFacts
 from core.records import Problem
 from templates.sm90_wgmma.costs import CLUSTERS_PER_SLOT, MIN_K_TILES, TILES, odd_rows, tile_cost
 from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, with_update
-from templates.sm90_wgmma.splits import group_settings, pair_group_settings, split_class, split_settings
+from templates.sm90_wgmma.splits import (
+    cluster_n_settings,
+    group_settings,
+    pair_group_settings,
+    split_class,
+    split_settings,
+)
 
 
 def _swap_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
@@ -180,6 +186,7 @@ SWAP_FIT_RANK = 2  # swapped tiles of M just past a multiple of 64: right after 
 SWAP_ALTERNATE_RANK = 7  # their other kind (persistent or not): after the fitted and split-K entries
 FITTED_RANK = 4  # tile shapes fitted to the problem's waves: after the best guesses of the measured shapes
 SPLIT_RANK = 6  # split-K where smaller tiles could fill the SMs without it (splits.split_class "some")
+CLUSTER_N_RANK = 3  # clusters of 4 along N sharing A's rows (splits.cluster_n_settings): after the leaders
 # The cp.async producer of the two best guesses where they have one consumer warpgroup or split K: it wins now and
 # then where TMA barely loses. Of larger tiles whole in K it never won on the H200: 151 measured over sessions 7-10,
 # 3 within 2% of the shape's best (all at K <= 64, where the producer hardly matters); of the others, 93 measured, 23
@@ -291,6 +298,8 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
     tile_fields = [{"block_m": bm, "block_n": bn, "consumers": c} for bm, bn, c in TILES]
     pairs = pair_group_settings(problem, sms, device.smem_per_sm, tile_fields + _swapped_shapes(problem))
     _enter_at(ordered, PAIR_GROUP_RANK, pairs[:2])
+    _enter_at(ordered, CLUSTER_N_RANK, cluster_n_settings(problem, sms, device.smem_per_sm,
+                                                          tile_fields + _swapped_shapes(problem))[:1])
     wide = [p for p in picked if not p.persistent and p.block_n % 128 == 0][:2]
     _enter_at(ordered, MULTICAST_RANK, [with_update(p, {"cluster_m": 2}) for p in wide])
     seen: dict[str, dict[str, Any]] = {}

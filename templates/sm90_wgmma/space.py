@@ -28,8 +28,9 @@ class Sm90Wgmma(Family):
         "bit for kn), setmaxnreg moves registers to the consumers; grouped rasterisation; persistent blocks; "
         "direct, smem-staged or TMA-store (stmatrix) epilogue; split-K in thread-block clusters (fp32 partial "
         "tiles summed through distributed shared memory) and in K groups (partials through a global workspace, "
-        "summed by the last CTA to arrive); clusters of 2 CTAs sharing each B tile by TMA multicast; swapped A and "
-        "B roles (C^T = B^T A^T, so A's rows are not padded to 64 wgmma rows: tiny M, or 205 rows in one tile of 208)."
+        "summed by the last CTA to arrive); clusters of 2 CTAs sharing each B tile, or of 2-4 sharing each A tile, by "
+        "TMA multicast; swapped A and B roles (C^T = B^T A^T, so A's rows are not padded to 64 wgmma rows: tiny M, "
+        "or 205 rows in one tile of 208)."
     )
 
     def derived(self, params: Params) -> dict[str, Any]:
@@ -52,7 +53,8 @@ class Sm90Wgmma(Family):
         # a tile's cluster
         tiles = launched_tiles(p, problem)
         # persistent: as many blocks as the SMs hold at once, in whole multicast clusters
-        slots = device.sms * p.min_blocks // p.cluster_m * p.cluster_m
+        cluster = p.cluster_m * p.cluster_n
+        slots = device.sms * p.min_blocks // cluster * cluster
         grid = min(tiles, slots) if p.persistent else tiles * p.split_k * p.k_groups
         grouped = p.k_groups > 1
         maps: tuple[TensorMapSpec, ...] = ()
@@ -65,8 +67,9 @@ class Sm90Wgmma(Family):
                                       strides=(n * 2, 128))
             else:  # one copy per panel: a panel view would read past the last row's end
                 b_map = TensorMapSpec("B", (n, k), (64, p.block_k))
-            # where M fits one tile, the A box is only M rounded up to 8 rows (the kernel's a_box_rows)
-            a_rows = min(p.block_m, -(-problem.m // 8) * 8)
+            # where M fits one tile, the A box is only M rounded up to 8 rows (the kernel's a_box_rows); with
+            # multicast along N each CTA's share of the tile's rows
+            a_rows = p.block_m // p.cluster_n if p.cluster_n > 1 else min(p.block_m, -(-problem.m // 8) * 8)
             maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, a_rows)), b_map)
         if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels
             maps += (TensorMapSpec("C", (problem.n, problem.m), (64, p.block_m // p.consumers)),)

@@ -1,14 +1,14 @@
-"""Split-K settings of the sm90_wgmma family's search order (`search.py`): which problems split K over several CTAs
-a C tile (thread-block clusters summing through distributed shared memory, K groups summing through a workspace,
-multicast pairs in K groups), and the settings that do it, best guesses first. From measurements on the H200
-(BENCHMARKS.md).
+"""Settings of the sm90_wgmma family's search order (`search.py`) for few C tiles and a long K: which problems split
+K over several CTAs a C tile (thread-block clusters summing through distributed shared memory, K groups summing
+through a workspace, multicast pairs in K groups) and the settings that do it, best guesses first; and unsplit
+clusters along N that share A's rows. From measurements on the H200 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 from core.records import Problem
 from templates.sm90_wgmma.costs import CLUSTERS_PER_SLOT, MIN_K_TILES, TILES, split_cost
-from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest
+from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, launched_tiles
 
 
 def split_class(problem: Problem, sms: int) -> str | None:
@@ -156,5 +156,38 @@ def pair_group_settings(problem: Problem, sms: int, smem_per_sm: int, shapes: li
         groups = min(8, sms // tiles, k_tiles // min_k_tiles)
         if (tiles < sms // 2 and groups >= 2 and tiles * groups >= fill * sms
                 and (v := deepest({**fields, "cluster_m": 2, "k_groups": groups}))):
+            found.append(v)
+    return sorted(found, key=lambda p: split_cost(p, problem, sms, smem_per_sm))
+
+
+# Clusters of 4 CTAs along N, each loading a quarter of the A tile's rows (multicast) and all of its 64-column B tile,
+# unsplit: the structure of cuBLAS's kernel for 414_2472_11744 nk (nvjet 64x144 in clusters of 4, 120 CTAs; ncu,
+# session 14). Measured on the H200 (tools/sweeps/multicast_n.sh, multicast_n_class.sh; warm ratio to cuBLAS, the
+# best of the rules' first four before): 414_2472_11744 nk 144 x 64 swapped 0.96-0.975x (0.85-0.90x), kn 1.01x
+# (1.03x); 1607_392_11704 128 x 64 nk 1.09-1.15x (1.03x), kn 1.17x (1.08x); level or behind where K is shorter (56-140
+# k-tiles: 1024_1024_4096, 2863_512_3584, 1024_1600_6400, 1024_1536_8960 0.86-1.03x against 1.00-1.11x), where the
+# tile pads M or N far (148_3584_18944 58% of the tiles' area inside M x N: 0.54-0.56x; 6147_24_12888: 9%), and behind
+# on 182_3584_18944 (71%: 0.59-0.62x against 0.95-1.01x), 914_1152_10400 (0.97-0.98x of the pairs in K groups'
+# 1.03-1.06x) and 512_3584_18944 (256 x 64: 0.89-0.95x against 0.93-0.99x). No cost model here told the winners
+# (1607: 74% inside) from those: they enter the list after the leaders (search.CLUSTER_N_RANK).
+CLUSTER_N_MIN_K_TILES = 160
+CLUSTER_N_FILL = 0.7  # the share of the launched tiles' area inside M x N at least
+
+
+def cluster_n_settings(problem: Problem, sms: int, smem_per_sm: int, shapes: list[dict]) -> list[Sm90WgmmaParams]:
+    """Tiles of 64 columns and at least twice as many rows (of `shapes`: the listed tiles, the swapped tiles of M's
+    rows) in clusters of 4 along N, unsplit, where K has at least CLUSTER_N_MIN_K_TILES k-tiles, the clusters fill
+    between PAIR_FILL of the SMs and the one wave of clusters of 4 that run at once, and the padding of M and N
+    leaves CLUSTER_N_FILL of the tiles inside them; each with its deepest ring, cheapest first by `split_cost`."""
+    if -(-problem.k // 64) < CLUSTER_N_MIN_K_TILES:
+        return []
+    found = []
+    for fields in shapes:
+        bm, bn = fields["block_m"], fields["block_n"]
+        if bn != 64 or bm < 2 * bn or (v := deepest({**fields, "cluster_n": 4})) is None:
+            continue
+        ctas = launched_tiles(v, problem)
+        inside = problem.m * problem.n / (ctas * bm * bn)
+        if PAIR_FILL * sms <= ctas <= 4 * CLUSTERS_PER_SLOT[4] and inside >= CLUSTER_N_FILL:
             found.append(v)
     return sorted(found, key=lambda p: split_cost(p, problem, sms, smem_per_sm))

@@ -1,0 +1,127 @@
+"""Our kernel and cuBLAS's on one problem under Nsight Compute, side by side: clock, tensor pipe, memory traffic.
+
+    python3 tools/ncu_compare.py --shape 4437_8192_8192:nk --params '{"block_m": 128, "block_n": 256, ...}'
+
+One ncu process a problem (clocks left alone, `--clock-control none`): the target launches our kernel three times
+and then cuBLAS (torch.matmul, or F.linear for nk) three times on the same random inputs; the third launch of each
+is what the table shows. sm__cycles_elapsed per second is the SM clock the launch ran at, so a gap that is the
+clock's (power) tells itself apart from one that is the pipes'. Run on the GPU machine (. tools/gpu_env.sh first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agent.shapes import parse_shape  # noqa: E402
+from sandbox.build import compile_cuda  # noqa: E402
+from sandbox.profile import find_ncu  # noqa: E402
+from templates import get_family  # noqa: E402
+
+LAUNCHES = 3
+KERNELS = "regex:hgemm|nvjet|gemm|cutlass|xmma"  # ours and cuBLAS's, not torch's input fills
+METRICS = (
+    ("µs", "gpu__time_duration.sum", 1e-3),
+    ("SM MHz", "sm__cycles_elapsed.avg.per_second", 1e-6),
+    ("tensor %", "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed", 1),
+    ("SM %", "sm__throughput.avg.pct_of_peak_sustained_elapsed", 1),
+    ("L2→SM MB", "lts__t_sectors_srcunit_tex_op_read.sum", 32e-6),
+    ("L2 %", "lts__t_sectors.avg.pct_of_peak_sustained_elapsed", 1),
+    ("DRAM rd MB", "dram__bytes_read.sum", 1e-6),
+    ("DRAM wr MB", "dram__bytes_write.sum", 1e-6),
+    ("smem wavefronts M", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", 1e-6),
+    ("grid", "launch__grid_size", 1),
+    ("regs", "launch__registers_per_thread", 1),
+)
+
+
+def target(job_path: str) -> int:
+    """The profiled process: ours LAUNCHES times, then cuBLAS LAUNCHES times."""
+    import torch
+    import torch.nn.functional as F
+
+    from core.records import Problem
+    from sandbox.launch import Kernel
+
+    job = json.loads(Path(job_path).read_text())
+    p = Problem(**job["problem"])
+    kernel = Kernel.for_family(Path(job["cubin"]).read_bytes(), job["family"], job["params"], p)
+    dt = torch.bfloat16 if p.dtype == "bf16" else torch.float16
+    a = torch.randn(p.m, p.k, device="cuda").to(dt)
+    b = torch.randn(*((p.k, p.n) if p.b_layout == "kn" else (p.n, p.k)), device="cuda").to(dt)
+    c = torch.empty(p.m, p.n, dtype=dt, device="cuda")
+    for _ in range(LAUNCHES):
+        kernel(a, b, c, p.m, p.n, p.k)
+    for _ in range(LAUNCHES):
+        ref = torch.matmul(a, b) if p.b_layout == "kn" else F.linear(a, b)
+    torch.cuda.synchronize()
+    err = (ref.float() - c.float()).abs().max().item()
+    print(f"max |ours - cuBLAS| = {err:.3g}", file=sys.stderr)
+    return 0
+
+
+def profile(shape: str, params: dict, family: str, tmp: Path) -> list[dict[str, str]]:
+    problem = parse_shape(shape)
+    fam = get_family(family)
+    build = compile_cuda(fam.render(params, problem), "sm_90a", cache_dir=None)
+    if not build.ok:
+        raise SystemExit(f"{shape}: does not compile: {build.log[-500:]}")
+    cubin, job = tmp / "k.cubin", tmp / "job.json"
+    cubin.write_bytes(build.cubin)
+    job.write_text(json.dumps({"cubin": str(cubin), "family": family, "params": params,
+                               "problem": asdict(problem)}))
+    cmd = [find_ncu() or "ncu", "--clock-control", "none", "--target-processes", "all", "--kernel-name", KERNELS,
+           "--csv", "--page", "raw",
+           "--print-units", "base", "--metrics", ",".join(m for _, m, _ in METRICS),
+           sys.executable, __file__, "--target", str(job)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                  os.environ.get("PYTHONPATH")])))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in out.stdout.splitlines() if line.startswith('"')]
+    rows = list(csv.DictReader(lines))
+    print(out.stderr.strip().splitlines()[-1:] or "", file=sys.stderr)
+    return [r for r in rows if r.get("ID", "").isdigit()]
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", action="append", default=[], help="M_N_K:layout (repeatable, one --params each)")
+    ap.add_argument("--params", type=json.loads, action="append", default=[])
+    ap.add_argument("--family", default="sm90_wgmma")
+    ap.add_argument("--target", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.target:
+        return target(args.target)
+    if len(args.shape) != len(args.params) or not args.shape:
+        print("error: one --params per --shape", file=sys.stderr)
+        return 2
+    names = [n for n, _, _ in METRICS]
+    print(f"{'problem':<20} {'kernel':<44} " + " ".join(f"{n:>12}" for n in names))
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape, params in zip(args.shape, args.params, strict=True):
+            rows = profile(shape, params, args.family, Path(tmp))
+            last: dict[str, dict[str, str]] = {}
+            for r in rows:  # the third launch of each kernel (rows come in launch order)
+                last[r.get("Kernel Name", "?")] = r
+            for name, r in last.items():
+                vals = []
+                for _, metric, scale in METRICS:
+                    try:
+                        vals.append(f"{float(r.get(metric, 'nan').replace(',', '')) * scale:12.1f}")
+                    except ValueError:
+                        vals.append(f"{'-':>12}")
+                print(f"{shape:<20} {name[:44]:<44} " + " ".join(vals))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
