@@ -20,7 +20,7 @@ TILES = [
 # Rows of an operand that start off 128-byte lines (A: K x 2 bytes not a multiple of 128; B: the same in nk, N x 2
 # bytes in kn): every 128-byte row a TMA copy brings spans two lines, and past a rate of such rows the L2 cannot keep
 # up. Measured on the H200 (session 12, 657_9984 at K = 3144 against 3136 and 3200, both layouts, ten settings): a
-# tile slows with u, such rows a k-tile per 1024 outputs of the tile (a multicast pair's B rows counted once a pair),
+# tile slows with u, such rows a k-tile per 1024 outputs of the tile (rows a multicast cluster shares counted once),
 # past ODD_ROWS_FREE: u = 4 +2-4%, u = 8 +16-22% (multicast pairs +6-8%), u = 12-13 +28-36%; cuBLAS +3% kn, +7% nk.
 ODD_ROWS_FREE, ODD_ROWS_SLOPE = 4.0, 0.04
 ODD_ROWS_MIN_K_TILES = 8  # where K is shorter, a tile's loads weigh little against its fill and stores: not counted
@@ -39,7 +39,7 @@ def odd_rows(problem: Problem) -> tuple[bool, bool]:
 def odd_rows_factor(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
     """How much rows off 128-byte lines slow a tile: u (see ODD_ROWS_FREE) scaled by the share of SMs busy."""
     odd_a, odd_b = odd_rows(problem)
-    rows = p.block_m * odd_a + p.block_n // p.cluster_m * odd_b
+    rows = p.block_m // p.cluster_n * odd_a + p.block_n // p.cluster_m * odd_b
     u = rows * 1024 / (p.block_m * p.block_n) * min(1.0, problem.tiles(p.block_m, p.block_n) / sms)
     return 1 + ODD_ROWS_SLOPE * max(0.0, u - ODD_ROWS_FREE)
 
