@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.shapes import parse_shape  # noqa: E402
+from agent.shapes import ShapeError, parse_shape  # noqa: E402
+from core.records import Problem  # noqa: E402
 from sandbox.build import compile_cuda  # noqa: E402
 from sandbox.profile import find_ncu  # noqa: E402
 from templates import get_family  # noqa: E402
@@ -69,27 +70,43 @@ def target(job_path: str) -> int:
     return 0
 
 
-def profile(shape: str, params: dict, family: str, tmp: Path) -> list[dict[str, str]]:
-    problem = parse_shape(shape)
-    fam = get_family(family)
-    build = compile_cuda(fam.render(params, problem), "sm_90a", cache_dir=None)
+def last_launches(ncu_csv: str) -> dict[str, dict[str, str]]:
+    """Kernel name -> its last profiled launch's metrics, from ncu's `--csv --page raw` output (rows in launch order;
+    ncu's own ==PROF== lines and the target's output are skipped)."""
+    lines = [line for line in ncu_csv.splitlines() if line.startswith('"')]
+    last: dict[str, dict[str, str]] = {}
+    for row in csv.DictReader(lines):
+        if row.get("ID", "").isdigit():  # the units row has no ID
+            last[row.get("Kernel Name", "?")] = row
+    return last
+
+
+def table_row(problem: str, kernel: str, row: dict[str, str]) -> str:
+    values = []
+    for _, metric, scale in METRICS:
+        try:
+            values.append(f"{float(row.get(metric, '').replace(',', '')) * scale:12.1f}")
+        except ValueError:  # absent or "n/a": a metric this ncu or chip does not have
+            values.append(f"{'-':>12}")
+    return f"{problem:<20} {kernel[:44]:<44} " + " ".join(values)
+
+
+def profile(problem: Problem, params: dict, family: str, tmp: Path) -> dict[str, dict[str, str]]:
+    build = compile_cuda(get_family(family).render(params, problem), "sm_90a", cache_dir=None)
     if not build.ok:
-        raise SystemExit(f"{shape}: does not compile: {build.log[-500:]}")
+        raise SystemExit(f"{problem.key}: does not compile: {build.log[-500:]}")
     cubin, job = tmp / "k.cubin", tmp / "job.json"
     cubin.write_bytes(build.cubin)
     job.write_text(json.dumps({"cubin": str(cubin), "family": family, "params": params,
                                "problem": asdict(problem)}))
     cmd = [find_ncu() or "ncu", "--clock-control", "none", "--target-processes", "all", "--kernel-name", KERNELS,
-           "--csv", "--page", "raw",
-           "--print-units", "base", "--metrics", ",".join(m for _, m, _ in METRICS),
+           "--csv", "--page", "raw", "--print-units", "base", "--metrics", ",".join(m for _, m, _ in METRICS),
            sys.executable, __file__, "--target", str(job)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                   os.environ.get("PYTHONPATH")])))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    lines = [line for line in out.stdout.splitlines() if line.startswith('"')]
-    rows = list(csv.DictReader(lines))
-    print(out.stderr.strip().splitlines()[-1:] or "", file=sys.stderr)
-    return [r for r in rows if r.get("ID", "").isdigit()]
+    print(*out.stderr.strip().splitlines()[-1:], file=sys.stderr)  # the target's check, or ncu's last word
+    return last_launches(out.stdout)
 
 
 def main(argv: list[str]) -> int:
@@ -102,24 +119,20 @@ def main(argv: list[str]) -> int:
     if args.target:
         return target(args.target)
     if len(args.shape) != len(args.params) or not args.shape:
-        print("error: one --params per --shape", file=sys.stderr)
+        print("error: give one --params per --shape", file=sys.stderr)
         return 2
-    names = [n for n, _, _ in METRICS]
-    print(f"{'problem':<20} {'kernel':<44} " + " ".join(f"{n:>12}" for n in names))
+    try:  # every setting checked before the first ncu run
+        jobs = [(parse_shape(shape), params) for shape, params in zip(args.shape, args.params, strict=True)]
+        for problem, params in jobs:
+            get_family(args.family).launch(params, problem)
+    except (ShapeError, ValueError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"{'problem':<20} {'kernel':<44} " + " ".join(f"{n:>12}" for n, _, _ in METRICS))
     with tempfile.TemporaryDirectory() as tmp:
-        for shape, params in zip(args.shape, args.params, strict=True):
-            rows = profile(shape, params, args.family, Path(tmp))
-            last: dict[str, dict[str, str]] = {}
-            for r in rows:  # the third launch of each kernel (rows come in launch order)
-                last[r.get("Kernel Name", "?")] = r
-            for name, r in last.items():
-                vals = []
-                for _, metric, scale in METRICS:
-                    try:
-                        vals.append(f"{float(r.get(metric, 'nan').replace(',', '')) * scale:12.1f}")
-                    except ValueError:
-                        vals.append(f"{'-':>12}")
-                print(f"{shape:<20} {name[:44]:<44} " + " ".join(vals))
+        for problem, params in jobs:
+            for kernel, row in profile(problem, params, args.family, Path(tmp)).items():
+                print(table_row(f"{problem.m}_{problem.n}_{problem.k}:{problem.b_layout}", kernel, row))
     return 0
 
 

@@ -1,0 +1,34 @@
+"""tools/ncu_compare.py on the CPU: bad input is refused before any ncu run, and ncu's CSV becomes one row per
+kernel (its last launch)."""
+
+from __future__ import annotations
+
+from tests.test_e2e_tools import load_tool
+
+# ncu --csv --page raw --print-units base: a units row without an ID, then one row per profiled launch
+NCU_CSV = '''==PROF== Connected to process 1
+"ID","Kernel Name","gpu__time_duration.sum","sm__cycles_elapsed.avg.per_second","launch__grid_size"
+"","","nsecond","hertz",""
+"0","hgemm","50,000","1,700,000,000","120"
+"1","hgemm","41,700","1,690,000,000","120"
+"2","nvjet_sm90_hsh_64x144_64x8_4x1_v_bz_TNT","39,200","1,663,000,000","120"
+'''
+
+
+def test_each_kernel_keeps_its_last_launch_in_the_table():
+    tool = load_tool("ncu_compare")
+    last = tool.last_launches(NCU_CSV)
+    assert list(last) == ["hgemm", "nvjet_sm90_hsh_64x144_64x8_4x1_v_bz_TNT"]
+    row = tool.table_row("414_2472_11744:nk", "hgemm", last["hgemm"])
+    assert row.split()[2:5] == ["41.7", "1690.0", "-"]  # µs, MHz, then a metric ncu did not report
+    assert row.split()[-2] == "120.0"
+
+
+def test_bad_input_is_one_line_and_exit_2(capsys):
+    tool = load_tool("ncu_compare")
+    assert tool.main(["--shape", "414_2472_11744:nk"]) == 2  # no --params for it
+    assert tool.main(["--shape", "12_8", "--params", "{}"]) == 2
+    assert tool.main(["--shape", "128_128_128", "--params", '{"block_m": 100}']) == 2
+    assert tool.main(["--shape", "128_128_128", "--params", "{}", "--family", "nope"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 4 and all(line.startswith("error: ") for line in err)
