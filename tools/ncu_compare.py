@@ -1,4 +1,4 @@
-"""Our kernel and cuBLAS's on one problem under Nsight Compute, side by side: clock, tensor pipe, memory traffic.
+"""Our kernel and cuBLAS's on one problem under Nsight Compute, side by side: clock, SM throughput, memory traffic.
 
     python3 tools/ncu_compare.py --shape 4437_8192_8192:nk --params '{"block_m": 128, "block_n": 256, ...}'
 
@@ -33,7 +33,6 @@ KERNELS = "regex:hgemm|nvjet|gemm|cutlass|xmma"  # ours and cuBLAS's, not torch'
 METRICS = (
     ("µs", "gpu__time_duration.sum", 1e-3),
     ("SM MHz", "sm__cycles_elapsed.avg.per_second", 1e-6),
-    ("tensor %", "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed", 1),
     ("SM %", "sm__throughput.avg.pct_of_peak_sustained_elapsed", 1),
     ("L2→SM MB", "lts__t_sectors_srcunit_tex_op_read.sum", 32e-6),
     ("L2 %", "lts__t_sectors.avg.pct_of_peak_sustained_elapsed", 1),
