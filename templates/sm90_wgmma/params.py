@@ -73,7 +73,7 @@ class Sm90WgmmaParams(Params):
         1, description="CTAs of a thread-block cluster on horizontally adjacent C tiles (same rows): each loads "
         "1/cluster_n of every A tile's rows and TMA-multicasts them to all (A read from L2 once per cluster), as "
         "cluster_m does for B; for few tiles of rows and many of columns (a swapped tile of M's rows split along N). "
-        "TMA loader, split_k 1, cluster_m 1; 1 = no cluster")
+        "TMA loader, split_k 1, cluster_m 1, persistent only in pairs; 1 = no cluster")
 
     swap_ab: bool = Field(
         False, description="wgmma computes C^T = B^T A^T, the B tile (block_n rows, 64 per m64 wgmma, block_n / "

@@ -161,14 +161,14 @@ def pair_group_settings(problem: Problem, sms: int, smem_per_sm: int, shapes: li
 
 
 # Clusters of 4 CTAs along N, each loading a quarter of the A tile's rows (multicast) and all of its 64-column B tile,
-# unsplit: the structure of cuBLAS's kernel for 414_2472_11744 nk (nvjet 64x144 in clusters of 4, 120 CTAs; ncu,
-# session 14). Measured on the H200 (tools/sweeps/multicast_n.sh, multicast_n_class.sh; warm ratio to cuBLAS, the
-# best of the rules' first four before): 414_2472_11744 nk 144 x 64 swapped 0.96-0.975x (0.85-0.90x), kn 1.01x
-# (1.03x); 1607_392_11704 128 x 64 nk 1.09-1.15x (1.03x), kn 1.17x (1.08x); level or behind where K is shorter (56-140
-# k-tiles: 1024_1024_4096, 2863_512_3584, 1024_1600_6400, 1024_1536_8960 0.86-1.03x against 1.00-1.11x), where the
-# tile pads M or N far (148_3584_18944 58% of the tiles' area inside M x N: 0.54-0.56x; 6147_24_12888: 9%), and behind
-# on 182_3584_18944 (71%: 0.59-0.62x against 0.95-1.01x), 914_1152_10400 (0.97-0.98x of the pairs in K groups'
-# 1.03-1.06x) and 512_3584_18944 (256 x 64: 0.89-0.95x against 0.93-0.99x). No cost model here told the winners
+# unsplit: the structure of cuBLAS's kernel for 414_2472_11744 nk (nvjet 64x144 in clusters of 4, 120 CTAs; ncu, session
+# 14). Measured on the H200 (tools/sweeps/multicast_n.sh, multicast_n_class.sh; warm ratio to cuBLAS, the best of the
+# rules' first four before): 414_2472_11744 nk 144 x 64 swapped 0.96-0.975x (0.85-0.90x), kn 1.01x (1.03x);
+# 1607_392_11704 128 x 64 nk 1.09-1.15x (pairs in K groups 1.03-1.15x), kn 1.17x (1.08x); level or behind where K is
+# shorter (56-140 k-tiles: 1024_1024_4096, 2863_512_3584, 1024_1600_6400, 1024_1536_8960 0.86-1.03x against 1.00-1.11x),
+# where the tile pads M or N far (148_3584_18944 58% of the tiles' area inside M x N: 0.54-0.56x; 6147_24_12888: 9%),
+# and behind on 182_3584_18944 (71%: 0.59-0.62x against 0.95-1.01x), 914_1152_10400 (0.97-0.98x of the pairs in K
+# groups' 1.03-1.06x) and 512_3584_18944 (256 x 64: 0.89-0.95x against 0.93-0.99x). No cost model here told the winners
 # (1607: 74% inside) from those: they enter the list after the leaders (search.CLUSTER_N_RANK).
 CLUSTER_N_MIN_K_TILES = 160
 CLUSTER_N_FILL = 0.7  # the share of the launched tiles' area inside M x N at least
