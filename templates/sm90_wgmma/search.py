@@ -295,11 +295,9 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
     _enter_at(ordered, CP_ASYNC_RANK, [with_update(p, {"loader": "cp_async"}) for p in ordered[:2]
                                        if p.consumers == 1 or p.split_k > 1 or p.k_groups > 1])
     # after the cp.async variants, which are of the two best guesses before them
-    tile_fields = [{"block_m": bm, "block_n": bn, "consumers": c} for bm, bn, c in TILES]
-    pairs = pair_group_settings(problem, sms, device.smem_per_sm, tile_fields + _swapped_shapes(problem))
-    _enter_at(ordered, PAIR_GROUP_RANK, pairs[:2])
-    _enter_at(ordered, CLUSTER_N_RANK, cluster_n_settings(problem, sms, device.smem_per_sm,
-                                                          tile_fields + _swapped_shapes(problem))[:1])
+    tile_fields = [{"block_m": bm, "block_n": bn, "consumers": c} for bm, bn, c in TILES] + _swapped_shapes(problem)
+    _enter_at(ordered, PAIR_GROUP_RANK, pair_group_settings(problem, sms, device.smem_per_sm, tile_fields)[:2])
+    _enter_at(ordered, CLUSTER_N_RANK, cluster_n_settings(problem, sms, device.smem_per_sm, tile_fields)[:1])
     wide = [p for p in picked if not p.persistent and p.block_n % 128 == 0][:2]
     _enter_at(ordered, MULTICAST_RANK, [with_update(p, {"cluster_m": 2}) for p in wide])
     seen: dict[str, dict[str, Any]] = {}
