@@ -377,7 +377,7 @@ def test_wider_problems_get_no_swapped_roles(problem):
     ({"swap_ab": True, "block_n": 96}, "multiple of 64"),
     ({"swap_ab": True, "consumers": 2, "block_n": 64}, "block_n=64 \\(swap_ab\\) must split into consumers=2"),
     ({"block_m": 208}, "need swap_ab"),
-    ({"swap_ab": True, "epilogue": "tma"}, "epilogue=smem"),
+    ({"swap_ab": True, "epilogue": "direct"}, "epilogue smem or tma"),
 ])
 def test_swapped_roles_reject_what_they_cannot_do(update, message):
     with pytest.raises(ValueError, match=message):
@@ -488,10 +488,45 @@ def test_swapped_tiles_beyond_a_wave_lead_persistent_where_the_ring_keeps_4_stag
     assert lead[:2] == (search.SWAP_FIT_RANK, False) and alternate[1:] == (True, 3)
 
 
+def _tall(problem):
+    return [(i, p["block_m"]) for i, p in enumerate(FAMILY.space(problem))
+            if p["swap_ab"] and p["block_n"] == 256 and p["persistent"] and p["epilogue"] == "tma"]
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_tall_swapped_persistent_tiles_enter_after_the_leads_where_they_beat_128_rows_waves(layout):
+    # 4437 rows: 35 tiles of 128 (9 waves of 132 at 32 columns of tiles), 28 of 160 (7 waves), 24 of 192 (6)
+    for problem in (Problem(4437, 8192, 8192, layout), Problem(7471, 4096, 4096, layout)):
+        tall = _tall(problem)
+        assert [i for i, _ in tall] == [search.TALL_RANK, search.TALL_RANK + 1], problem.key
+        assert {bm for _, bm in tall} == {160, 192}
+        for p in FAMILY.space(problem)[search.TALL_RANK:search.TALL_RANK + 2]:
+            assert Sm90WgmmaParams(**p).stages >= 3
+
+
+@pytest.mark.parametrize("problem", [Problem(4096, 4096, 4096, "nk"), Problem(8192, 8192, 8192, "kn"),
+                                     Problem(6278, 12800, 1600, "nk"), Problem(1024, 1024, 1024, "kn"),
+                                     Problem(4437, 128, 8192, "nk")], ids=lambda p: p.key)
+def test_no_tall_swapped_tiles_where_128_rows_fill_the_waves_as_well_or_one_wave_holds_them(problem):
+    assert _tall(problem) == []
+
+
 @pytest.mark.parametrize("problem", [Problem(256, 4096, 4096), Problem(4096, 4096, 4096, "nk"),
                                      Problem(252, 49152, 3072), Problem(1000, 1000, 1000)], ids=lambda p: p.key)
 def test_m_near_a_multiple_of_64_gets_no_swapped_tiles(problem):
     assert not any(p["swap_ab"] for p in FAMILY.space(problem))
+
+
+def test_swapped_tma_stores_stage_two_16_row_chunks_a_warpgroup_beside_a_4_stage_ring():
+    # 160 x 256 persistent (cuBLAS's large-shape tiling): the ring of 4 stages and 2 x 16 x 256 halves of C fit
+    p = Sm90WgmmaParams(block_m=160, block_n=256, consumers=2, stages=4, swap_ab=True, epilogue="tma",
+                        persistent=True)
+    assert p.smem_bytes == 4 * (160 + 256) * 128 + 2 * 16 * 256 * 2 + 16 * 4 + 1024
+    c_map = FAMILY.launch(p.model_dump(), Problem(4096, 4096, 4096, "nk")).tensor_maps[-1]
+    assert c_map.operand == "C" and c_map.box == (64, 16)
+    # unswapped, each warpgroup stages its whole share of the tile
+    unswapped = Sm90WgmmaParams(block_m=128, block_n=256, consumers=2, stages=3, epilogue="tma", persistent=True)
+    assert unswapped.smem_bytes == 3 * (128 + 256) * 128 + 128 * 256 * 2 + 16 * 3 + 1024
 
 
 def test_swapped_accumulators_are_the_transposed_tile():
@@ -571,6 +606,10 @@ def test_fitted_tiles_enter_where_listed_shapes_quantise_badly_and_nowhere_else(
     {"block_m": 208, "block_n": 128, "consumers": 2, "stages": 5, "swap_ab": True, "epilogue": "smem", "k_groups": 3},
     {"block_m": 208, "block_n": 128, "consumers": 2, "stages": 3, "swap_ab": True, "epilogue": "smem",
      "persistent": True},
+    # swapped TMA stores: tall tiles (160-192 rows by 256), persistent beside a 3-4 stage ring
+    {"block_m": 192, "block_n": 256, "consumers": 2, "stages": 3, "swap_ab": True, "epilogue": "tma",
+     "persistent": True},
+    {"block_m": 208, "block_n": 128, "consumers": 1, "stages": 5, "swap_ab": True, "epilogue": "tma"},
 ], ids=str)
 def test_new_kinds_compile_without_spills(params):
     problem = Problem(1024, 128, 4096, "nk")
@@ -656,6 +695,12 @@ GPU_KINDS = {
     "swapped_fitted": ({**_SWAPPED, "block_m": 208, "consumers": 2, "stages": 4}, (414, 1000, 520)),
     "swapped_fitted_persistent": ({**_SWAPPED, "block_m": 144, "block_n": 192, "consumers": 3, "stages": 3,
                                    "persistent": True}, (1100, 1000, 520)),
+    # swapped TMA stores in 16-row chunks: 13 chunks a tile (odd: the last chunk on the first buffer), M and N
+    # off the tile; persistent, the next tile's first chunk waits for both buffers
+    "swapped_tma_store": ({**_SWAPPED, "block_m": 208, "consumers": 2, "stages": 4, "epilogue": "tma"},
+                          (414, 1000, 520)),
+    "swapped_persistent_tma_store": ({**_SWAPPED, "block_m": 160, "block_n": 256, "consumers": 2, "stages": 4,
+                                      "persistent": True, "epilogue": "tma"}, (4100, 1496, 520)),
     "swapped_fitted_split_k": ({**_SWAPPED, "block_m": 80, "consumers": 2, "stages": 6, "split_k": 2},
                                (150, 1000, 8200)),
     "swapped_fitted_k_groups": ({**_SWAPPED, "block_m": 208, "consumers": 2, "stages": 5, "k_groups": 3},

@@ -80,7 +80,7 @@ class Sm90WgmmaParams(Params):
         "consumers per consumer) as wgmma's A operand and the A tile as its B operand (wgmma N = block_m, any "
         "multiple of 16), so rows of A are not padded to 64: tiny M (a 16-row A), or M just past a multiple of 64 "
         "(205 rows in one 208-row tile, not 256); the accumulators hold C transposed, written back through shared "
-        "memory (smem epilogue or the split-K exchange tile)")
+        "memory (smem epilogue, tma epilogue in 16-row chunks, or the split-K exchange tile)")
 
     @property
     def wgmma_m(self) -> int:
@@ -111,8 +111,9 @@ class Sm90WgmmaParams(Params):
 
     @property
     def smem_bytes(self) -> int:
-        c_tile = {"smem": self.block_m * (self.block_n + 8) * 2, "tma": self.block_m * self.block_n * 2,
-                  "direct": 0}[self.epilogue]
+        # swapped TMA stores go out in 16-row chunks through two buffers a warpgroup: 2 x 16 x block_n halves
+        tma = 64 * self.block_n if self.swap_ab else self.block_m * self.block_n * 2
+        c_tile = {"smem": self.block_m * (self.block_n + 8) * 2, "tma": tma, "direct": 0}[self.epilogue]
         c_tile = max(c_tile, self.exchange_bytes)
         # Persistent blocks refill the ring while storing C, so C needs room of its own; otherwise it reuses it.
         body = self.ring_bytes + c_tile if self.persistent else max(self.ring_bytes, c_tile)
@@ -155,9 +156,9 @@ class Sm90WgmmaParams(Params):
 
     @model_validator(mode="after")
     def _feasible(self) -> Sm90WgmmaParams:
-        if self.swap_ab and (self.block_n % 64 or self.epilogue != "smem"):
+        if self.swap_ab and (self.block_n % 64 or self.epilogue == "direct"):
             raise ValueError(f"swap_ab: block_n={self.block_n} must be a multiple of 64 (the m64 wgmma rows), with "
-                             f"epilogue=smem (not {self.epilogue}: C is transposed through shared memory)")
+                             f"epilogue smem or tma (not {self.epilogue}: C is transposed through shared memory)")
         if not self.swap_ab and self.block_m % 64:
             raise ValueError(f"block_m={self.block_m}: without swap_ab the rows are m64 wgmmas (64, 128, 192 or "
                              "256); other multiples of 16 need swap_ab")

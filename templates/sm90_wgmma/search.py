@@ -118,6 +118,34 @@ def _swapped_shapes(problem: Problem, odd: bool = False) -> list[dict[str, Any]]
     return shapes + [{**s, "cluster_m": 2} for s in shapes if odd_b and s["block_n"] % 128 == 0]
 
 
+# Tall swapped tiles (rows as wgmma's N, 256 columns as four m64 wgmmas over two consumers) with persistent blocks
+# and TMA stores in 16-row chunks (C needs 16 KB beside the ring, not a whole tile): cuBLAS's tiling for large
+# problems. tile_cost puts them 3-13% ahead of 128 x 256 on some large problems; measured on the H200 (session 15),
+# about 5% less than that (8192 cubed kn: 3-4% ahead, measured 1-2% behind), so they enter only where they stay
+# ahead of the persistent lead (the same overlap of stores with the next tile) by TALL_COST. Measured against the
+# lead: 4437_8192_8192 1.009x of cuBLAS against 0.979x (nk), 1.002x against 0.976x (kn); 7471_4096_4096 1.016-1.018x
+# against 0.95-0.97x; 4096_6144_4096 nk 1.049x against 1.029x; not proposed at 4096 cubed (0.85x: 26 tiles of 160
+# rows make 3.2 waves), 6278_12800_1600 nk or 8192 cubed kn (0.96-0.99x, 0.99-1.01x against 1.00x, 1.03x).
+TALL_ROWS = (144, 160, 176, 192)
+TALL_COST = 1.05
+
+
+def _tall_settings(problem: Problem, sms: int, lead: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
+    """Persistent swapped tiles of TALL_ROWS x 256 with TMA stores, where there are tiles beyond a wave and
+    `tile_cost` puts them ahead of the first persistent lead by TALL_COST: the two best, each with its deepest ring
+    (at most 4 stages)."""
+    if problem.n < 256 or not lead:
+        return []
+    bar = tile_cost(lead[0], problem, sms)
+    ranked = []
+    for bm in TALL_ROWS:
+        v = deepest({"block_m": bm, "block_n": 256, "consumers": 2, "swap_ab": True, "epilogue": "tma",
+                     "persistent": True}, top=4)
+        if v is not None and v.stages >= 3 and problem.tiles(bm, 256) > sms:
+            ranked.append((tile_cost(v, problem, sms) * TALL_COST, bm, v))
+    return [v for cost, _, v in sorted(ranked) if cost < bar][:2]
+
+
 # Measured at M = 414 only (512 is a multiple of 128: not proposed); smaller M (71-149 rows: one tile of rows, where
 # the listed split-K and unsplit settings measured 1.2-1.4x of cuBLAS) keep today's order.
 SWAP_SPLIT_MIN_M = 256
@@ -183,6 +211,7 @@ def _valid(**fields: Any) -> Sm90WgmmaParams | None:
 # Kinds of setting that enter the list at a fixed rank (the candidate number they are tried at), not by cost:
 PAIR_GROUP_RANK = 1  # multicast pairs in K groups (splits.pair_group_settings): right after the best guess
 SWAP_FIT_RANK = 2  # swapped tiles of M just past a multiple of 64: right after the two best listed guesses
+TALL_RANK = 2  # tall swapped persistent tiles (`_tall_settings`): after the two persistent leads
 SWAP_ALTERNATE_RANK = 7  # their other kind (persistent or not): after the fitted and split-K entries
 FITTED_RANK = 4  # tile shapes fitted to the problem's waves: after the best guesses of the measured shapes
 SPLIT_RANK = 6  # split-K where smaller tiles could fill the SMs without it (splits.split_class "some")
@@ -290,6 +319,7 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
     if swap_split:  # few tiles: split, they lead; unsplit, they fill under a wave as the listed shapes do
         swap_leads, swap_alternates = swap_split, swap_leads + swap_alternates
     _enter_at(ordered, SWAP_FIT_RANK, swap_leads)
+    _enter_at(ordered, TALL_RANK, _tall_settings(problem, sms, lead))
     _enter_at(ordered, FITTED_RANK, _fitted_settings(problem, sms, shapes[0][0]))
     _enter_at(ordered, SWAP_ALTERNATE_RANK, swap_alternates)
     _enter_at(ordered, CP_ASYNC_RANK, [with_update(p, {"loader": "cp_async"}) for p in ordered[:2]

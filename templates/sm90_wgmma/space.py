@@ -71,8 +71,9 @@ class Sm90Wgmma(Family):
             # multicast along N each CTA's share of the tile's rows
             a_rows = p.block_m // p.cluster_n if p.cluster_n > 1 else min(p.block_m, -(-problem.m // 8) * 8)
             maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, a_rows)), b_map)
-        if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels
-            maps += (TensorMapSpec("C", (problem.n, problem.m), (64, p.block_m // p.consumers)),)
+        if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels (swapped: 16-row chunks)
+            c_rows = 16 if p.swap_ab else p.block_m // p.consumers
+            maps += (TensorMapSpec("C", (problem.n, problem.m), (64, c_rows)),)
         return LaunchSpec(grid=(grid, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
                           workspace_bytes=p.k_groups * tiles * p.block_m * p.block_n * 4 if grouped else 0,
                           counters=tiles * p.split_k if grouped else 0)
