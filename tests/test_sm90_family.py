@@ -475,22 +475,21 @@ def test_long_k_few_tiles_get_multicast_pairs_in_k_groups(layout):
         assert not any(p["cluster_m"] > 1 and p["k_groups"] > 1 for p in FAMILY.space(problem)), problem.key
 
 
-def test_swapped_tiles_beyond_a_wave_lead_persistent_where_the_ring_keeps_4_stages():
-    by_rank = {}
-    for problem in (Problem(205, 50304, 1024, "kn"), Problem(222, 32000, 4096, "kn")):
+def test_swapped_tiles_beyond_a_wave_lead_persistent_with_tma_stores_where_the_ring_keeps_4_stages():
+    for problem, rows in ((Problem(205, 50304, 1024, "kn"), 208), (Problem(222, 32000, 4096, "kn"), 224)):
         space = FAMILY.space(problem)
-        swapped = [(i, p) for i, p in enumerate(space) if p["swap_ab"] and p["block_m"] in (208, 224)]
-        by_rank[problem.m] = [(i, p["persistent"], p["stages"]) for i, p in swapped]
-    lead, alternate = by_rank[205]  # short K: persistent blocks with a 4-stage ring lead
-    assert lead[:2] == (search.SWAP_FIT_RANK, True) and lead[2] >= 4
-    assert alternate[:2] == (search.SWAP_ALTERNATE_RANK, False)
-    lead, alternate = by_rank[222]  # persistent only with 3 stages: the plain kind leads
-    assert lead[:2] == (search.SWAP_FIT_RANK, False) and alternate[1:] == (True, 3)
+        swapped = [(i, p) for i, p in enumerate(space) if p["swap_ab"] and p["block_m"] == rows]
+        (i, lead), (j, alternate) = swapped[:2]
+        # chunked TMA stores leave the ring 4-5 stages beside C (the smem epilogue's whole C tile: 3)
+        assert (i, lead["persistent"], lead["epilogue"]) == (search.SWAP_FIT_RANK, True, "tma")
+        assert lead["stages"] >= 4
+        assert (j, alternate["persistent"], alternate["epilogue"]) == (search.SWAP_ALTERNATE_RANK, False, "smem")
 
 
 def _tall(problem):
     return [(i, p["block_m"]) for i, p in enumerate(FAMILY.space(problem))
-            if p["swap_ab"] and p["block_n"] == 256 and p["persistent"] and p["epilogue"] == "tma"]
+            if p["swap_ab"] and p["block_n"] == 256 and p["persistent"] and p["epilogue"] == "tma"
+            and p["block_m"] in search.TALL_ROWS]
 
 
 @pytest.mark.parametrize("layout", ["kn", "nk"])

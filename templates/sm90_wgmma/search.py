@@ -87,12 +87,17 @@ def _swap_fit_settings(problem: Problem, sms: int,
     """Swapped-role tiles for M > 48 whose rows, M split evenly over the fewest tiles of at most 256 rows and rounded
     up to 16, pad M far less than 64-row multiples do (205 rows: one 208-row tile, not 256; 414: two of 208, not 512;
     657: three of 224, not 768), where `tile_cost` ranks them well ahead of the best listed shape: the two best, each as
-    a lead and an alternate. Beyond one wave the lead is the persistent kind where that keeps a ring of 4 stages
-    (measured 205_50304_1024 0.93 -> 0.98x, 7214_896_896 0.90 -> 0.96x; 222_32000_4096, 3 stages: 0.99 -> 0.96x)."""
+    a lead and an alternate. Beyond one wave the lead is the persistent kind, with TMA stores in 16-row chunks, where
+    that keeps a ring of 4 stages (measured with the smem epilogue: 205_50304_1024 0.93 -> 0.98x, 7214_896_896 0.90 ->
+    0.96x; 222_32000_4096, 3 stages: 0.99 -> 0.96x. With TMA stores, session 15: 205_50304_1024 nk 208 x 128 s5 1.015x
+    against the smem kind's 0.988x, 222_32000_4096 nk 224 x 128 s4 0.995x, 657_9984_3144 nk 112 x 256 in pairs 0.967x
+    against the same one tile a CTA's 0.937x)."""
     leads, alternates = [], []
     for p in _ahead(problem, sms, _swapped_shapes(problem, odd=True), SWAP_FIT_GAIN * listed_best):
         tiles = problem.tiles(p.block_m, p.block_n)
-        persistent = with_update(p, {"persistent": True}) if tiles > sms * p.min_blocks else None
+        # TMA stores in 16-row chunks leave the ring what the smem epilogue's whole C tile took: up to 6 stages
+        persistent = (deepest({**p.model_dump(), "persistent": True, "epilogue": "tma"}, top=max(p.stages, 6))
+                      if tiles > sms * p.min_blocks else None)
         if persistent is not None and persistent.stages >= 4:
             leads.append(persistent)
             alternates.append(p)
