@@ -32,3 +32,27 @@ def test_bad_input_is_one_line_and_exit_2(capsys):
     assert tool.main(["--shape", "128_128_128", "--params", "{}", "--family", "nope"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 4 and all(line.startswith("error: ") for line in err)
+
+
+def test_ncu_profiles_the_sandbox_target_with_cublas_beside_ours(tmp_path, monkeypatch):
+    import json
+    import subprocess
+    from types import SimpleNamespace
+
+    from core.records import Problem
+
+    tool = load_tool("ncu_compare")
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen["cmd"], seen["job"] = cmd, json.loads(open(cmd[-1]).read())
+        return SimpleNamespace(stdout=NCU_CSV, stderr="max |ours - cuBLAS| = 0.0156")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    problem = Problem(256, 512, 256, "nk", "bf16", True)
+    rows = tool.profile(problem, {"block_m": 128, "block_n": 128, "consumers": 2, "stages": 4}, "sm90_wgmma",
+                        tmp_path)
+    assert seen["cmd"][-3:-1] == ["-m", "sandbox.profile_target"]  # one target for the search's profiles and this
+    assert seen["job"]["cublas"] is True
+    assert Problem(**seen["job"]["problem"]) == problem  # dtype and bias reach the target
+    assert list(rows) == ["hgemm", "nvjet_sm90_hsh_64x144_64x8_4x1_v_bz_TNT"]

@@ -335,7 +335,9 @@ def test_cli_no_profile_flag():
 # on the GPU, under the real Nsight Compute
 
 @pytest.mark.gpu
-def test_profile_a_real_sm80_kernel():
+@pytest.mark.parametrize("problem", [Problem(2048, 2048, 2048), Problem(1024, 2048, 1024, "nk", "bf16", True)],
+                         ids=lambda p: p.key)
+def test_profile_a_real_sm80_kernel(problem):
     import torch
 
     from sandbox.build import compile_cuda
@@ -343,7 +345,6 @@ def test_profile_a_real_sm80_kernel():
 
     if prof.find_ncu() is None:
         pytest.skip("Nsight Compute (ncu) is not installed")
-    problem = Problem(2048, 2048, 2048)
     family = get_family("sm80_mma")
     params = family.space(problem)[0]
     arch = "sm_90a" if torch.cuda.get_device_capability()[0] == 9 else "sm_80"

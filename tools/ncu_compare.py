@@ -2,8 +2,8 @@
 
     python3 tools/ncu_compare.py --shape 4437_8192_8192:nk --params '{"block_m": 128, "block_n": 256, ...}'
 
-One ncu process a problem (clocks left alone, `--clock-control none`): the target launches our kernel three times
-and then cuBLAS (torch.matmul, or F.linear for nk) three times on the same random inputs; the third launch of each
+One ncu process a problem (clocks left alone, `--clock-control none`): the target (sandbox.profile_target) launches
+our kernel three times and then cuBLAS three times on the same random inputs; the third launch of each
 is what the table shows. sm__cycles_elapsed per second is the SM clock the launch ran at, so a gap that is the
 clock's (power) tells itself apart from one that is the pipes'. Run on the GPU machine (. tools/gpu_env.sh first).
 """
@@ -28,7 +28,6 @@ from sandbox.build import compile_cuda  # noqa: E402
 from sandbox.profile import find_ncu  # noqa: E402
 from templates import get_family  # noqa: E402
 
-LAUNCHES = 3
 KERNELS = "regex:hgemm|nvjet|gemm|cutlass|xmma"  # ours and cuBLAS's, not torch's input fills
 METRICS = (
     ("µs", "gpu__time_duration.sum", 1e-3),
@@ -42,31 +41,6 @@ METRICS = (
     ("grid", "launch__grid_size", 1),
     ("regs", "launch__registers_per_thread", 1),
 )
-
-
-def target(job_path: str) -> int:
-    """The profiled process: ours LAUNCHES times, then cuBLAS LAUNCHES times."""
-    import torch
-    import torch.nn.functional as F
-
-    from core.records import Problem
-    from sandbox.launch import Kernel
-
-    job = json.loads(Path(job_path).read_text())
-    p = Problem(**job["problem"])
-    kernel = Kernel.for_family(Path(job["cubin"]).read_bytes(), job["family"], job["params"], p)
-    dt = torch.bfloat16 if p.dtype == "bf16" else torch.float16
-    a = torch.randn(p.m, p.k, device="cuda").to(dt)
-    b = torch.randn(*((p.k, p.n) if p.b_layout == "kn" else (p.n, p.k)), device="cuda").to(dt)
-    c = torch.empty(p.m, p.n, dtype=dt, device="cuda")
-    for _ in range(LAUNCHES):
-        kernel(a, b, c, p.m, p.n, p.k)
-    for _ in range(LAUNCHES):
-        ref = torch.matmul(a, b) if p.b_layout == "kn" else F.linear(a, b)
-    torch.cuda.synchronize()
-    err = (ref.float() - c.float()).abs().max().item()
-    print(f"max |ours - cuBLAS| = {err:.3g}", file=sys.stderr)
-    return 0
 
 
 def last_launches(ncu_csv: str) -> dict[str, dict[str, str]]:
@@ -97,10 +71,10 @@ def profile(problem: Problem, params: dict, family: str, tmp: Path) -> dict[str,
     cubin, job = tmp / "k.cubin", tmp / "job.json"
     cubin.write_bytes(build.cubin)
     job.write_text(json.dumps({"cubin": str(cubin), "family": family, "params": params,
-                               "problem": asdict(problem)}))
+                               "problem": asdict(problem), "cublas": True}))
     cmd = [find_ncu() or "ncu", "--clock-control", "none", "--target-processes", "all", "--kernel-name", KERNELS,
            "--csv", "--page", "raw", "--print-units", "base", "--metrics", ",".join(m for _, m, _ in METRICS),
-           sys.executable, __file__, "--target", str(job)]
+           sys.executable, "-m", "sandbox.profile_target", str(job)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                   os.environ.get("PYTHONPATH")])))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -113,10 +87,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--shape", action="append", default=[], help="M_N_K:layout (repeatable, one --params each)")
     ap.add_argument("--params", type=json.loads, action="append", default=[])
     ap.add_argument("--family", default="sm90_wgmma")
-    ap.add_argument("--target", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.target:
-        return target(args.target)
     if len(args.shape) != len(args.params) or not args.shape:
         print("error: give one --params per --shape", file=sys.stderr)
         return 2
