@@ -3,7 +3,7 @@
 Usage: python -m sandbox.profile_target JOB.json, where the job (written by sandbox.profile, or tools/ncu_compare.py)
 names the cubin file, the family, its parameters and the problem (its dtype and bias as the kernel takes them). ncu
 skips the first two `hgemm` launches (first-use costs) and profiles the third. With "cublas": true in the job, cuBLAS
-(torch.matmul, or F.linear for nk) then runs the same problem three times on the same inputs, and the largest
+(as sandbox.timed calls it) then runs the same problem three times on the same inputs, and the largest
 difference between the two outputs goes to stderr; otherwise it prints nothing on success, so ncu's CSV is all the
 output there is.
 """
@@ -19,15 +19,16 @@ LAUNCHES = 3
 
 def main(argv: list[str]) -> int:
     import torch
-    import torch.nn.functional as F
 
     from core.records import Problem
+    from sandbox.check import TORCH_DTYPE
     from sandbox.launch import Kernel
+    from sandbox.timed import cublas_launch
 
     job = json.loads(Path(argv[0]).read_text())
     p = Problem(**job["problem"])
     kernel = Kernel.for_family(Path(job["cubin"]).read_bytes(), job["family"], job["params"], p)
-    dt = torch.bfloat16 if p.dtype == "bf16" else torch.float16
+    dt = TORCH_DTYPE[p.dtype]
     a = torch.randn(p.m, p.k, device="cuda").to(dt)
     b = torch.randn(*((p.k, p.n) if p.b_layout == "kn" else (p.n, p.k)), device="cuda").to(dt)
     bias = torch.randn(p.n, device="cuda").to(dt) if p.bias else None
@@ -35,10 +36,11 @@ def main(argv: list[str]) -> int:
     for _ in range(LAUNCHES):
         kernel(a, b, c, p.m, p.n, p.k, bias)
     if job.get("cublas"):
+        ref, cublas = torch.empty_like(c), cublas_launch(p)
         for _ in range(LAUNCHES):
-            ref = F.linear(a, b, bias) if p.b_layout == "nk" else torch.matmul(a, b) + (0 if bias is None else bias)
-        torch.cuda.synchronize()
-        print(f"max |ours - cuBLAS| = {(ref.float() - c.float()).abs().max().item():.3g}", file=sys.stderr)
+            cublas(a, b, ref, p.m, p.n, p.k, bias)
+        err = (ref.float() - c.float()).abs().max().item()  # (waits for both)
+        print(f"max |ours - cuBLAS| = {err:.3g}", file=sys.stderr)
     torch.cuda.synchronize()
     return 0
 

@@ -523,6 +523,8 @@ def test_swapped_tma_stores_stage_two_16_row_chunks_a_warpgroup_beside_a_4_stage
     assert p.smem_bytes == 4 * (160 + 256) * 128 + 2 * 16 * 256 * 2 + 16 * 4 + 1024
     c_map = FAMILY.launch(p.model_dump(), Problem(4096, 4096, 4096, "nk")).tensor_maps[-1]
     assert c_map.operand == "C" and c_map.box == (64, 16)
+    # the kernel's chunk is the one the box and the shared-memory size count
+    assert "constexpr int C_CHUNK = 16;" in FAMILY.render(p.model_dump(), Problem(4096, 4096, 4096, "nk"))
     # unswapped, each warpgroup stages its whole share of the tile
     unswapped = Sm90WgmmaParams(block_m=128, block_n=256, consumers=2, stages=3, epilogue="tma", persistent=True)
     assert unswapped.smem_bytes == 3 * (128 + 256) * 128 + 128 * 256 * 2 + 16 * 3 + 1024

@@ -27,6 +27,8 @@ WGMMA_EXTRA = 26  # ptxas (C7602) wants one m64nN wgmma's N/2 accumulators + 26 
 # Consumer registers beyond the accumulators (descriptors, loop state, addresses): ptxas asks for 26 more than the
 # accumulators of one wgmma (C7602 "register target of ..."); a little slack for the epilogue.
 CONSUMER_OVERHEAD = 32
+# Rows of C a swapped tile's TMA stores move at a time (the kernel's C_CHUNK): two 8-column accumulator blocks
+SWAP_C_CHUNK = 16
 
 
 class Sm90WgmmaParams(Params):
@@ -111,8 +113,8 @@ class Sm90WgmmaParams(Params):
 
     @property
     def smem_bytes(self) -> int:
-        # swapped TMA stores go out in 16-row chunks through two buffers a warpgroup: 2 x 16 x block_n halves
-        tma = 64 * self.block_n if self.swap_ab else self.block_m * self.block_n * 2
+        # swapped TMA stores go out in chunks of rows through two buffers a warpgroup: 2 chunks x block_n halves
+        tma = 2 * SWAP_C_CHUNK * self.block_n * 2 if self.swap_ab else self.block_m * self.block_n * 2
         c_tile = {"smem": self.block_m * (self.block_n + 8) * 2, "tma": tma, "direct": 0}[self.epilogue]
         c_tile = max(c_tile, self.exchange_bytes)
         # Persistent blocks refill the ring while storing C, so C needs room of its own; otherwise it reuses it.

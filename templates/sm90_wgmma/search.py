@@ -130,7 +130,7 @@ def _swapped_shapes(problem: Problem, odd: bool = False) -> list[dict[str, Any]]
 # ahead of the persistent lead (the same overlap of stores with the next tile) by TALL_COST. Measured against the
 # lead: 4437_8192_8192 1.009x of cuBLAS against 0.979x (nk), 1.002x against 0.976x (kn); 7471_4096_4096 1.016-1.018x
 # against 0.95-0.97x; 4096_6144_4096 nk 1.049x against 1.029x; not proposed at 4096 cubed (0.85x: 26 tiles of 160
-# rows make 3.2 waves), 6278_12800_1600 nk or 8192 cubed kn (0.96-0.99x, 0.99-1.01x against 1.00x, 1.03x).
+# rows make 3.2 waves), 6278_12800_1600 nk or 8192 cubed kn (0.96-0.99x, 1.005-1.012x against 1.00x, 1.03x).
 TALL_ROWS = (144, 160, 176, 192)
 TALL_COST = 1.05
 

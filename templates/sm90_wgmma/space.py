@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 from core.device import H200, DeviceFacts
 from core.records import LaunchSpec, Problem, TensorMapSpec
 from templates.family import Family, Params
-from templates.sm90_wgmma.params import Sm90WgmmaParams, launched_tiles
+from templates.sm90_wgmma.params import SWAP_C_CHUNK, Sm90WgmmaParams, launched_tiles
 from templates.sm90_wgmma.search import seeds
 
 
@@ -37,7 +37,7 @@ class Sm90Wgmma(Family):
         assert isinstance(params, Sm90WgmmaParams)
         return {"threads": params.threads, "smem_bytes": params.smem_bytes, "set_maxnreg": params.set_maxnreg,
                 "producer_regs": params.producer_regs, "consumer_regs": params.consumer_regs,
-                "wgmma_n": params.wgmma_n}
+                "wgmma_n": params.wgmma_n, "c_chunk": SWAP_C_CHUNK}
 
     def check_for_problem(self, params: Params, problem: Problem) -> None:
         assert isinstance(params, Sm90WgmmaParams)
@@ -72,7 +72,7 @@ class Sm90Wgmma(Family):
             a_rows = p.block_m // p.cluster_n if p.cluster_n > 1 else min(p.block_m, -(-problem.m // 8) * 8)
             maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, a_rows)), b_map)
         if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels (swapped: 16-row chunks)
-            c_rows = 16 if p.swap_ab else p.block_m // p.consumers
+            c_rows = SWAP_C_CHUNK if p.swap_ab else p.block_m // p.consumers
             maps += (TensorMapSpec("C", (problem.n, problem.m), (64, c_rows)),)
         return LaunchSpec(grid=(grid, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
                           workspace_bytes=p.k_groups * tiles * p.block_m * p.block_n * 4 if grouped else 0,
