@@ -486,6 +486,39 @@ def test_swapped_tiles_beyond_a_wave_lead_persistent_with_tma_stores_where_the_r
         assert (j, alternate["persistent"], alternate["epilogue"]) == (search.SWAP_ALTERNATE_RANK, False, "smem")
 
 
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_m_fitted_swapped_tiles_that_fill_whole_waves_lead_where_the_listed_leave_a_thin_last_one(layout):
+    # 4772_1600_6400: 247 tiles of 256 x 128 (1.9 waves of 132), 260 of 240 x 128 swapped (1.97) with 28 rows padded;
+    # measured (session 16) 0.999x of cuBLAS against the persistent lead's 0.906x
+    problem = Problem(4772, 1600, 6400, layout)
+    p = FAMILY.space(problem)[search.SWAP_FIT_RANK]
+    assert (p["block_m"], p["block_n"], p["swap_ab"], p["persistent"], p["epilogue"]) == (240, 128, True, True, "tma")
+    assert p["stages"] >= 4 and 2 * 132 - 4 <= problem.tiles(240, 128) <= 2 * 132 < problem.tiles(128, 256)
+
+
+NARROW = [Problem(534, 32, 1120, "nk"), Problem(310, 40, 928, "kn")]
+
+
+@pytest.mark.parametrize("problem", NARROW, ids=lambda p: p.key)
+def test_narrow_n_few_tiles_lead_with_swapped_16_and_32_row_tiles_split_in_pairs(problem):
+    # 534_32_1120: 18 CTAs of the listed 64 x 16; swapped 16 x 64 in pairs, 68 (measured 0.97-1.03x of cuBLAS
+    # against 0.83-0.89x)
+    lead = FAMILY.space(problem)[:2]
+    assert [(p["block_m"], p["block_n"], p["swap_ab"], p["split_k"]) for p in lead] == [(16, 64, True, 2),
+                                                                                       (32, 64, True, 2)]
+    for p in lead:
+        assert FAMILY.launch(p, problem).grid[0] == -(-problem.m // p["block_m"]) * 2 <= 132
+        b = compile_cuda(FAMILY.render(p, problem), "sm_90a", cache_dir=None)
+        assert b.ok and b.spill_bytes == 0 and b.stack_bytes == 0, b.log[-1500:]
+
+
+@pytest.mark.parametrize("problem", [Problem(534, 32, 640, "nk"), Problem(534, 96, 1120, "nk"),
+                                     Problem(4096, 32, 4096, "kn"), Problem(3204, 8, 24, "nk")], ids=lambda p: p.key)
+def test_no_narrow_splits_where_k_is_short_n_wide_or_16_row_tiles_fill_a_wave(problem):
+    assert not any(p["swap_ab"] and p["block_m"] in search.NARROW_ROWS and p["split_k"] > 1
+                   for p in FAMILY.space(problem))
+
+
 def _tall(problem):
     return [(i, p["block_m"]) for i, p in enumerate(FAMILY.space(problem))
             if p["swap_ab"] and p["block_n"] == 256 and p["persistent"] and p["epilogue"] == "tma"
@@ -691,6 +724,9 @@ GPU_KINDS = {
     "swapped": (_SWAPPED, (17, 1000, 520)),
     "swapped_split_k": ({**_SWAPPED, "split_k": 2}, (17, 1000, 8200)),
     "swapped_k_groups": ({**_SWAPPED, "block_m": 48, "k_groups": 3}, (40, 1000, 8200)),
+    # N narrower than the one m64 wgmma of columns (N past it zero-filled, C's columns past N not stored), 34 row
+    # tiles of 16 in split pairs
+    "swapped_narrow_split_k": ({**_SWAPPED, "block_m": 16, "block_n": 64, "split_k": 2}, (534, 40, 1000)),
     "swapped_cp_async": ({**_SWAPPED, "loader": "cp_async"}, (17, 264, 520)),
     # M-fitted swapped tiles: several consumers, each its 64-row share of the B tile (C's columns)
     "swapped_fitted": ({**_SWAPPED, "block_m": 208, "consumers": 2, "stages": 4}, (414, 1000, 520)),
