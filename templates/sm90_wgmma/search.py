@@ -15,7 +15,9 @@ from templates.sm90_wgmma.costs import CLUSTERS_PER_SLOT, MIN_K_TILES, TILES, od
 from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, with_update
 from templates.sm90_wgmma.splits import (
     cluster_n_settings,
+    cluster_size,
     group_settings,
+    k_parts,
     pair_group_settings,
     split_class,
     split_settings,
@@ -38,7 +40,7 @@ def _swap_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
         tiles = -(-problem.n // bn)
         if bn > -(-problem.n // 64) * 64:
             continue
-        parts = min(8, sms // tiles, k_tiles // MIN_K_TILES)  # fewer parts where K is too short for a full wave
+        parts = k_parts(tiles, sms, k_tiles, MIN_K_TILES)  # fewer parts where K is too short for a full wave
         ways: list[dict[str, int]] = [{"min_blocks": 2}] if tiles > sms else [{}]  # two CTAs an SM: one wave
         if tiles < sms // 2 and parts >= 2:
             ways = [{"split_k": parts}] if tiles <= CLUSTERS_PER_SLOT.get(parts, 0) else []
@@ -157,7 +159,8 @@ def _tall_settings(problem: Problem, sms: int, lead: list[Sm90WgmmaParams]) -> l
 # ceil(M / 64) x ceil(N / 16) CTAs (534_32_1120: 18; cuBLAS runs 68 of 8 rows). Swapped tiles of 16 and 32 of M's rows
 # (N padded to 64 wgmma rows) with K split over cluster pairs: measured on the H200 (session 16) 534_32_1120 nk
 # 0.97-1.00x of cuBLAS against the listed 0.87-0.89x, kn 1.02-1.03x against 0.83-0.85x, 310_40_928 nk 0.97-1.00x
-# against 0.90x; the same tiles unsplit 0.85-0.89x, in K groups (the workspace sum) 0.76-0.82x.
+# against 0.90x, kn 0.95-0.96x against 0.80-0.81x; the same tiles unsplit 0.85-0.89x, in K groups (the workspace
+# sum) 0.76-0.82x.
 NARROW_N = 64
 NARROW_ROWS = (16, 32)
 NARROW_PART_K_TILES = 7  # the fewest k-tiles a CTA of the split gets (310_40_928: 15 k-tiles over 2)
@@ -173,8 +176,7 @@ def _narrow_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     found = []
     for bm in NARROW_ROWS:
         tiles = -(-problem.m // bm)
-        fit = min(8, sms // tiles, k_tiles // NARROW_PART_K_TILES)
-        parts = 1 << (fit.bit_length() - 1) if fit > 0 else 1
+        parts = cluster_size(k_parts(tiles, sms, k_tiles, NARROW_PART_K_TILES))
         if parts < 2 or tiles > CLUSTERS_PER_SLOT[parts]:
             continue
         v = deepest({"block_m": bm, "block_n": 64, "consumers": 1, "swap_ab": True, "split_k": parts})
@@ -207,13 +209,13 @@ def _swapsplit_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
         if fields["consumers"] < 2 or -(-problem.m // bm) * bm >= listed_rows:
             continue  # one consumer warpgroup a CTA: too small a tile to split; or no rows saved
         tiles = problem.tiles(bm, bn)
-        parts = min(8, sms // tiles, k_tiles // MIN_K_TILES)
+        parts = k_parts(tiles, sms, k_tiles, MIN_K_TILES)
         if tiles >= sms // 2 or parts < 2:
             continue
         traffic = 1 + 40 / bm + 40 / bn
         if (v := deepest({**fields, "k_groups": parts})) is not None:
             groups.append((bm * bn / parts * traffic, v))
-        split = 1 << (parts.bit_length() - 1)
+        split = cluster_size(parts)
         if tiles <= CLUSTERS_PER_SLOT[split] and (v := deepest({**fields, "split_k": split})) is not None:
             clusters.append((bm * bn / split * traffic, v))
     groups.sort(key=lambda item: item[0])

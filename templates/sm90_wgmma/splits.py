@@ -10,6 +10,19 @@ from core.records import Problem
 from templates.sm90_wgmma.costs import CLUSTERS_PER_SLOT, MIN_K_TILES, TILES, split_cost
 from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, launched_tiles
 
+MAX_PARTS = 8  # CTAs a C tile's K is split over at most (a cluster of 8, or 8 K groups)
+
+
+def k_parts(tiles: int, sms: int, k_tiles: int, least: int) -> int:
+    """How many CTAs each of `tiles` C tiles can split its K over: as many as one wave of `sms` holds, at most
+    MAX_PARTS, each at least `least` of the `k_tiles` (under 2: no split)."""
+    return min(MAX_PARTS, sms // tiles, k_tiles // least)
+
+
+def cluster_size(parts: int) -> int:
+    """The largest cluster of split_k CTAs (a power of two) within `parts`; 1 where parts < 2."""
+    return 1 << (parts.bit_length() - 1) if parts > 1 else 1
+
 
 def split_class(problem: Problem, sms: int) -> str | None:
     """Which problems split-K serves, all with at least 32 k-tiles (halves keep 16). "long": K long against M and
@@ -105,10 +118,10 @@ def group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
         if bn > -(-problem.n // 64) * 64:
             continue
         for floor in (MIN_K_TILES // 2, MIN_K_TILES):
-            groups = min(8, sms // tiles, k_tiles // floor)
+            groups = k_parts(tiles, sms, k_tiles, floor)
             if groups < 2:
                 continue
-            if bn == 256 and groups < min(8, sms // tiles):
+            if bn == 256 and groups < min(MAX_PARTS, sms // tiles):
                 continue  # 64 x 256 sums spill in fewer groups than a wave holds (where K is short)
             pairs = groups == 2 or (groups >= 4 and bn < 256)  # and as pairs in groups
             ways = [{"split_k": 2, "k_groups": groups // 2}] if pairs else []
@@ -153,7 +166,7 @@ def pair_group_settings(problem: Problem, sms: int, smem_per_sm: int, shapes: li
         if bn % 128 or -(-problem.m // bm) < 2 or bn > -(-problem.n // 64) * 64:
             continue
         tiles = 2 * problem.tiles(2 * bm, bn)  # whole pairs of row tiles (a trailing CTA past M still loads)
-        groups = min(8, sms // tiles, k_tiles // min_k_tiles)
+        groups = k_parts(tiles, sms, k_tiles, min_k_tiles)
         if (tiles < sms // 2 and groups >= 2 and tiles * groups >= fill * sms
                 and (v := deepest({**fields, "cluster_m": 2, "k_groups": groups}))):
             found.append(v)
