@@ -2,8 +2,8 @@
 # Usage on the GPU machine: . tools/gpu_env.sh; OUT=DIR [SHAPES=...] [TOP=2] bash tools/sweeps/pdl.sh   (JOBS: compiles)
 # Programmatic dependent launch (PDL) is not in the project: back to back in the warm graphs it gained 4.5% (95
 # settings of small and mid-size problems), but where another kernel runs before each launch (the fresh re-check's
-# input refill, the cold flush) it lost about a microsecond a launch, and the fresh re-check rejected 7 winners of
-# one suite run (BENCHMARKS.md, session 17). pdl.patch (beside this script) adds it: both families open with
+# input refill) it lost about a microsecond a launch: the re-check rejected 17 sm80 settings of this sweep and 7
+# candidates of one suite run (BENCHMARKS.md, session 17). pdl.patch (beside this script) adds it: both families open with
 # griddepcontrol.wait, the build reads the PTX (BuildResult.pdl: every entry waits before any branch, call or memory
 # access; an early griddepcontrol.launch_dependents is refused), jobs, the store, the worker, the exported op (C++ and
 # Python) launch such kernels through cuLaunchKernelEx with programmatic stream serialization, adversarial fixtures
