@@ -85,6 +85,7 @@ def test_timing_record_is_complete(pool):
     assert r.device["name"] and r.device["sms"] > 0 and "torch" in r.device["software"]
 
 
+@pytest.mark.gpu_alone
 def test_two_runs_agree_within_their_spread(pool):
     p = Problem(2048, 2048, 2048)
     job = build_job("sm80_mma", get_family("sm80_mma").space(p)[0], p)
@@ -95,6 +96,7 @@ def test_two_runs_agree_within_their_spread(pool):
     assert abs(a.speedup - b.speedup) / a.speedup <= 2 * tolerance
 
 
+@pytest.mark.gpu_alone
 @pytest.mark.parametrize("mnk", ["4096_4096_4096", "256_1024_256"])
 def test_timing_agrees_with_cupti(mnk):
     """Graph timing against the kernel durations CUPTI reports (torch.profiler) for eager launches, same process:

@@ -82,8 +82,15 @@ def test_tma_launch_declares_valid_tensor_maps(layout):
         driver.check_tiled(0x7F0000000000, t.dims, t.box, t.swizzle, t.strides)
     src = FAMILY.render(params, prob)
     assert src.count("__grid_constant__ TmaMap") == 2 and "cp.async.bulk.tensor.2d" in src
+    # every tensor map the kernel takes is prefetched once, before the barriers are set up (the first copies wait less)
+    tma_c = {**params, "epilogue": "tma", "block_n": 192}
+    for p, maps in ((params, ("tm_a", "tm_b")), (tma_c, ("tm_a", "tm_b", "tm_c"))):
+        body = FAMILY.render(p, prob).split("hgemm(", 1)[1]
+        assert [m for m in ("tm_a", "tm_b", "tm_c") if f"prefetch_tensormap({m});" in body] == list(maps)
+        assert body.index("prefetch_tensormap(tm_a)") < body.index("mbar_init(")
     cp = {**params, "loader": "cp_async"}
     assert FAMILY.launch(cp, prob).tensor_maps == () and "__grid_constant__" not in FAMILY.render(cp, prob)
+    assert "prefetch_tensormap(tm_" not in FAMILY.render(cp, prob)
 
 
 @pytest.mark.parametrize("cluster_m", [1, 2])

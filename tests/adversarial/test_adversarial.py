@@ -19,7 +19,6 @@ On a GPU machine: python3 -m pytest -q tests/adversarial -m gpu
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +102,6 @@ class KnownHole(AssertionError):
 # Verdicts the sandbox reaches by comparing timings (a warm time against a cold or fresh one): other processes on the
 # same GPU (pytest -n) shift those and hid both such fixtures on the H200, so they run only in a single process.
 TIMING_VERDICTS = ("warm time not reproducible",)
-SHARED_GPU = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
 
 
 def cases(fixtures: list[Fixture]) -> list:
@@ -114,8 +112,8 @@ def cases(fixtures: list[Fixture]) -> list:
             # failure, and a fixed sandbox (the cheat rejected as declared) turns the XPASS red: drop the marker then
             marks = [pytest.mark.xfail(strict=True, raises=KnownHole, reason=f"known hole: {fx.hole}")] \
                 if fx.hole else []
-            if SHARED_GPU and any(v in r for v in TIMING_VERDICTS for r in fx.reasons):
-                marks.append(pytest.mark.skip(reason="a timing verdict: run without pytest -n (a GPU of its own)"))
+            if any(v in r for v in TIMING_VERDICTS for r in fx.reasons):
+                marks.append(pytest.mark.gpu_alone)
             out.append(pytest.param(fx, layout, id=f"{fx.name}-{layout}", marks=marks))
     return out
 
