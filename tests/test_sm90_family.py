@@ -526,6 +526,23 @@ def test_no_narrow_splits_where_k_is_short_n_wide_or_16_row_tiles_fill_a_wave(pr
                    for p in FAMILY.space(problem))
 
 
+@pytest.mark.parametrize("problem", [Problem(933, 6912, 16, "kn"), Problem(933, 6912, 16, "nk"),
+                                     Problem(12288, 1024, 64, "kn"), Problem(16384, 512, 128, "nk")],
+                         ids=lambda p: p.key)
+def test_short_k_many_tiles_lead_with_ping_pong_consumers(problem):
+    space = FAMILY.space(problem)
+    assert [(p["block_m"], p["block_n"], p["epilogue"]) for p in space[:2]] == [(64, 256, "tma"), (128, 128, "tma")]
+    assert all(p.get("ping_pong") and p["persistent"] and p["consumers"] == 2 for p in space[:2])
+    assert sum(bool(p.get("ping_pong")) for p in space[:5]) == 3  # and the smem-staged one among the first five
+
+
+@pytest.mark.parametrize("problem", [Problem(7214, 896, 896, "nk"), Problem(3072, 2304, 768, "kn"),
+                                     Problem(3619, 160, 208, "nk"), Problem(512, 512, 128, "kn"),
+                                     Problem(64, 4096, 64, "nk")], ids=lambda p: p.key)
+def test_no_ping_pong_where_k_is_longer_or_a_block_would_get_one_tile(problem):
+    assert not any(p.get("ping_pong") for p in FAMILY.space(problem))
+
+
 def _tall(problem):
     return [(i, p["block_m"]) for i, p in enumerate(FAMILY.space(problem))
             if p["swap_ab"] and p["block_n"] == 256 and p["persistent"] and p["epilogue"] == "tma"
@@ -651,6 +668,11 @@ def test_fitted_tiles_enter_where_listed_shapes_quantise_badly_and_nowhere_else(
     {"block_m": 192, "block_n": 256, "consumers": 2, "stages": 3, "swap_ab": True, "epilogue": "tma",
      "persistent": True},
     {"block_m": 208, "block_n": 128, "consumers": 1, "stages": 5, "swap_ab": True, "epilogue": "tma"},
+    # ping-pong: a whole tile's accumulators a consumer (128 x 128, 64 x 256), its C area beside the ring
+    {"block_m": 128, "block_n": 128, "consumers": 2, "stages": 4, "persistent": True, "ping_pong": True,
+     "epilogue": "tma"},
+    {"block_m": 64, "block_n": 256, "consumers": 2, "stages": 4, "persistent": True, "ping_pong": True,
+     "epilogue": "tma"},
 ], ids=str)
 def test_new_kinds_compile_without_spills(params):
     problem = Problem(1024, 128, 4096, "nk")
@@ -672,6 +694,8 @@ TIGHT = [
      Problem(16, 4096, 4096, "nk")),
     ({"block_m": 240, "block_n": 128, "consumers": 2, "stages": 4, "swap_ab": True, "epilogue": "smem"},
      Problem(233, 4096, 4096, "kn")),
+    ({"block_m": 128, "block_n": 128, "consumers": 2, "stages": 4, "persistent": True, "ping_pong": True,
+      "epilogue": "tma"}, Problem(4096, 4096, 1024, "kn")),
 ]
 
 
@@ -754,7 +778,33 @@ GPU_KINDS = {
     "multicast_k_groups": ({**_PLAIN, "stages": 6, "cluster_m": 2, "k_groups": 3}, (333, 1000, 8200)),
     "swapped_multicast_k_groups": ({**_SWAPPED, "block_m": 144, "block_n": 128, "consumers": 2, "stages": 5,
                                     "cluster_m": 2, "k_groups": 3}, (414, 1000, 8200)),
+    # ping-pong: 33 x 9 tiles on 132 blocks, 2-3 a block (the odd third on consumer 0), each consumer skipping the
+    # other's 9 k-tiles (K off 64) in a 4-stage ring; 33 x 16 of 64 columns: 4 a block
+    "ping_pong_tma_store": ({**_PERSISTENT, "block_n": 128, "ping_pong": True, "epilogue": "tma"}, (4100, 1096, 520)),
+    "ping_pong_smem": ({**_PERSISTENT, "ping_pong": True, "epilogue": "smem"}, (4100, 1000, 520)),
+    "ping_pong_direct": ({**_PERSISTENT, "block_m": 64, "block_n": 256, "ping_pong": True, "epilogue": "direct"},
+                        (4100, 1096, 520)),
+    "ping_pong_cp_async": ({**_PERSISTENT, "ping_pong": True, "epilogue": "smem", "loader": "cp_async"},
+                          (4100, 1000, 520)),
 }
+
+
+def test_pingpong_consumers_take_whole_tiles_and_rejects_what_it_cannot_do():
+    pp = {**_PERSISTENT, "block_n": 128, "ping_pong": True, "epilogue": "tma"}
+    p = Sm90WgmmaParams(**pp)
+    # each consumer a whole 128 x 128 tile of accumulators and a C area of its own; its TMA stores cover all its rows
+    assert p.accumulators == 128 and p.smem_bytes == 4 * 256 * 128 + 2 * 128 * 128 * 2 + 16 * 5 + 1024
+    spec = FAMILY.launch(pp, Problem(4100, 1096, 520, "nk"))
+    assert spec.tensor_maps[-1].box == (64, 128) and spec.grid == (132, 1, 1)
+    # the field is written only where set: every other setting keeps the dict (and candidate id) it had before
+    assert "ping_pong" not in Sm90WgmmaParams(**_PERSISTENT).model_dump() and p.model_dump()["ping_pong"] is True
+    assert Sm90WgmmaParams(**p.model_dump()) == p
+    for update in ({"persistent": False}, {"consumers": 1}, {"swap_ab": True, "epilogue": "smem"},
+                   {"cluster_m": 2}):
+        with pytest.raises(ValueError, match="ping_pong"):
+            Sm90WgmmaParams(**{**pp, **update})
+    with pytest.raises(ValueError, match="accumulator registers"):  # a whole 128 x 256 tile a consumer
+        Sm90WgmmaParams(**{**pp, "block_n": 256, "stages": 2})
 
 
 def test_gpu_kinds_are_valid_settings():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, model_serializer, model_validator
 
 from core.records import Problem
 from templates.family import SMEM_PER_BLOCK_MAX, Params
@@ -77,12 +77,32 @@ class Sm90WgmmaParams(Params):
         "cluster_m does for B; for few tiles of rows and many of columns (a swapped tile of M's rows split along N). "
         "TMA loader, split_k 1, cluster_m 1, persistent only in pairs; 1 = no cluster")
 
+    ping_pong: bool = Field(
+        False, description="persistent blocks of two consumer warpgroups that each own whole block_m x block_n "
+        "tiles, the block's tiles taken in turn: one stores its tile (C staged in an area of its own) while the other "
+        "multiplies the next, so the tensor cores do not wait on the epilogue; for many tiles of a short K. Each "
+        "consumer holds a whole tile's accumulators (block_m x block_n / 128 registers a thread)")
+
     swap_ab: bool = Field(
         False, description="wgmma computes C^T = B^T A^T, the B tile (block_n rows, 64 per m64 wgmma, block_n / "
         "consumers per consumer) as wgmma's A operand and the A tile as its B operand (wgmma N = block_m, any "
         "multiple of 16), so rows of A are not padded to 64: tiny M (a 16-row A), or M just past a multiple of 64 "
         "(205 rows in one 208-row tile, not 256); the accumulators hold C transposed, written back through shared "
         "memory (smem epilogue, tma epilogue in 16-row chunks, or the split-K exchange tile)")
+
+    @model_serializer(mode="wrap")
+    def _without_default_ping_pong(self, handler: Any) -> dict[str, Any]:
+        """ping_pong appears only where it is set: every other setting keeps the dict, and so the candidate id and
+        the tuning database rows, it had before the field existed."""
+        out = handler(self)
+        if not self.ping_pong:
+            out.pop("ping_pong", None)
+        return out
+
+    @property
+    def row_owners(self) -> int:
+        """Consumer warpgroups that split a tile's wgmma rows: all of them, or one (ping-pong: whole tiles each)."""
+        return 1 if self.ping_pong else self.consumers
 
     @property
     def wgmma_m(self) -> int:
@@ -116,11 +136,12 @@ class Sm90WgmmaParams(Params):
         # swapped TMA stores go out in chunks of rows through two buffers a warpgroup: 2 chunks x block_n halves
         tma = 2 * SWAP_C_CHUNK * self.block_n * 2 if self.swap_ab else self.block_m * self.block_n * 2
         c_tile = {"smem": self.block_m * (self.block_n + 8) * 2, "tma": tma, "direct": 0}[self.epilogue]
+        c_tile *= self.consumers if self.ping_pong else 1  # ping-pong: a tile's area per consumer
         c_tile = max(c_tile, self.exchange_bytes)
         # Persistent blocks refill the ring while storing C, so C needs room of its own; otherwise it reuses it.
         body = self.ring_bytes + c_tile if self.persistent else max(self.ring_bytes, c_tile)
-        # + the mbarriers (16 B a stage) + slack to align the ring to a 1024-byte swizzle atom
-        return body + 16 * self.stages + 1024
+        # + the mbarriers (16 B a stage; ping-pong: two more) + slack to align the ring to a 1024-byte swizzle atom
+        return body + 16 * self.stages + (16 if self.ping_pong else 0) + 1024
 
     @property
     def entry_regs(self) -> int:
@@ -154,7 +175,7 @@ class Sm90WgmmaParams(Params):
     @property
     def accumulators(self) -> int:
         """fp32 accumulator registers per consumer thread."""
-        return self.wgmma_m // self.consumers // 64 * self.wgmma_n // 2
+        return self.wgmma_m // self.row_owners // 64 * self.wgmma_n // 2
 
     @model_validator(mode="after")
     def _feasible(self) -> Sm90WgmmaParams:
@@ -164,7 +185,11 @@ class Sm90WgmmaParams(Params):
         if not self.swap_ab and self.block_m % 64:
             raise ValueError(f"block_m={self.block_m}: without swap_ab the rows are m64 wgmmas (64, 128, 192 or "
                              "256); other multiples of 16 need swap_ab")
-        if self.wgmma_m % (64 * self.consumers):
+        if self.ping_pong and (not self.persistent or self.consumers != 2 or self.swap_ab or self.reduces
+                              or self.cluster_m * self.cluster_n > 1):
+            raise ValueError("ping_pong: two consumer warpgroups taking whole tiles in turn need persistent=True, "
+                             f"consumers=2 (not {self.consumers}), and no swap_ab, split_k, k_groups or clusters")
+        if self.wgmma_m % (64 * self.row_owners):
             extent = f"block_n={self.block_n} (swap_ab)" if self.swap_ab else f"block_m={self.block_m}"
             raise ValueError(f"{extent} must split into consumers={self.consumers} warpgroups of a multiple of 64 "
                              "rows each (wgmma is m64)")

@@ -184,6 +184,24 @@ def _narrow_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     return found
 
 
+# Ping-pong consumers (each of two owns whole tiles, one storing while the other multiplies) where K is a k-tile or
+# two and every block gets two tiles or more. Measured on the H200 (session 18, warm ratio to cuBLAS, the rules' best
+# against the best of these): 933_6912_16 kn 1.081 -> 1.149, nk 1.092 -> 1.175; 16384_512_128 nk 1.077 -> 1.178;
+# 12288_1024_64 nk 1.185 -> 1.236, kn 1.185 -> 1.231; 16384_16384_64 nk 1.162 -> 1.206. At K = 768-4096 they stayed
+# 4-7% behind the rules' best (7214_896_896, 3072_2304_768, 4732_896_896, 6278_12800_1600 and 4096 cubed, nk).
+PING_PONG_K_TILES = 2
+PING_PONG_TILES = ((64, 256, "tma"), (128, 128, "tma"), (128, 128, "smem"))  # the order they won in
+
+
+def _ping_pong_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
+    if -(-problem.k // 64) > PING_PONG_K_TILES:
+        return []
+    found = (deepest({"block_m": bm, "block_n": bn, "consumers": 2, "persistent": True, "ping_pong": True,
+                      "epilogue": epilogue}, top=4)
+             for bm, bn, epilogue in PING_PONG_TILES if problem.tiles(bm, bn) >= 2 * sms)
+    return [v for v in found if v is not None]
+
+
 # Measured at M = 414 only (512 is a multiple of 128: not proposed); smaller M (71-149 rows: one tile of rows, where
 # the listed split-K and unsplit settings measured 1.2-1.4x of cuBLAS) keep today's order.
 SWAP_SPLIT_MIN_M = 256
@@ -356,7 +374,7 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
     swap_split = _swapsplit_settings(problem, sms)
     if swap_split:  # few tiles: split, they lead; unsplit, they fill under a wave as the listed shapes do
         swap_leads, swap_alternates = swap_split, swap_leads + swap_alternates
-    _enter_at(ordered, 0, _narrow_settings(problem, sms))
+    _enter_at(ordered, 0, _narrow_settings(problem, sms) + _ping_pong_settings(problem, sms))
     _enter_at(ordered, SWAP_FIT_RANK, swap_leads)
     _enter_at(ordered, TALL_RANK, _tall_settings(problem, sms, lead))
     _enter_at(ordered, FITTED_RANK, _fitted_settings(problem, sms, shapes[0][0]))

@@ -25,7 +25,8 @@ class Sm90Wgmma(Family):
         "Hopper HGEMM: a producer warpgroup streams A/B tiles with TMA (host-encoded tensor maps) or cp.async "
         "into a STAGES-deep ring of 128-byte-swizzled shared memory (mbarrier full/empty handshake); 1-4 consumer "
         "warpgroups issue wgmma.mma_async m64nNk16 from shared-memory descriptors (B MN-major via the transpose "
-        "bit for kn), setmaxnreg moves registers to the consumers; grouped rasterisation; persistent blocks; "
+        "bit for kn), setmaxnreg moves registers to the consumers; grouped rasterisation; persistent blocks (two "
+        "consumers splitting each tile's rows, or ping-pong: each owning whole tiles in turn); "
         "direct, smem-staged or TMA-store (stmatrix) epilogue; split-K in thread-block clusters (fp32 partial "
         "tiles summed through distributed shared memory) and in K groups (partials through a global workspace, "
         "summed by the last CTA to arrive); clusters of 2 CTAs sharing each B tile, or of 2-4 sharing each A tile, by "
@@ -72,7 +73,7 @@ class Sm90Wgmma(Family):
             a_rows = p.block_m // p.cluster_n if p.cluster_n > 1 else min(p.block_m, -(-problem.m // 8) * 8)
             maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, a_rows)), b_map)
         if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels (swapped: 16-row chunks)
-            c_rows = SWAP_C_CHUNK if p.swap_ab else p.block_m // p.consumers
+            c_rows = SWAP_C_CHUNK if p.swap_ab else p.block_m // p.row_owners
             maps += (TensorMapSpec("C", (problem.n, problem.m), (64, c_rows)),)
         return LaunchSpec(grid=(grid, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
                           workspace_bytes=p.k_groups * tiles * p.block_m * p.block_n * 4 if grouped else 0,
