@@ -187,8 +187,9 @@ def _narrow_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
 # Ping-pong consumers (each of two owns whole tiles, one storing while the other multiplies) where K is a k-tile or
 # two and every block gets two tiles or more. Measured on the H200 (session 18, warm ratio to cuBLAS, the rules' best
 # against the best of these): 933_6912_16 kn 1.081 -> 1.149, nk 1.092 -> 1.175; 16384_512_128 nk 1.077 -> 1.178;
-# 12288_1024_64 nk 1.185 -> 1.236, kn 1.185 -> 1.231; 16384_16384_64 nk 1.162 -> 1.206. At K = 768-4096 they stayed
-# 4-7% behind the rules' best (7214_896_896, 3072_2304_768, 4732_896_896, 6278_12800_1600 and 4096 cubed, nk).
+# 12288_1024_64 nk 1.185 -> 1.236, kn 1.185 -> 1.231; 16384_16384_64 nk 1.162 -> 1.206. At K = 768-896 they stayed
+# 1-5% behind the rules' best (4732_896_896, 3072_2304_768, 7214_896_896 nk), at K = 1600-4096 7% (6278_12800_1600,
+# 4096 cubed, nk).
 PING_PONG_K_TILES = 2
 PING_PONG_TILES = ((64, 256, "tma"), (128, 128, "tma"), (128, 128, "smem"))  # the order they won in
 
