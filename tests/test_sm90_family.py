@@ -789,7 +789,7 @@ GPU_KINDS = {
 }
 
 
-def test_pingpong_consumers_take_whole_tiles_and_rejects_what_it_cannot_do():
+def test_ping_pong_consumers_take_whole_tiles_and_reject_what_they_cannot_do():
     pp = {**_PERSISTENT, "block_n": 128, "ping_pong": True, "epilogue": "tma"}
     p = Sm90WgmmaParams(**pp)
     # each consumer a whole 128 x 128 tile of accumulators and a C area of its own; its TMA stores cover all its rows
