@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.live import Live
 
+from agent import buckets
 from agent.config import LlmSettings, RunConfig
 from agent.shapes import ShapeError, parse_shape_list, read_shapes_file
 from agent.store import RunStore, StoreError, list_runs, new_run_id
@@ -41,8 +42,9 @@ def build_parser() -> Parser:
     sub.add_parser = functools.partial(sub.add_parser, parents=[common])
 
     r = sub.add_parser("run", help="search kernels for one or more shapes")
-    r.add_argument("--mnk", help="M_N_K[,M_N_K...], e.g. 4096_4096_4096")
-    r.add_argument("--shapes", type=Path, help="file with one M_N_K[:layout[:dtype[:bias]]] a line, '#' comments")
+    r.add_argument("--mnk", help="M_N_K[,M_N_K...], e.g. 4096_4096_4096; M may be a range, 1-512_4096_4096")
+    r.add_argument("--shapes", type=Path, help="file with one M_N_K[:layout[:dtype[:bias]]] a line (M may be a "
+                   "range LO-HI), '#' comments")
     r.add_argument("--b-layout", choices=B_LAYOUTS, default="kn",
                    help="kn: B is K x N row-major (torch.matmul); nk: N x K row-major (nn.Linear weight)")
     add_dtype_bias(r)
@@ -167,6 +169,7 @@ def cmd_run(args) -> int:
         raise UsageError("--compile-only uses no GPU: drop --gpus / --cluster")
     problems = (parse_shape_list(args.mnk, args.b_layout, args.dtype, args.bias) if args.mnk
                 else read_shapes_file(args.shapes, args.b_layout, args.dtype, args.bias) if args.shapes else None)
+    problems = buckets.plan(problems) if problems else problems  # ranges of M -> buckets
     try:
         llm = LlmSettings.from_env(model=args.llm_model, base_url=args.llm_base_url, max_calls=args.llm_max_calls,
                                    max_prompt_tokens=args.llm_max_prompt_tokens)

@@ -11,6 +11,8 @@ candidate, so idle GPUs take its candidates while the previous shape's last eval
 (successive halving, round by round, a round's measurements at once) and its profiles finish. A shape's time
 budget is its share of what is left when it starts (shapes are searched cheapest first, so what the small ones leave
 goes to the costly ones); it stops proposing early enough for its re-measurement to fit in that share too.
+A bucket of M (agent/buckets.py) starts from its searched neighbour's leaders, with a smaller candidate budget, and
+after its re-measurement its leaders are re-timed at both ends of the bucket.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
+from agent import buckets
 from agent.bandit import SuccessiveHalving, ThompsonBandit
 from agent.config import RunConfig
 from agent.proposers.base import Proposer, SearchState, arm_of
@@ -60,6 +63,9 @@ class _Shape:
     halving: SuccessiveHalving | None = None
     leaders: dict[str, Candidate] = field(default_factory=dict)
     round_left: int = 0
+    limit: int = 0  # candidates to try: the run's per-shape count, or a seeded bucket's budget
+    seeds: list[Candidate] = field(default_factory=list)  # tried first: a bucket's neighbour's leaders
+    ends: buckets.EndChecks | None = None
 
 
 class SearchLoop:
@@ -158,12 +164,14 @@ class SearchLoop:
         state = self._next_state(index, problem)
         self._upcoming = None
         self.observe("shape", {"problem": problem, "resumed": len(state.tried)})
-        return _Shape(index, problem, state, deadline)
+        seeds = buckets.seeds(self.store, problem)
+        return _Shape(index, problem, state, deadline, limit=buckets.budget(self.config.max_candidates, bool(seeds)),
+                      seeds=seeds)
 
     def _top_up(self, s: _Shape) -> None:
         """Propose while there is room in flight, until the shape's budget or candidates run out."""
         while s.phase == "search" and self._room():
-            left = self.config.max_candidates - len(s.state.tried) - len(s.state.pending)
+            left = s.limit - len(s.state.tried) - len(s.state.pending)
             reserve = self._follow_up_reserve(s)
             if left <= 0 or time.monotonic() + reserve >= s.deadline:
                 if left > 0:  # where a shape's time went, for runs that give some shapes few candidates
@@ -172,7 +180,8 @@ class SearchLoop:
                                      "re-measurement")
                 s.phase = "drain"
                 return
-            batch = self.proposer.propose(s.state, n=min(left, self._depth() - len(self.pending)))
+            n = min(left, self._depth() - len(self.pending))
+            batch = [c for c in s.seeds if c.id not in s.state.tried_ids][:n] or self.proposer.propose(s.state, n=n)
             for call in self.proposer.take_calls():  # kept for `show --llm`, with what became of each proposal
                 self.store.add_model_call(call)
             if not batch:
@@ -222,7 +231,7 @@ class SearchLoop:
         s.state.tried.append((cand, build, result))
         s.state.bandit.update(arm_of(cand), _reward(result))
         self.observe("result", {"problem": s.problem, "candidate": cand, "build": build, "result": result})
-        if self.profiler and len(s.state.tried) == self.config.max_candidates // 2 and time.monotonic() < s.deadline:
+        if self.profiler and len(s.state.tried) == s.limit // 2 and time.monotonic() < s.deadline:
             # so that the second half's prompts see the leader's profile
             self._profile_next(s, [c for c, _ in self.store.leaders(s.problem)[:1]])
 
@@ -233,7 +242,7 @@ class SearchLoop:
             return
         s.leaders = {c.id: c for c, _ in self.store.leaders(s.problem)[:self.remeasure_top]}
         if len(s.leaders) < 2:
-            self._profile_next(s, [c for c, _ in self.store.leaders(s.problem)[:PROFILE_TOP]])
+            self._settle(s)
             return
         scores = {cid: [1 / v for v in self.store.speedups(cid)] for cid in s.leaders}  # lower is better
         s.halving = SuccessiveHalving(list(s.leaders), scores)
@@ -246,7 +255,7 @@ class SearchLoop:
             if winner is not None:
                 self.store.set_winner(s.problem, winner)
             self.store.event("remeasure", f"{s.problem.key}: winner after re-measurement {winner}")
-            self._profile_next(s, [c for c, _ in self.store.leaders(s.problem)[:PROFILE_TOP]])
+            self._settle(s)
             return
         s.round_left = len(items)
         for cid in items:
@@ -262,6 +271,27 @@ class SearchLoop:
         s.round_left -= 1
         if s.round_left == 0:
             self._remeasure_round(s)
+
+    def _settle(self, s: _Shape) -> None:
+        """After the re-measurement: a bucket's leaders re-timed at its ends (agent.buckets.EndChecks); then
+        profiles."""
+        if s.problem.m_range is not None and s.ends is None:
+            s.ends = buckets.EndChecks(self.store, s.problem, self.config.kernel_timeout_s)
+        jobs = s.ends.next_jobs() if s.ends is not None else []
+        if not jobs:
+            self._profile_next(s, [c for c, _ in self.store.leaders(s.problem)[:PROFILE_TOP]])
+            return
+        s.round_left = len(jobs)
+        for job in jobs:
+            self._await(self.executor.submit(job), s, lambda r, job=job: self._end_timed(s, job, r))
+
+    def _end_timed(self, s: _Shape, job: EvalJob, r: EvalResult) -> None:
+        self.observe("bucket end", {"problem": s.problem, "candidate": self.store.candidate(job.candidate_id),
+                                    "m": job.problem.m, "result": r})
+        s.ends.record(job, r)
+        s.round_left -= 1
+        if s.round_left == 0:
+            self._settle(s)
 
     def _profile_next(self, s: _Shape, todo: list[Candidate]) -> None:
         """Nsight Compute's view of the shape's leaders (by median speed-up), one after the other, kept for `show`

@@ -12,6 +12,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
+from agent import buckets
 from agent.proposers.patch import patch_text
 from agent.store import RunStore
 from core.records import EvalResult, Problem, ProposalFate, Status
@@ -49,6 +50,10 @@ class LiveView:
             self.last = f"{data['candidate'].id} {data['candidate'].family} {r.status.value} {r.reason[:80]}"
         elif kind == "profile":
             self.last = f"{data['candidate'].id}: profiling with Nsight Compute"
+        elif kind == "bucket end":
+            r = data["result"]
+            self.last = (f"{data['candidate'].id} at the bucket's end M={data['m']}: {r.status.value} "
+                         f"{fmt_ratio(r.speedup)} {r.reason[:80]}")
 
     def __rich__(self) -> Table:
         t = Table(title=self.title, caption=self.last or None)
@@ -70,7 +75,7 @@ class LineView(LiveView):
 
     def __call__(self, kind: str, data: dict) -> None:
         super().__call__(kind, data)
-        if kind in ("result", "profile"):
+        if kind in ("result", "profile", "bucket end"):
             self.console.print(f"{data['problem'].key}: {self.last}", soft_wrap=True, markup=False)
 
 
@@ -132,7 +137,7 @@ def show_run(store: RunStore) -> Group:
         t.add_row(p.mnk, p.b_layout, dtype, str(sum(counts.values())), fails, c.id, c.family, fmt_us(r.time_us),
                   fmt_us(r.cublas_warm.median_us), fmt_ratio(ratio), fmt_ratio(cold), cold_warm, f"{floor:.0f}%")
     device = store.get_meta("device")
-    parts = [t, *profiles]
+    parts = [t, *bucket_lines(store), *profiles]
     if compile_only(store):
         parts.append("compile-only run: candidates were rendered and compiled, not run; nothing was checked or timed")
     stats = store.get_meta("proposer_stats") or {}
@@ -143,6 +148,19 @@ def show_run(store: RunStore) -> Group:
         parts.append(f"device: {device.get('name')} (driver {sw.get('driver', '?')}, torch {sw.get('torch')}"
                      f", SM clock {sw.get('sm_clock_mhz', '?')} MHz)")
     return Group(*parts)
+
+
+def bucket_lines(store: RunStore) -> list[Text]:
+    """Per bucket of M, what serves it: the kernel at least as fast as cuBLAS at both ends (its ratios there), or
+    cuBLAS."""
+    lines = []
+    for p in store.problems():
+        if p.m_range is None or store.winner(p) is None or compile_only(store):
+            continue
+        served = buckets.served(store, p)
+        lines.append(Text(f"bucket {p.mnk} {p.b_layout}: " + (f"kernel {served.note(p)}" if served else "cuBLAS (no "
+                          "leader at least as fast as cuBLAS at both ends)")))
+    return lines
 
 
 def model_calls_view(store: RunStore) -> Group:

@@ -3,7 +3,8 @@
 A shape is `M_N_K`, optionally followed by its B layout, its dtype and a bias, as the run tables print them:
 `M_N_K`, `M_N_K:nk`, `M_N_K:nk:bf16`, `M_N_K:nk:bf16:bias`. Fields a shape leaves out take the caller's defaults
 (the command line's --b-layout, --dtype, --bias); a shape that names its dtype also says whether it has a bias (a
-trailing `:bias`, or none).
+trailing `:bias`, or none). M may be a range, `LO-HI_N_K` (every M from LO to HI: `run` searches it in buckets,
+agent/buckets.py); `M-M` is the single M.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from agent.buckets import representative
 from core.records import B_LAYOUTS, Problem
 
-_SHAPE = re.compile(r"^(\d+)_(\d+)_(\d+)$")
+_SHAPE = re.compile(r"^(\d+)(?:-(\d+))?_(\d+)_(\d+)$")
 DTYPE_NAMES = {"f16": "f16", "fp16": "f16", "bf16": "bf16"}  # spellings accepted -> Problem.dtype
 
 
@@ -34,7 +36,8 @@ def parse_shape(text: str, b_layout: str = "kn", dtype: str = "f16", bias: bool 
     m = _SHAPE.match(mnk)
     if not m or len(fields) > 3 or "" in fields:
         raise ShapeError(f"malformed shape {text!r}: expected M_N_K[:layout[:dtype[:bias]]] with three positive "
-                         "integers, e.g. 4096_4096_4096 or 16_4096_4096:nk:bf16:bias")
+                         "integers (M may be a range LO-HI), e.g. 4096_4096_4096, 16_4096_4096:nk:bf16:bias or "
+                         "1-512_4096_4096:nk")
     if fields:
         if fields[0] not in B_LAYOUTS:
             raise ShapeError(f"shape {text!r}: unknown B layout {fields[0]!r}: use one of {', '.join(B_LAYOUTS)}")
@@ -45,8 +48,13 @@ def parse_shape(text: str, b_layout: str = "kn", dtype: str = "f16", bias: bool 
         if fields[2] != "bias":
             raise ShapeError(f"shape {text!r}: expected 'bias' after the dtype, got {fields[2]!r}")
         bias = True
+    lo, hi = int(m[1]), int(m[2] or m[1])
     try:
-        return Problem(int(m[1]), int(m[2]), int(m[3]), b_layout, DTYPE_NAMES.get(dtype, dtype), bias)
+        if lo > hi:
+            raise ValueError(f"the M range {lo}-{hi} is empty (reversed): write it low-high, e.g. {hi}-{lo}")
+        span = (lo, hi) if hi > lo else None
+        return Problem(representative(lo, hi) if span else lo, int(m[3]), int(m[4]), b_layout,
+                       DTYPE_NAMES.get(dtype, dtype), bias, m_range=span)
     except ValueError as e:
         raise ShapeError(f"shape {text!r}: {e}") from None
 

@@ -25,12 +25,14 @@ DB_NAME = "run.sqlite"
 WINNERS_TABLE = "CREATE TABLE IF NOT EXISTS winners (problem_key TEXT PRIMARY KEY, candidate_id TEXT);"
 MODEL_CALLS_TABLE = """CREATE TABLE IF NOT EXISTS model_calls (seq INTEGER PRIMARY KEY, problem_key TEXT, ts REAL,
     record TEXT);"""
+BUCKET_ENDS_TABLE = """CREATE TABLE IF NOT EXISTS bucket_ends (seq INTEGER PRIMARY KEY, problem_key TEXT,
+    candidate_id TEXT, m INT, record TEXT);"""
 PROFILES_TABLE = """CREATE TABLE IF NOT EXISTS profiles (candidate_id TEXT PRIMARY KEY, ok INT, metrics TEXT,
     summary TEXT, error TEXT);"""
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS problems (key TEXT PRIMARY KEY, m INT, n INT, k INT, b_layout TEXT, dtype TEXT,
-                                     position INT, bias INT DEFAULT 0);
+                                     position INT, bias INT DEFAULT 0, m_lo INT, m_hi INT);
 CREATE TABLE IF NOT EXISTS candidates (id TEXT PRIMARY KEY, seq INTEGER, problem_key TEXT, family TEXT,
     params TEXT, origin TEXT, rationale TEXT, template_override TEXT, created REAL, patch TEXT);
 CREATE TABLE IF NOT EXISTS builds (candidate_id TEXT PRIMARY KEY, arch TEXT, ok INT, source TEXT, cubin BLOB,
@@ -41,7 +43,7 @@ CREATE TABLE IF NOT EXISTS results (candidate_id TEXT PRIMARY KEY, status TEXT, 
 CREATE TABLE IF NOT EXISTS measurements (candidate_id TEXT, time_us REAL, cublas_us REAL, speedup REAL,
     created REAL);
 CREATE TABLE IF NOT EXISTS events (ts REAL, kind TEXT, message TEXT);
-""" + PROFILES_TABLE + WINNERS_TABLE + MODEL_CALLS_TABLE
+""" + PROFILES_TABLE + WINNERS_TABLE + MODEL_CALLS_TABLE + BUCKET_ENDS_TABLE
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,12 @@ class RunStore:
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(problems)")}
         if "bias" not in columns:
             self.db.execute("ALTER TABLE problems ADD COLUMN bias INT DEFAULT 0")
+        if "m_lo" not in columns:
+            self.db.execute("ALTER TABLE problems ADD COLUMN m_lo INT")
+            self.db.execute("ALTER TABLE problems ADD COLUMN m_hi INT")
         if "patch" not in {row[1] for row in self.db.execute("PRAGMA table_info(candidates)")}:
             self.db.execute("ALTER TABLE candidates ADD COLUMN patch TEXT")
-        self.db.executescript(PROFILES_TABLE + WINNERS_TABLE + MODEL_CALLS_TABLE)
+        self.db.executescript(PROFILES_TABLE + WINNERS_TABLE + MODEL_CALLS_TABLE + BUCKET_ENDS_TABLE)
 
     @property
     def run_id(self) -> str:
@@ -121,12 +126,15 @@ class RunStore:
 
     def add_problems(self, problems: list[Problem]) -> None:
         for i, p in enumerate(problems):
-            self.db.execute("INSERT OR IGNORE INTO problems VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                            (p.key, p.m, p.n, p.k, p.b_layout, p.dtype, i, int(p.bias)))
+            lo, hi = p.m_range or (None, None)
+            self.db.execute("INSERT OR IGNORE INTO problems (key, m, n, k, b_layout, dtype, position, bias, m_lo, "
+                            "m_hi) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            (p.key, p.m, p.n, p.k, p.b_layout, p.dtype, i, int(p.bias), lo, hi))
 
     def problems(self) -> list[Problem]:
-        rows = self.db.execute("SELECT m, n, k, b_layout, dtype, bias FROM problems ORDER BY position").fetchall()
-        return [Problem(*r[:5], bool(r[5])) for r in rows]
+        rows = self.db.execute("SELECT m, n, k, b_layout, dtype, bias, m_lo, m_hi FROM problems "
+                               "ORDER BY position").fetchall()
+        return [_problem(*r) for r in rows]
 
     # candidates and their records
     def add_candidate(self, c: Candidate) -> None:
@@ -168,13 +176,13 @@ class RunStore:
         self.db.execute("INSERT INTO events VALUES (?, ?, ?)", (time.time(), kind, message))
 
     def candidate(self, cid: str) -> Candidate:
-        row = self.db.execute("SELECT c.id, p.m, p.n, p.k, p.b_layout, p.dtype, p.bias, c.family, c.params, "
-                              "c.origin, c.rationale, c.template_override, c.patch FROM candidates c JOIN problems "
-                              "p ON c.problem_key = p.key WHERE c.id = ?", (cid,)).fetchone()
+        row = self.db.execute("SELECT c.id, p.m, p.n, p.k, p.b_layout, p.dtype, p.bias, p.m_lo, p.m_hi, c.family, "
+                              "c.params, c.origin, c.rationale, c.template_override, c.patch FROM candidates c JOIN "
+                              "problems p ON c.problem_key = p.key WHERE c.id = ?", (cid,)).fetchone()
         if row is None:
             raise StoreError(f"no candidate {cid!r} in run {self.run_id}")
-        return Candidate(Problem(*row[1:6], bool(row[6])), row[7], json.loads(row[8]), row[9], row[10], row[11],
-                         Patch.from_json(row[12]) if row[12] else None)
+        return Candidate(_problem(*row[1:9]), row[9], json.loads(row[10]), row[11], row[12], row[13],
+                         Patch.from_json(row[14]) if row[14] else None)
 
     def candidates(self, problem: Problem | None = None) -> list[Candidate]:
         q = "SELECT id FROM candidates" + (" WHERE problem_key = ?" if problem else "") + " ORDER BY seq"
@@ -222,6 +230,19 @@ class RunStore:
              + ("WHERE c.problem_key = ? " if problem else "") + "GROUP BY r.status")
         return dict(self.db.execute(q, (problem.key,) if problem else ()).fetchall())
 
+    # a bucket's leaders re-timed at the bucket's ends (agent.buckets.EndChecks)
+    def add_bucket_end(self, bucket: Problem, cid: str, m: int, r: EvalResult) -> None:
+        self.db.execute("INSERT INTO bucket_ends (problem_key, candidate_id, m, record) VALUES (?, ?, ?, ?)",
+                        (bucket.key, cid, m, r.to_json()))
+
+    def bucket_ends(self, bucket: Problem) -> dict[str, dict[int, EvalResult]]:
+        """Candidate id -> M -> its latest result at that end of the bucket."""
+        out: dict[str, dict[int, EvalResult]] = {}
+        for cid, m, record in self.db.execute("SELECT candidate_id, m, record FROM bucket_ends WHERE problem_key = ? "
+                                              "ORDER BY seq", (bucket.key,)):
+            out.setdefault(cid, {})[m] = EvalResult.from_json(record)
+        return out
+
     # Nsight Compute profiles
     def add_profile(self, cid: str, p: ProfileResult) -> None:
         self.db.execute("INSERT OR REPLACE INTO profiles VALUES (?, ?, ?, ?, ?)",
@@ -243,6 +264,10 @@ class RunStore:
 
     def events(self) -> list[tuple[float, str, str]]:
         return self.db.execute("SELECT ts, kind, message FROM events ORDER BY ts").fetchall()
+
+
+def _problem(m, n, k, b_layout, dtype, bias, m_lo=None, m_hi=None) -> Problem:
+    return Problem(m, n, k, b_layout, dtype, bool(bias), None if m_lo is None else (m_lo, m_hi))
 
 
 def list_runs(root: Path) -> list[RunStore]:

@@ -19,7 +19,10 @@ INT32_MAX = 2**31 - 1  # kernels take M, N, K as 32-bit ints, and so do their el
 
 @dataclass(frozen=True)
 class Problem:
-    """C[M,N] = A[M,K] @ B (+ bias[N] when `bias`), 16-bit inputs and output (`dtype`), fp32 accumulation."""
+    """C[M,N] = A[M,K] @ B (+ bias[N] when `bias`), 16-bit inputs and output (`dtype`), fp32 accumulation.
+
+    With `m_range` (lo, hi) the problem is every M from lo to hi (a bucket of M, or a range a shapes file gives);
+    `m` is then the representative M it is searched and timed at, inside the range."""
 
     m: int
     n: int
@@ -27,13 +30,24 @@ class Problem:
     b_layout: str = "kn"
     dtype: str = "f16"
     bias: bool = False
+    m_range: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.m_range is not None:
+            object.__setattr__(self, "m_range", tuple(self.m_range))  # from JSON: a list
+            lo, hi = self.m_range
+            if lo < 1:
+                raise ValueError(f"M must be positive, got the range {self.mnk}")
+            if lo > hi:
+                raise ValueError(f"the M range {lo}-{hi} is empty (reversed): write it low-high, e.g. {hi}-{lo}")
+            if not lo <= self.m <= hi:
+                raise ValueError(f"the representative M={self.m} lies outside the range {lo}-{hi}")
         if min(self.m, self.n, self.k) < 1:
             raise ValueError(f"M, N and K must be positive, got {self.mnk}")
         if self.n % 8 or self.k % 8:
             raise ValueError(f"N and K must be multiples of 8 (16-byte rows), got {self.mnk}")
-        for name, elements in (("A", self.m * self.k), ("B", self.k * self.n), ("C", self.m * self.n)):
+        m = self.m_span[1]
+        for name, elements in (("A", m * self.k), ("B", self.k * self.n), ("C", m * self.n)):
             if elements > INT32_MAX:
                 raise ValueError(f"{name} would have {elements:.3g} elements; the kernels index operands with 32-bit "
                                  f"ints, so each may have at most {INT32_MAX} (2^31 - 1)")
@@ -43,12 +57,20 @@ class Problem:
             raise ValueError(f"unknown dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
 
     @property
+    def m_span(self) -> tuple[int, int]:
+        """The M values the problem stands for: its range, or (m, m)."""
+        return self.m_range or (self.m, self.m)
+
+    @property
     def mnk(self) -> str:
-        return f"{self.m}_{self.n}_{self.k}"
+        """M_N_K, with M written lo-hi where the problem is a range of M."""
+        m = f"{self.m_range[0]}-{self.m_range[1]}" if self.m_range else str(self.m)
+        return f"{m}_{self.n}_{self.k}"
 
     @property
     def key(self) -> str:
-        """M_N_K:layout:dtype, and :bias where a bias is added: how shapes files and tables name a problem."""
+        """M_N_K:layout:dtype, and :bias where a bias is added: how shapes files and tables name a problem (M as
+        lo-hi for a range; a problem of one M keeps the key it always had)."""
         return f"{self.mnk}:{self.b_layout}:{self.dtype}" + (":bias" if self.bias else "")
 
     @property

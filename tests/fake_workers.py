@@ -78,6 +78,16 @@ def scripted_worker(conn, index=0):
                                         device={"index": index, "pid": os.getpid(), "t0": t0, "t1": time.time()})))
 
 
+def m_dependent_worker(conn, index=0):
+    """tests.helpers.m_dependent_evaluate behind the pipe: kernels beat cuBLAS only from a given M up."""
+    from tests.helpers import m_dependent_evaluate
+
+    _hello(conn, index)
+    while (job := conn.recv()) is not None:
+        conn.send(("deadline", 5.0))
+        conn.send(("result", m_dependent_evaluate(job)))
+
+
 def _first_to_create(path: str) -> bool:
     try:
         os.close(os.open(path, os.O_CREAT | os.O_EXCL))

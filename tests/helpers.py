@@ -20,6 +20,20 @@ def fake_evaluate(job: EvalJob) -> EvalResult:
                       device={"name": "fake GPU"})
 
 
+FAST_FROM_M = 20
+
+
+def m_dependent_evaluate(job: EvalJob) -> EvalResult:
+    """Every kernel 1.5x of cuBLAS (30 us) or better from M = FAST_FROM_M up, 0.75x or worse below; within that,
+    bigger tiles and fewer stages are faster (so leaders differ)."""
+    t = 20.0 - job.params["block_m"] * job.params["block_n"] / 2**14 + job.params["stages"] / 10
+    if job.problem.m < FAST_FROM_M:
+        t += 20.0
+    return EvalResult(job.candidate_id, Status.OK, warm=Timing(t, t * 0.99, t * 1.01, 100),
+                      cold=Timing(t * 1.1, t, t * 1.2, 100), cublas_warm=Timing(30.0, 29.7, 30.3, 100),
+                      cublas_cold=Timing(33.0, 32, 34, 100), device={"name": "fake GPU"})
+
+
 DEFAULT_PROBLEMS = (Problem(1000, 3000, 2000), Problem(64, 64, 64, "nk"))
 
 

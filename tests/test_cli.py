@@ -30,6 +30,14 @@ def run_cli(capsys, *argv):
     (["run", "--mnk", "64_64_64", "--budget-minutes", "inf", "--compile-only"], "finite"),
     (["run", "--mnk", "99999999999999999999_8_8", "--compile-only"], "32-bit"),
     (["run", "--mnk", "65536_65536_8", "--compile-only"], "32-bit"),
+    (["run", "--mnk", "512-1_4096_4096:nk", "--compile-only"], "the M range 512-1 is empty (reversed)"),
+    (["run", "--mnk", "0-512_4096_4096:nk", "--compile-only"], "M must be positive"),
+    (["run", "--mnk", "0-0_64_64", "--compile-only"], "positive"),
+    (["run", "--mnk", "1-_64_64", "--compile-only"], "malformed"),
+    (["run", "--mnk", "-512_64_64", "--compile-only"], "malformed"),
+    (["run", "--mnk", "1-2-3_64_64", "--compile-only"], "malformed"),
+    (["run", "--mnk", "1-600000_4096_4096:nk", "--compile-only"], "32-bit"),
+    (["run", "--mnk", "1-99999999999999999999_8_8", "--compile-only"], "32-bit"),
     (["run", "--resume", "nope"], "no run 'nope'"),
     (["show", "nope"], "no run 'nope'"),
     (["export", "../etc"], "bad run id"),
@@ -150,6 +158,14 @@ def test_server_bench_without_gpu_says_so_and_writes_nothing(tmp_path, capsys):
 def test_run_without_gpu_says_so_and_writes_nothing(tmp_path, capsys, gpus):
     code, _, err = run_cli(capsys, "run", "--mnk", "64_64_64", *gpus, "--runs-dir", tmp_path / "runs")
     assert code == 2 and "no usable GPU" in err and "--compile-only" in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_range_in_a_shapes_file_with_bad_input_writes_nothing(tmp_path, capsys):
+    shapes = tmp_path / "shapes.txt"
+    shapes.write_text("1-64_4096_4096:nk\n300-200_4096_4096:nk:bf16\n")
+    code, _, err = run_cli(capsys, "run", "--shapes", shapes, "--compile-only", "--runs-dir", tmp_path / "runs")
+    assert code == 2 and "shapes.txt:2:" in err and "reversed" in err and err.count("\n") == 1
     assert not (tmp_path / "runs").exists()
 
 

@@ -7,6 +7,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from agent import buckets
 from agent.config import RunConfig
 from agent.loop import SearchLoop
 from agent.proposers.builtin import BuiltinProposer, RandomProposer
@@ -277,3 +278,34 @@ def test_compile_only_runs_compile_nothing_ahead(tmp_path):
     ahead = CountingBuilds()
     search(tmp_path / "r", None, n=3, ahead=ahead)
     assert ahead.ids == []
+
+
+def test_a_range_is_searched_in_buckets_seeded_by_neighbours_and_timed_at_their_ends(tmp_path):
+    """Buckets of 1-48 through a fake GPU worker whose kernels beat cuBLAS only from M = 20 up: the first bucket
+    gets the full budget, each later one its neighbour's leaders first and a smaller budget; each bucket's winner
+    is re-timed at both ends, and only buckets at least as fast as cuBLAS at both ends are served by a kernel."""
+    problems = buckets.plan([Problem(24, 256, 512, "nk", m_range=(1, 48))])
+    store = RunStore(tmp_path / "r", create=True)
+    store.add_problems(problems)
+    config = RunConfig(max_candidates=8, profile=False)
+    ends = []
+    with WorkerPool((0,), target=fake_workers.m_dependent_worker) as pool:
+        pool.start()
+        SearchLoop(store, config, BuiltinProposer(), "sm_90a", pool,
+                   lambda kind, data: ends.append((data["problem"].key, data["m"])) if kind == "bucket end" else None
+                   ).run(problems)
+    tried = [len(store.results(p)) for p in problems]
+    assert [p.mnk for p in problems] == ["1-1_256_512", "2-2_256_512", "3-4_256_512", "5-8_256_512", "9-16_256_512",
+                                         "17-24_256_512", "25-32_256_512", "33-48_256_512"]
+    assert tried == [8] + [5] * 7  # 43 candidates, not 8 x 8
+    for before, p in zip(problems, problems[1:], strict=False):  # each starts from the bucket searched before it
+        firsts = store.candidates(p)[:3]
+        assert all("leader of the neighbouring bucket" in c.rationale for c in firsts)
+        assert [c.params for c in firsts] == [c.params for c, _ in store.leaders(before)[:3]]
+    for p in problems:  # the winner, and where it fails at an end the next leader, re-timed at both ends
+        timed = store.bucket_ends(p)
+        assert set(timed[store.winner(p).candidate.id]) == set(p.m_span) and len(timed) <= buckets.END_TRIES
+        assert {(p.key, m) for m in p.m_span} <= set(ends)
+    served = {p.mnk: buckets.served(store, p) for p in problems}
+    assert [k for k, v in served.items() if v] == ["25-32_256_512", "33-48_256_512"]  # 17-24 is slow at M=17
+    assert all(min(r.speedup for r in s.ends.values()) >= 1.0 for s in served.values() if s)

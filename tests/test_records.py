@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+
+import pytest
 
 from core.records import Candidate, EvalResult, Problem, Status, Timing
 
@@ -33,3 +36,16 @@ def test_eval_result_round_trip_and_score():
     bad = EvalResult("y", Status.WRONG, "wrong result")
     assert bad.time_us == math.inf and bad.speedup is None
     assert EvalResult.from_json(bad.to_json()) == bad
+
+
+def test_a_problem_over_a_range_of_m():
+    bucket = Problem(21, 4096, 4096, "nk", m_range=[17, 24])  # a list, as JSON gives it back
+    assert bucket.m_range == (17, 24) and bucket.m_span == (17, 24) and hash(bucket)
+    assert bucket.key == "17-24_4096_4096:nk:f16" and bucket.mnk == "17-24_4096_4096"
+    assert Problem(21, 4096, 4096, "nk").key == "21_4096_4096:nk:f16"  # one M: the key it always had
+    assert Problem(**dataclasses.asdict(bucket)) == bucket
+    assert Candidate(bucket, "naive", {}).id != Candidate(Problem(21, 4096, 4096, "nk"), "naive", {}).id
+    for kw, match in [({"m": 30}, "outside the range 17-24"), ({"m_range": (0, 24), "m": 1}, "positive"),
+                      ({"m_range": (24, 17)}, "reversed"), ({"m_range": (1, 2**19)}, "32-bit")]:
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(bucket, **kw)

@@ -86,3 +86,29 @@ def test_a_store_from_before_patches_and_model_calls_opens(tmp_path):
     again.add_model_call(ModelCall(P.key, "propose", 1, 2))
     assert again.model_calls() == [ModelCall(P.key, "propose", 1, 2)]
     assert RunStore(tmp_path / "r").candidate(patched.id).template_override == "patched template"
+
+
+def test_show_says_what_serves_each_bucket_of_m(tmp_path):
+    from agent import buckets
+    from agent.report import show_run
+    from tests.helpers import m_dependent_evaluate, populated_run
+
+    problems = buckets.plan([Problem(24, 256, 512, "nk", m_range=(17, 32))])
+    store = populated_run(tmp_path / "r", problems=tuple(problems), n=3, evaluate=m_dependent_evaluate)
+    out = text(show_run(store))
+    assert "bucket 17-24_256_512 nk: cuBLAS (no leader at least as fast as cuBLAS at both ends)" in out
+    served = buckets.served(store, problems[1])
+    assert f"bucket 25-32_256_512 nk: kernel {served.note(problems[1])}" in out
+
+
+def test_a_store_from_before_ranges_of_m_opens_and_keeps_buckets_apart(tmp_path):
+    store, plain, _ = store_with_a_patch(tmp_path / "r")
+    store.db.execute("ALTER TABLE problems DROP COLUMN m_lo")
+    store.db.execute("ALTER TABLE problems DROP COLUMN m_hi")
+    store.db.execute("DROP TABLE bucket_ends")
+    store.close()
+    again = RunStore(tmp_path / "r")
+    assert again.problems() == [P] and again.candidate(plain.id) == plain
+    bucket = Problem(128, 128, 128, m_range=(97, 128))
+    again.add_problems([bucket])
+    assert again.problems() == [P, bucket] and again.bucket_ends(bucket) == {}

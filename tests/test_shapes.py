@@ -23,6 +23,27 @@ def test_bad_shapes(text, match):
         parse_shape(text)
 
 
+def test_a_range_of_m():
+    assert parse_shape("1-512_4096_4096:nk") == Problem(257, 4096, 4096, "nk", m_range=(1, 512))
+    assert parse_shape("1-512_4096_4096:nk").key == "1-512_4096_4096:nk:f16"
+    assert parse_shape("16-16_64_64") == Problem(16, 64, 64)  # one M: the plain problem and its key
+    assert parse_shape("100-4000_64_64:kn:bf16:bias") == Problem(2050, 64, 64, "kn", "bf16", True, (100, 4000))
+    assert parse_shape_list("1-8_64_64,1-8_64_64:kn,8_64_64") == [Problem(5, 64, 64, m_range=(1, 8)),
+                                                                 Problem(8, 64, 64)]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("512-1_64_64", r"the M range 512-1 is empty \(reversed\): write it low-high, e.g. 1-512"),
+    ("0-8_64_64", "M must be positive"), ("0-0_64_64", "positive"), ("1-_64_64", "malformed"),
+    ("-8_64_64", "malformed"), ("1--8_64_64", "malformed"), ("1-8-9_64_64", "malformed"),
+    ("1-300000_8192_8192", "32-bit"),  # A at the range's upper end
+    ("1-4294967296_8_8", "32-bit"),
+])
+def test_bad_ranges(text, match):
+    with pytest.raises(ShapeError, match=match):
+        parse_shape(text)
+
+
 def test_unknown_layout():
     with pytest.raises(ShapeError, match="unknown B layout"):
         parse_shape("64_64_64", "tn")
