@@ -24,6 +24,7 @@ sample of rows of every output of every timed replay.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -95,13 +96,29 @@ def guarded(rows: int, cols: int, dtype: str = "f16") -> GuardedStack:
     return GuardedStack(rows, cols, TORCH_DTYPE[dtype])
 
 
-def edge_shapes(problem: Problem) -> list[tuple[int, int, int]]:
-    """The target, a tiny ragged shape, and shapes just off the target's tile multiples."""
+def edge_shapes(problem: Problem, seed: int = 0) -> list[tuple[int, int, int]]:
+    """The target, a tiny ragged shape, and shapes just off the target's tile multiples; for a range of M also its
+    ends and M inside it (range_ms)."""
     m, n, k = problem.m, problem.n, problem.k
     shapes = [(m, n, k), (17, 24, 40), (1, 8, 8)]
     shapes.append((min(m, 300) + 13, min(n, 256) + 24, min(k, 512) + 8))
     shapes.append((max(1, m - 1), max(8, n - 8), max(8, k - 8)))
+    if problem.m_range:
+        shapes += [(x, n, k) for x in range_ms(*problem.m_range, random.Random(seed))]
     return list(dict.fromkeys(shapes))
+
+
+def range_ms(lo: int, hi: int, rng: random.Random) -> list[int]:
+    """M values a kernel serving lo..hi is checked at: both ends; the first M past a multiple of each tile height the
+    families use (a last tile of rows holding one row); an M below one tile of 64 rows; a ragged M (not a multiple of
+    8); one at random."""
+    ms = [lo, hi]
+    ms += [x for tile in (16, 64, 128, 192, 256) if (x := (lo - 1) // tile * tile + tile + 1) <= hi]
+    if lo < 64:
+        ms.append(rng.randint(lo, min(hi, 63)))
+    ragged = [x for x in (rng.randint(lo, hi) for _ in range(8)) if x % 8]
+    ms += ragged[:1] + [rng.randint(lo, hi)]
+    return list(dict.fromkeys(ms))
 
 
 def b_as_kn(b: torch.Tensor, b_layout: str) -> torch.Tensor:
@@ -130,6 +147,7 @@ class Checker:
         self.dtype = problem.dtype
         self.scrub = scrub or (lambda: None)
         self.gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        self.seed = seed
         self.rel_err = self.cublas_rel_err = 0.0
 
     def buffers(self, m: int, n: int, k: int) -> tuple[GuardedStack, GuardedStack, GuardedStack, GuardedStack | None]:
@@ -255,7 +273,7 @@ class Checker:
 
     def check_all(self, problem: Problem) -> None:
         """Raises CheckFailed with the first finding; returns quietly when every check passes."""
-        for i, (m, n, k) in enumerate(edge_shapes(problem)):
+        for i, (m, n, k) in enumerate(edge_shapes(problem, self.seed)):
             bufs = self.buffers(m, n, k)
             self.check_random(*bufs)
             if i in (0, 1):  # exact checks on the target and the tiny ragged shape, in the same buffers

@@ -56,7 +56,7 @@ class Kernel:
 
         @functools.lru_cache(maxsize=32)  # a spec per size: timed graphs capture hundreds of launches of one size
         def rule(m: int, n: int, k: int) -> LaunchSpec:
-            return fam.launch(params, dataclasses.replace(problem, m=m, n=n, k=k), device)
+            return fam.launch(params, dataclasses.replace(problem, m=m, n=n, k=k, m_range=None), device)
 
         return cls(cubin, rule)
 

@@ -141,3 +141,23 @@ def test_every_timed_output_is_verified(on_cpu, mode):
 
     with pytest.raises(CheckFailed, match="left an output unwritten: output 2"):
         timed(skip)
+
+
+def test_a_range_of_m_is_checked_at_its_ends_and_inside(on_cpu):
+    """A kernel serving M 50-200 is checked at both ends, one row past each tile height, below a tile, at a ragged
+    M and at a random one: a kernel wrong only where the last tile of rows holds one row is caught."""
+    bucket = Problem(100, 24, 64, "kn", "f16", True, m_range=(50, 200))
+    seen = []
+    Checker(cpu_gemm(lambda call, c: seen.append(c.shape[0])), bucket, seed=3).check_all(bucket)
+    assert {100, 50, 200, 65, 129, 193} <= set(seen) and any(m % 8 for m in seen if 50 <= m <= 200)
+    assert Problem(100, 24, 64, "kn", "f16", True) != bucket  # the plain problem checks none of these
+    plain = []
+    Checker(cpu_gemm(lambda call, c: plain.append(c.shape[0])), P, seed=3).check_all(P)
+    assert not {50, 65, 129, 193, 200} & set(plain)
+
+    def one_row_past_a_tile(call, c):
+        if c.shape[0] % 64 == 1 and c.shape[0] > 64:
+            c[-1] += 1.0
+
+    with pytest.raises(CheckFailed, match="M=65 N=24 K=64"):
+        Checker(cpu_gemm(one_row_past_a_tile), bucket, seed=3).check_all(bucket)
