@@ -4,6 +4,9 @@ now next to cuBLAS in one worker: warm and cold ratios, TFLOP/s, % of the roofli
 `--mode server` instead calls the exported op the way a serving process does (through its compiled op where that
 builds): one call at a time at random (exponential) intervals, latency per call from issue to completion,
 percentiles for ours and cuBLAS side by side.
+
+A shape of one M that a run searched as part of a bucket of M (and not on its own) is benched as the export
+dispatches it: the bucket's kernel, however it compares at this M, or cuBLAS where the bucket goes to cuBLAS.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from agent import buckets
 from agent.store import RunStore
 from core.records import BaselineJob, EvalJob, EvalResult, Problem, Status
 
@@ -57,9 +61,22 @@ def row_from(problem: Problem, kernel: str, r: EvalResult, note: str = "") -> Be
                     problem.dtype + ("+bias" if problem.bias else ""))
 
 
+def dispatched(stores: list[RunStore], problem: Problem) -> tuple[RunStore, str, Problem] | None:
+    """For a problem of one M that no run searched as such: the first run's bucket holding its M, and the candidate
+    an export of that run dispatches there ("cublas" where the bucket goes to cuBLAS)."""
+    for s in stores:
+        if problem.key not in {p.key for p in s.problems()} and (b := buckets.covering(s, problem)):
+            served = buckets.served(s, b)
+            return s, served.candidate.id if served else "cublas", b
+    return None
+
+
 def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], progress=print) -> list[BenchRow]:
     rows = []
     for p in problems:
+        if (hit := dispatched(stores, p)) is not None:
+            rows += _bench_bucketed(evaluate, p, *hit, progress)
+            continue
         pick = best_across(stores, p)
         note = ""
         if pick is not None:
@@ -78,6 +95,25 @@ def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], pro
         rows.append(row_from(p, "cuBLAS", r, note))
         progress(f"{p.key}: cuBLAS")
     return rows
+
+
+def _bench_bucketed(evaluate, p: Problem, store: RunStore, cid: str, b: Problem, progress) -> list[BenchRow]:
+    """A problem inside a bucket, timed as the export dispatches it: the bucket's kernel however it compares now,
+    or cuBLAS where the bucket goes to cuBLAS."""
+    note = f"M={p.m} in bucket {b.mnk}"
+    if cid != "cublas":
+        cand, build = store.candidate(cid), store.build(cid)
+        r = evaluate(EvalJob(cid, p, cand.family, cand.params, build.cubin))
+        if r.status is Status.OK:
+            progress(f"{p.key}: {r.speedup:.3f}x ({note})")
+            return [row_from(p, f"{store.run_id}/{cid}", r, note)]
+        note += f"; {cid} now {r.status.value}: cuBLAS"
+    r = evaluate(BaselineJob(p))
+    if r.status is not Status.OK:
+        progress(f"{p.key}: cuBLAS timing failed: {r.reason}")
+        return []
+    progress(f"{p.key}: cuBLAS ({note})")
+    return [row_from(p, "cuBLAS", r, note)]
 
 
 def geomean(xs: list[float]) -> float:

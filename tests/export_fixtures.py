@@ -26,15 +26,22 @@ def load_ops(folder: Path):
 
 
 def small_export(folder: Path, keys: list[str]) -> Path:
-    """An export folder with the runtime files and a kernel entry (no tensor maps) for each problem key."""
+    """An export folder with the runtime files and a kernel entry (no tensor maps) for each problem key, written as
+    manifests were before M ranges (no serves, segments or m_dims: the runtime derives them)."""
+    entry = {"file": "fake.cu", "cubin": "fake.cubin", "arch": "sm_90a", "grid": [1, 1, 1], "block": [128, 1, 1],
+             "smem_bytes": 0, "tensor_maps": [], "workspace_bytes": 0, "counters": 0}
+    return export_folder(folder, {k: entry for k in keys})
+
+
+def export_folder(folder: Path, kernels: dict[str, dict], cublas: tuple[str, ...] = ()) -> Path:
+    """An export folder with the runtime files and a manifest of these kernel entries (each with the cubin
+    fake.cubin, never loaded on the CPU) and cuBLAS problems."""
     folder.mkdir(parents=True)
     for f in RUNTIME.iterdir():
         if f.suffix in (".py", ".cpp", ".h"):
             shutil.copyfile(f, folder / f.name)
     shutil.copyfile(DRIVER, folder / "hgemm_driver.py")
     (folder / "fake.cubin").write_bytes(b"\x7fELF never loaded on the CPU")
-    entry = {"file": "fake.cu", "cubin": "fake.cubin", "arch": "sm_90a", "grid": [1, 1, 1], "block": [128, 1, 1],
-             "smem_bytes": 0, "tensor_maps": [], "workspace_bytes": 0, "counters": 0}
-    (folder / "manifest.json").write_text(json.dumps({"run": "test", "kernels": {k: entry for k in keys},
-                                                      "cublas": []}))
+    kernels = {k: {"file": "fake.cu", "cubin": "fake.cubin", "arch": "sm_90a", **e} for k, e in kernels.items()}
+    (folder / "manifest.json").write_text(json.dumps({"run": "test", "kernels": kernels, "cublas": list(cublas)}))
     return folder

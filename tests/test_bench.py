@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+from agent import buckets
 from agent.bench import bench_offline, best_across, geomean, write_outputs
 from core.records import BaselineJob, EvalResult, Problem, Status, Timing
-from tests.helpers import fake_evaluate, populated_run
+from tests.helpers import fake_evaluate, m_dependent_evaluate, populated_run
 
 WIN, LOSE = Problem(1000, 3000, 2000), Problem(64, 64, 64, "nk")  # the fake timings beat cuBLAS only on WIN
 
@@ -55,3 +57,23 @@ def test_server_table_names_the_launch_path():
     console.print(server_table(report, 200))
     text = console.export_text()
     assert "through the compiled op" in text and "64_4096_4096:nk:f16" in text and "cuBLAS" in text
+
+
+def test_an_m_inside_a_bucket_is_benched_as_the_export_dispatches_it(tmp_path):
+    """Every M of a range that was not a representative: the bucket's served kernel (even where it is slower at this
+    M: the export runs it there), cuBLAS where the bucket goes to cuBLAS."""
+    problems = buckets.plan([Problem(24, 256, 512, "nk", m_range=(1, 48))])
+    store = populated_run(tmp_path / "a", problems=tuple(problems), n=3, evaluate=m_dependent_evaluate)
+    served = buckets.served(store, problems[-1])  # 33-48
+
+    def timed(job):
+        if isinstance(job, BaselineJob):
+            return evaluate(job)
+        r = m_dependent_evaluate(job)
+        return r if job.problem.m != 47 else dataclasses.replace(r, warm=Timing(40, 40, 40, 1))  # slower at 47
+
+    asked = [Problem(m, 256, 512, "nk") for m in (5, 18, 30, 47)]
+    rows = bench_offline(timed, [store], asked, progress=lambda s: None)
+    assert [r.kernel == "cuBLAS" for r in rows] == [True, True, False, False]
+    assert rows[3].kernel == f"a/{served.candidate.id}" and rows[3].ratio_warm == 0.75
+    assert rows[1].note == "M=18 in bucket 17-24_256_512" and rows[2].note == "M=30 in bucket 25-32_256_512"

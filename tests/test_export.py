@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 
 import agent.export.writer as writer
+from agent import buckets
 from agent.export import export_run, recheck
 from core.device import H200
 from core.records import EvalJob, Problem, Timing
 from tests.conftest import HAS_GPU
 from tests.export_fixtures import load_ops
-from tests.helpers import fake_evaluate, populated_run
+from tests.helpers import fake_evaluate, m_dependent_evaluate, populated_run
 
 RUNTIME_FILES = {"hgemm_ops.py", "hgemm_op.cpp", "hgemm_op.h", "hgemm_module.cpp", "hgemm_cuda.h", "hgemm_build.py",
                  "hgemm_selfcheck.py", "hgemm_driver.py"}
@@ -85,9 +86,12 @@ def test_python_path_falls_back_to_cublas_off_gpu(tmp_path, monkeypatch):
     assert ops.path() == "python" and ops.compiled() is None
     a, b, bias = torch.randn(64, 64).half(), torch.randn(64, 64).half(), torch.randn(64).half()
     assert torch.equal(ops.linear(a, b), F.linear(a, b)) and torch.equal(ops.linear(a, b, bias), F.linear(a, b, bias))
-    ops.MANIFEST["kernels"]["16_24_8:kn:f16"] = ops.MANIFEST["kernels"]["1000_3000_2000:kn:f16"]  # CPU-sized
+    entry = {**ops.MANIFEST["kernels"]["1000_3000_2000:kn:f16"], "serves": [[16, 16]]}
+    ops.MANIFEST["kernels"]["16_24_8:kn:f16"] = entry  # CPU-sized
+    ops.INDEX = ops.intervals.Index(ops.MANIFEST, lambda key: ops.parse_key(key)[1:])
     x, w = torch.randn(2, 8, 8).half(), torch.randn(8, 24).half()
     assert ops.problem_key(x, w, None, "kn") == "16_24_8:kn:f16"  # leading dims fold into M
+    assert ops.INDEX.find_key("16_24_8:kn:f16") == "16_24_8:kn:f16"
     assert torch.equal(ops.mm(x, w), torch.matmul(x, w))  # CPU tensors: the kernel is not usable, cuBLAS path
     assert ops.driver.TENSOR_MAP_BYTES == 128  # the copied driver module loaded beside it
 
@@ -101,6 +105,40 @@ def test_problem_keys_of_calls(tmp_path, monkeypatch):
     assert ops.problem_key(x.float(), w.float(), None, "nk") is None
     assert ops.problem_key(x, w, None, "kn") is None  # K does not match
     assert ops.parse_key("15_24_16:nk:bf16:bias") == (15, 24, 16, "nk", "bf16", True)
+    assert ops.parse_key("9-16_24_16:kn:f16") == (9, 24, 16, "kn", "f16", False)  # a bucket: its lowest M
+
+
+def test_export_serves_the_buckets_as_fast_as_cublas_at_both_ends(tmp_path, monkeypatch):
+    """A range 1-48 and one M inside it, searched with kernels that beat cuBLAS only from M = 20 up: the buckets
+    served at both ends and the single M get kernels with their intervals and launches at every M; the rest cuBLAS,
+    each with its reason; the exported module finds the kernel for any M by its interval."""
+    monkeypatch.setenv("HGEMM_OPS_COMPILED", "0")
+    problems = buckets.plan([Problem(24, 256, 512, "nk", m_range=(1, 48)), Problem(20, 256, 512, "nk")])
+    store = populated_run(tmp_path / "r", problems=tuple(problems), n=4, evaluate=m_dependent_evaluate)
+    lines = export_run(store, tmp_path / "out")
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert set(manifest["kernels"]) == {"25-32_256_512:nk:f16", "33-48_256_512:nk:f16", "20_256_512:nk:f16"}
+    assert manifest["notes"]["17-24_256_512:nk:f16"] == ("no leader was at least as fast as cuBLAS at both ends of "
+                                                         "the bucket")
+    assert manifest["notes"]["1-1_256_512:nk:f16"] == "no leader was at least as fast as cuBLAS at both ends of " \
+        "the bucket"
+    entry = manifest["kernels"]["25-32_256_512:nk:f16"]
+    assert entry["m_range"] == [25, 32] and entry["serves"] == [[25, 32]] and entry["segments"][0]["m"] == 25
+    assert manifest["kernels"]["20_256_512:nk:f16"]["serves"] == [[20, 20]]
+    served = buckets.served(store, problems[6])
+    assert entry["candidate"] == served.candidate.id and manifest["notes"]["25-32_256_512:nk:f16"] == \
+        served.note(problems[6])
+    assert "serves every M from 25 to 32" in (tmp_path / "out" / entry["file"]).read_text()
+    assert [ln.problem for ln in lines] == problems and sum(ln.kernel_file is not None for ln in lines) == 3
+    ops = load_ops(tmp_path / "out")
+    series = (256, 512, "nk", "f16", False)
+    found = {m: ops.INDEX.find(m, series) for m in range(1, 50)}
+    assert {m for m, key in found.items() if key} == set(range(25, 49)) | {20}
+    x, w = torch.randn(30, 512).half(), torch.randn(256, 512).half()
+    assert ops.explain(x, w, None, "nk") == ("the compiled op is unavailable; the manifest says: kernel "
+                                             "25-32_256_512:nk:f16 (M=30 in 25-32)")
+    assert ops.explain(x[:17], w, None, "nk").endswith("M=17 is in 17-24_256_512:nk:f16, which cuBLAS serves")
+    assert torch.equal(ops.linear(x, w), F.linear(x, w))  # CPU tensors: the kernel is not usable here
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU path")

@@ -13,8 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from agent import buckets
 from agent.export import export_run
-from tests.export_fixtures import load_ops, small_export
+from agent.export.geometry import launch_table, resolve
+from core.device import H200
+from core.records import Problem
+from templates import get_family
+from tests.export_fixtures import export_folder, load_ops, small_export
 from tests.helpers import populated_run
 
 SMALL = ["16_24_8:kn:f16", "16_24_8:nk:f16", "16_24_8:nk:bf16:bias", "16_24_8:kn:bf16:bias"]
@@ -64,7 +69,8 @@ def test_explain_names_the_kernel_or_the_reason(ops):
     assert ops.explain(a.bfloat16(), b.bfloat16(), bias[:8], "kn") == "bias is not a vector of N (tuned: " \
         "16_24_8:kn:bf16:bias)"
     assert ops.explain(a.bfloat16(), w, None, "nk") == "shape not tuned"  # bf16 was tuned with a bias only
-    assert ops.explain(a[1:], b) == "shape not tuned"
+    assert ops.explain(a[1:], b) == "M=15 not tuned (tuned M: 16)"
+    assert ops.explain(a[1:], b.bfloat16()) == "operands of mixed dtypes"
     assert ops.explain(a.float(), b.float()) == "dtype is neither float16 nor bfloat16"
     assert ops.explain(a, b[:4]) == "A's last dimension is not B's K"
     offset = torch.randn(16 * 8 + 1).half()[1:].view(16, 8)  # 2 bytes past an aligned start
@@ -136,12 +142,19 @@ def test_add_kernel_refuses_a_bad_entry(ops):
     ext = ops.compiled()
     entry = ops._prepared("16_24_8:kn:f16", ops.MANIFEST["kernels"]["16_24_8:kn:f16"])
     with pytest.raises(KeyError):
-        ext.add_kernel({k: v for k, v in entry.items() if k != "grid"})
+        ext.add_kernel({k: v for k, v in entry.items() if k != "segments"})
     with pytest.raises(ValueError, match="grid and block take 3 values"):
-        ext.add_kernel({**entry, "grid": [1, 1]})
-    bad_map = {"operand": 1, "dims": [8, 8], "box": [8], "strides": [16], "swizzle": 3, "l2": 2}
+        ext.add_kernel({**entry, "segments": [{"m": 16, "grid": [1, 1], "boxes": []}]})
+    bad_map = {"operand": 1, "dims": [8, 8], "m_dims": [], "strides": [16], "swizzle": 3, "l2": 2}
     with pytest.raises(ValueError, match="one box size per dimension"):
-        ext.add_kernel({**entry, "tensor_maps": [bad_map]})
+        ext.add_kernel({**entry, "tensor_maps": [bad_map], "segments": [{"m": 16, "grid": [1, 1, 1],
+                                                                          "boxes": [[8]]}]})
+    with pytest.raises(ValueError, match="past the map's rank"):
+        ext.add_kernel({**entry, "tensor_maps": [{**bad_map, "m_dims": [2]}]})
+    with pytest.raises(ValueError, match=r"\[lo, hi\] intervals"):
+        ext.add_kernel({**entry, "serves": [[9, 8]]})
+    with pytest.raises(ValueError, match="segments must start at or below"):
+        ext.add_kernel({**entry, "serves": [[8, 16]]})
     with pytest.raises(TypeError, match="positionally"):
         ext.mm(torch.randn(2, 2))
 
@@ -156,3 +169,79 @@ def test_without_a_compiler_the_python_path_serves_after_one_warning(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip() == "python", proc.stderr
     assert proc.stderr.count("the compiled op is unavailable (") == 1 and "Ninja is required" in proc.stderr
     assert "Ninja" in (tmp_path / "build" / "error.log").read_text()
+
+
+# ---- dispatch by M: the interval table and the launch at every M ----------------------------------------------------
+SETTINGS = [  # sm90_wgmma settings whose launches follow M differently: tiles, a persistent grid, K groups' workspace,
+    # a swapped 16-row A box, multicast clusters along M and along N
+    {"block_m": 16, "block_n": 128, "consumers": 2, "swap_ab": True, "stages": 6},
+    {"block_m": 128, "block_n": 128, "persistent": True, "epilogue": "tma", "stages": 4},
+    {"block_m": 64, "block_n": 128, "consumers": 1, "k_groups": 4, "stages": 6},
+    {"block_m": 128, "block_n": 256, "cluster_m": 2, "stages": 3},
+    {"block_m": 64, "block_n": 256, "consumers": 1, "cluster_n": 2, "stages": 4},
+]
+
+
+def range_manifest(n: int, k: int) -> tuple[dict, list[str], dict]:
+    """Kernel entries for the buckets of 1-3000 of one series (four of them left to cuBLAS) and one M of its own
+    inside a bucket, as the writer makes them: (kernels, cuBLAS keys, key -> (params, problem))."""
+    family, series = get_family("sm90_wgmma"), Problem(1, n, k, "nk")
+    problems = buckets.plan([Problem(1500, n, k, "nk", m_range=(1, 3000)), Problem(20, n, k, "nk")])
+    kernels, cublas, made, claims = {}, [], {}, []
+    for i, p in enumerate(problems):
+        claims.append((p.key, p.m_span))
+        if p.m_range and p.m_range[0] in (3, 33, 161, 1153):
+            cublas.append(p.key)
+            continue
+        params = SETTINGS[i % len(SETTINGS)]
+        kernels[p.key] = {"candidate": f"c{i}", **launch_table(family, params, p, H200)}
+        made[p.key] = (params, p)
+    for key, pieces in resolve(claims).items():
+        if key in kernels:
+            kernels[key]["serves"] = [list(q) for q in pieces]
+    assert series == buckets.series(problems[0])
+    return kernels, cublas, made
+
+
+def test_cpp_and_python_find_the_same_kernel_and_launch_at_every_m(tmp_path, op_build_dir):
+    n, k = 1024, 2048
+    kernels, cublas, made = range_manifest(n, k)
+    ops = load_ops(export_folder(tmp_path / "out", kernels, tuple(cublas)))
+    ext = ops.compiled()
+    assert ext is not None
+    family, found = get_family("sm90_wgmma"), set()
+    for m in range(1, 4097):
+        key = ext.lookup(n, k, True, False, False, m)
+        assert key == ops.INDEX.find(m, (n, k, "nk", "f16", False)), m
+        if key is None:
+            assert ext.launch_at(n, k, True, False, False, m) is None
+            continue
+        found.add(key)
+        params, bucket = made[key]
+        spec = family.launch(params, Problem(m, n, k, "nk"), H200)  # the trusted rule at this very M
+        grid, maps = ext.launch_at(n, k, True, False, False, m)
+        assert tuple(grid) == spec.grid, (m, key)
+        assert [(tuple(d), tuple(b)) for d, b in maps] == [(t.dims, t.box) for t in spec.tensor_maps], (m, key)
+        py_grid, py_maps = ops.INDEX.launch_at(key, ops.MANIFEST["kernels"][key], m)
+        assert py_grid == spec.grid and [(d, b) for _, d, b, *_ in py_maps] == [(t.dims, t.box)
+                                                                                for t in spec.tensor_maps]
+        assert spec.workspace_bytes <= kernels[key]["workspace_bytes"] and spec.counters <= kernels[key]["counters"]
+    assert found == set(kernels)
+    assert ext.lookup(n, k, True, False, False, 20) == "20_1024_2048:nk:f16"  # its own M inside 17-24
+    assert ext.lookup(n, k, True, False, False, 19) == "17-24_1024_2048:nk:f16"
+    assert ext.lookup(n, k, True, False, False, 3001) is None and ext.lookup(n, k, False, False, False, 8) is None
+
+
+def test_explain_names_the_interval_or_the_cublas_bucket(tmp_path, op_build_dir):
+    n, k = 512, 1024
+    kernels, cublas, _ = range_manifest(n, k)
+    ops = load_ops(export_folder(tmp_path / "out", kernels, tuple(cublas)))
+    x, w = torch.randn(6, k).half(), torch.randn(n, k).half()
+    assert ops.explain(x, w, None, "nk") == "operands are not on one CUDA device (tuned: 5-8_512_1024:nk:f16)"
+    assert ops.INDEX.describe(6, (n, k, "nk", "f16", False)) == "kernel 5-8_512_1024:nk:f16 (M=6 in 5-8)"
+    assert ops.INDEX.describe(19, (n, k, "nk", "f16", False)) == "kernel 17-24_512_1024:nk:f16 (M=19 in 17-19)"
+    in_cublas = torch.randn(3, k).half()  # 3-4 is the third bucket: cuBLAS serves it
+    assert ops.explain(in_cublas, w, None, "nk") == "M=3 is in 3-4_512_1024:nk:f16, which cuBLAS serves"
+    assert ops.explain(torch.randn(3001, k).half(), w, None, "nk").startswith("M=3001 not tuned (tuned M: 1, 2, 5-8")
+    out = ops.linear(in_cublas, w)  # a miss is the plain call
+    assert torch.equal(out, F.linear(in_cublas, w))

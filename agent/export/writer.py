@@ -1,5 +1,6 @@
 """Write a run's winners into an export folder: per problem a self-contained .cu (+ cubin) with its launch
-configuration in its header, `manifest.json` (kernels keyed by problem key, with the launch data the op needs), and
+configuration in its header, `manifest.json` (kernels keyed by problem key, with the launch data the op needs at
+every M they serve and the M intervals they serve, geometry.py), and
 the runtime files (runtime/: the Python module `hgemm_ops.py`, the compiled op's C++ source and build helper, the
 self-check; sandbox/driver.py as `hgemm_driver.py`) that run them on torch tensors and call cuBLAS where no kernel
 beat it."""
@@ -10,10 +11,12 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from agent.store import RunStore
+from agent import buckets
+from agent.export.geometry import GeometryError, launch_table, resolve
+from agent.store import RunStore, Winner
 from core.device import DeviceFacts
 from core.records import Problem
 from templates import get_family
@@ -30,32 +33,40 @@ class ExportLine:
 
 
 def export_run(store: RunStore, out: Path) -> list[ExportLine]:
-    """Per problem of the run, its winner (where it beat cuBLAS) with its family's launch rule for the run's GPU."""
+    """Per problem of the run, its winner (where it beat cuBLAS; for a bucket of M, the leader that was at least as
+    fast as cuBLAS at both ends) with its family's launch rule for the run's GPU at every M it serves."""
     out.mkdir(parents=True, exist_ok=True)
     device = DeviceFacts.from_dict(store.get_meta("device"))
-    manifest: dict = {"run": store.run_id, "device": device.name, "kernels": {}, "cublas": []}
-    lines = []
+    manifest: dict = {"run": store.run_id, "device": device.name, "kernels": {}, "cublas": [], "notes": {}}
+    lines, claims = [], {}
     for p in store.problems():
-        win = store.winner(p)
-        if win is None or win.speedup <= 1.0:
+        claims.setdefault(buckets.series(p), []).append((p.key, p.m_span))
+        pick, why = _pick(store, p)
+        try:
+            launch = launch_table(get_family(pick.candidate.family), pick.candidate.params, p, device) if pick \
+                else None
+        except GeometryError as e:
+            pick, why = None, f"its launch cannot be rebuilt at every M of the range ({e})"
+        if pick is None:
             manifest["cublas"].append(p.key)
-            why = "no candidate passed the checks" if win is None else f"best was {win.speedup:.3f}x of cuBLAS"
+            manifest["notes"][p.key] = why
             lines.append(ExportLine(p, None, f"cuBLAS ({why})"))
             continue
-        cand, result, ratio = win.candidate, win.result, win.speedup
+        cand, result, ratio = pick.candidate, pick.result, pick.speedup
         build = store.build(cand.id)
-        spec = get_family(cand.family).launch(cand.params, p, device)
         stem = "hgemm_" + p.key.replace(":", "_")
-        (out / f"{stem}.cu").write_text(_header(store, p, cand, result, spec, ratio) + build.source)
+        (out / f"{stem}.cu").write_text(_header(store, p, cand, result, launch, ratio) + build.source)
         (out / f"{stem}.cubin").write_bytes(build.cubin)
         manifest["kernels"][p.key] = {
-            "file": f"{stem}.cu", "cubin": f"{stem}.cubin", "arch": build.arch, "candidate": cand.id,
-            "grid": list(spec.grid), "block": list(spec.block), "smem_bytes": spec.smem_bytes,
-            "tensor_maps": [asdict(t) for t in spec.tensor_maps], "workspace_bytes": spec.workspace_bytes,
-            "counters": spec.counters,
+            "file": f"{stem}.cu", "cubin": f"{stem}.cubin", "arch": build.arch, "candidate": cand.id, **launch,
             "time_us": result.time_us, "cublas_us": result.cublas_warm.median_us, "speedup": ratio,
         }
-        lines.append(ExportLine(p, f"{stem}.cu", f"{ratio:.3f}x of cuBLAS ({cand.id})"))
+        manifest["notes"][p.key] = pick.note(p) if isinstance(pick, buckets.Served) else f"{ratio:.3f}x"
+        lines.append(ExportLine(p, f"{stem}.cu", f"{manifest['notes'][p.key]} of cuBLAS ({cand.id})"))
+    for series_claims in claims.values():  # each kernel's share of its series' M
+        for key, pieces in resolve(series_claims).items():
+            if key in manifest["kernels"]:
+                manifest["kernels"][key]["serves"] = [list(piece) for piece in pieces]
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     for f in RUNTIME.iterdir():
         if f.is_file() and f.suffix in (".py", ".cpp", ".h"):
@@ -64,27 +75,48 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
     return lines
 
 
-def _header(store, p, cand, result, spec, ratio) -> str:
+def _pick(store: RunStore, p: Problem) -> tuple[Winner | buckets.Served | None, str]:
+    """The kernel that serves the problem, or None and why cuBLAS does."""
+    win = store.winner(p)
+    if win is None:
+        return None, "no candidate passed the checks"
+    if p.m_range is None:
+        return (win, "") if win.speedup > 1.0 else (None, f"best was {win.speedup:.3f}x of cuBLAS")
+    if (served := buckets.served(store, p)) is not None:
+        return served, ""
+    timed = store.bucket_ends(p)
+    return None, ("no leader was at least as fast as cuBLAS at both ends of the bucket" if timed
+                  else "its leaders were not re-timed at the bucket's ends")
+
+
+def _header(store, p, cand, result, launch, ratio) -> str:
     dtype = {"f16": "fp16", "bf16": "bf16"}[p.dtype]
+    lo, hi = p.m_span
+    grid, block, smem = tuple(launch["grid"]), tuple(launch["block"]), launch["smem_bytes"]
     return (
         f"// hgemm-agent export: run {store.run_id}, candidate {cand.id}, family {cand.family}\n"
         f"// C[M,N] = A[M,K] @ B{' + bias[N]' if p.bias else ''}, M={p.m} N={p.n} K={p.k}, B layout {p.b_layout} "
         f"({'K x N' if p.b_layout == 'kn' else 'N x K'} row-major), {dtype} in, fp32 accumulate, {dtype} out\n"
-        f"// params: {json.dumps(cand.params, sort_keys=True)}\n"
-        f"// launch: hgemm<<<dim3{spec.grid}, dim3{spec.block}, {spec.smem_bytes}>>>(A, B, C, M, N, K"
-        f"{', bias' if p.bias else ''}); raise cudaFuncAttributeMaxDynamicSharedMemorySize to {spec.smem_bytes} "
-        "first\n"
-        + "".join(f"// then, by value, a CUtensorMap over {t.operand}: 16-bit elements (encode as fp16), dims "
-                  f"{t.dims} and box {t.box} innermost first, "
-                  f"{f'byte strides {t.strides} after the first, ' if t.strides else ''}{t.swizzle}-byte "
-                  "swizzle, zero fill\n" for t in spec.tensor_maps)
-        + (f"// then a scratch buffer of at least {spec.workspace_bytes} bytes and a zeroed array of at least "
-           f"{spec.counters} unsigned ints, reused from call to call (the kernel leaves the counters zeroed; one "
-           "launch at a time)\n" if spec.workspace_bytes or spec.counters else "")
+        + (f"// serves every M from {lo} to {hi}: the launch below is M={p.m}'s; the grid and the tensor maps' "
+           "dims and boxes at each M are in manifest.json (segments, m_dims)\n" if p.m_range else "")
+        + f"// params: {json.dumps(cand.params, sort_keys=True)}\n"
+        f"// launch: hgemm<<<dim3{grid}, dim3{block}, {smem}>>>(A, B, C, M, N, K"
+        f"{', bias' if p.bias else ''}); raise cudaFuncAttributeMaxDynamicSharedMemorySize to {smem} first\n"
+        + "".join(_map_line(t) for t in launch["tensor_maps"])
+        + (f"// then a scratch buffer of at least {launch['workspace_bytes']} bytes and a zeroed array of at least "
+           f"{launch['counters']} unsigned ints, reused from call to call (the kernel leaves the counters zeroed; one "
+           "launch at a time)\n" if launch["workspace_bytes"] or launch["counters"] else "")
         + f"// measured: {result.time_us:.2f} us vs cuBLAS {result.cublas_warm.median_us:.2f} us "
         f"(median ratio {ratio:.3f}x), {result.device.get('name', '?')}\n"
         f"// compile: nvrtc / nvcc -arch={store.get_meta('arch', 'sm_90a')} (no headers needed)\n\n"
     )
+
+
+def _map_line(t: dict) -> str:
+    strides = f"byte strides {tuple(t['strides'])} after the first, " if t["strides"] else ""
+    return (f"// then, by value, a CUtensorMap over {t['operand']}: 16-bit elements (encode as fp16), dims "
+            f"{tuple(t['dims'])} and box {tuple(t['box'])} innermost first, {strides}{t['swizzle']}-byte swizzle, "
+            "zero fill\n")
 
 
 def recheck(out: Path, timeout_s: float = 600) -> tuple[str, str]:

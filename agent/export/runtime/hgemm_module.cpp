@@ -15,9 +15,10 @@ void fill(std::array<T, N>& out, const std::vector<int64_t>& values, const char*
   for (size_t i = 0; i < values.size(); ++i) out[i] = static_cast<T>(values[i]);
 }
 
-// add_kernel(entry: dict): key, m, n, k, nk, bf16, bias, arch, cubin (bytes), grid, block, smem_bytes,
-// workspace_bytes, counters, tensor_maps (dicts: operand 0-2, dims, strides (bytes, all but the first), box,
-// swizzle and l2 (the driver's enum values)). Replaces a kernel registered for the same problem.
+// add_kernel(entry: dict): key, n, k, nk, bf16, bias, serves (the [lo, hi] M intervals it serves), arch, cubin
+// (bytes), segments (dicts: m, grid, boxes (one per tensor map)), block, smem_bytes, workspace_bytes, counters,
+// tensor_maps (dicts: operand 0-2, dims, m_dims (the dims that are the call's M), strides (bytes, all but the
+// first), swizzle and l2 (the driver's enum values)). Replaces what served those intervals of the series before.
 PyObject* py_add_kernel(PyObject*, PyObject* arg) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(PyDict_Check(arg), "add_kernel takes a dict");
@@ -26,10 +27,9 @@ PyObject* py_add_kernel(PyObject*, PyObject* arg) {
   kern->key = entry["key"].cast<std::string>();
   kern->arch = entry["arch"].cast<std::string>();
   kern->cubin = entry["cubin"].cast<py::bytes>();
-  kern->m = entry["m"].cast<int64_t>(), kern->n = entry["n"].cast<int64_t>(), kern->k = entry["k"].cast<int64_t>();
-  const auto grid = entry["grid"].cast<std::vector<int64_t>>(), block = entry["block"].cast<std::vector<int64_t>>();
-  TORCH_CHECK_VALUE(grid.size() == 3 && block.size() == 3, "add_kernel: grid and block take 3 values");
-  fill(kern->grid, grid, "grid");
+  kern->n = entry["n"].cast<int64_t>(), kern->k = entry["k"].cast<int64_t>();
+  const auto block = entry["block"].cast<std::vector<int64_t>>();
+  TORCH_CHECK_VALUE(block.size() == 3, "add_kernel: grid and block take 3 values");
   fill(kern->block, block, "block");
   kern->smem = entry["smem_bytes"].cast<unsigned>();
   kern->workspace_bytes = entry["workspace_bytes"].cast<size_t>();
@@ -38,25 +38,90 @@ PyObject* py_add_kernel(PyObject*, PyObject* arg) {
     const auto m = item.cast<py::dict>();
     hgemm::MapSpec s;
     s.operand = m["operand"].cast<int>();
-    const auto dims = m["dims"].cast<std::vector<int64_t>>(), box = m["box"].cast<std::vector<int64_t>>();
+    const auto dims = m["dims"].cast<std::vector<int64_t>>();
     const auto strides = m["strides"].cast<std::vector<int64_t>>();
-    TORCH_CHECK_VALUE(!dims.empty() && box.size() == dims.size() && strides.size() + 1 == dims.size() &&
-                          s.operand >= 0 && s.operand < 3,
+    TORCH_CHECK_VALUE(!dims.empty() && strides.size() + 1 == dims.size() && s.operand >= 0 && s.operand < 3,
                       "add_kernel: a tensor map covers A, B or C with one box size per dimension and a byte "
                       "stride for each dimension but the first");
     s.rank = dims.size();
     fill(s.dims, dims, "dims");
-    fill(s.box, box, "box");
     fill(s.strides, strides, "strides");
+    for (const auto d : m["m_dims"].cast<std::vector<int64_t>>()) {
+      TORCH_CHECK_VALUE(d >= 0 && d < static_cast<int64_t>(s.rank), "add_kernel: m_dims names a dimension past the "
+                        "map's rank");
+      s.m_dims |= 1u << d;
+    }
     s.swizzle = m["swizzle"].cast<int>();
     s.l2 = m["l2"].cast<int>();
     kern->maps.push_back(s);
   }
   TORCH_CHECK_VALUE(kern->maps.size() <= 3, "add_kernel: at most 3 tensor maps (A, B, C)");
-  const hgemm::ProblemKey problem{kern->m, kern->n, kern->k, entry["nk"].cast<bool>(), entry["bf16"].cast<bool>(),
-                                  entry["bias"].cast<bool>()};
-  hgemm::add_kernel(problem, std::move(kern));
+  for (const auto& item : entry["segments"].cast<py::list>()) {
+    const auto d = item.cast<py::dict>();
+    hgemm::Segment seg;
+    seg.m = d["m"].cast<int64_t>();
+    const auto grid = d["grid"].cast<std::vector<int64_t>>();
+    TORCH_CHECK_VALUE(grid.size() == 3, "add_kernel: grid and block take 3 values");
+    fill(seg.grid, grid, "grid");
+    const auto boxes = d["boxes"].cast<std::vector<std::vector<int64_t>>>();
+    TORCH_CHECK_VALUE(boxes.size() == kern->maps.size(), "add_kernel: a segment has one box per tensor map");
+    for (size_t i = 0; i < boxes.size(); ++i) {
+      TORCH_CHECK_VALUE(boxes[i].size() == kern->maps[i].rank, "add_kernel: a tensor map covers A, B or C with one "
+                        "box size per dimension and a byte stride for each dimension but the first");
+      fill(seg.boxes[i], boxes[i], "box");
+    }
+    TORCH_CHECK_VALUE(kern->segments.empty() || seg.m > kern->segments.back().m,
+                      "add_kernel: segments must be sorted by M");
+    kern->segments.push_back(seg);
+  }
+  std::vector<std::pair<int64_t, int64_t>> serves;
+  for (const auto& item : entry["serves"].cast<py::list>()) {
+    const auto lohi = item.cast<std::vector<int64_t>>();
+    TORCH_CHECK_VALUE(lohi.size() == 2 && 1 <= lohi[0] && lohi[0] <= lohi[1], "add_kernel: serves takes [lo, hi] "
+                      "intervals of M, 1 <= lo <= hi");
+    TORCH_CHECK_VALUE(!kern->segments.empty() && kern->segments.front().m <= lohi[0], "add_kernel: the segments "
+                      "must start at or below the lowest M served");
+    serves.emplace_back(lohi[0], lohi[1]);
+  }
+  const hgemm::ProblemKey series{kern->n, kern->k, entry["nk"].cast<bool>(), entry["bf16"].cast<bool>(),
+                                 entry["bias"].cast<bool>()};
+  hgemm::add_kernel(series, serves, std::move(kern));
   Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// (n, k, nk, bf16, bias, m) -> the kernel registered for M of that series, or nullptr.
+std::shared_ptr<const hgemm::Kernel> kernel_for(PyObject* const* args, Py_ssize_t nargs, const char* usage) {
+  TORCH_CHECK_TYPE(nargs == 6, usage);
+  const hgemm::ProblemKey series{PyLong_AsLongLong(args[0]), PyLong_AsLongLong(args[1]), PyObject_IsTrue(args[2]) == 1,
+                                 PyObject_IsTrue(args[3]) == 1, PyObject_IsTrue(args[4]) == 1};
+  const int64_t m = PyLong_AsLongLong(args[5]);
+  if (PyErr_Occurred()) throw py::error_already_set();
+  return hgemm::find_kernel(series, m);
+}
+
+// lookup(n, k, nk, bf16, bias, m) -> the key of the kernel a call of that M runs, or None
+PyObject* py_lookup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  const auto kern = kernel_for(args, nargs, "lookup(n, k, nk, bf16, bias, m)");
+  if (!kern) Py_RETURN_NONE;
+  return py::cast(kern->key).release().ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+// launch_at(n, k, nk, bf16, bias, m) -> (grid, [(dims, box) per tensor map]) of the kernel at that M, or None
+PyObject* py_launch_at(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  const auto kern = kernel_for(args, nargs, "launch_at(n, k, nk, bf16, bias, m)");
+  if (!kern) Py_RETURN_NONE;
+  const hgemm::Geometry at = hgemm::geometry_at(*kern, PyLong_AsLongLong(args[5]));
+  py::list maps;
+  for (size_t i = 0; i < kern->maps.size(); ++i) {
+    const unsigned rank = kern->maps[i].rank;
+    maps.append(py::make_tuple(std::vector<unsigned long long>(at.dims[i].begin(), at.dims[i].begin() + rank),
+                               std::vector<unsigned>(at.boxes[i].begin(), at.boxes[i].begin() + rank)));
+  }
+  return py::make_tuple(std::vector<unsigned>(at.grid.begin(), at.grid.end()), maps).release().ptr();
   END_HANDLE_TH_ERRORS
 }
 
@@ -118,6 +183,9 @@ PyCFunction fastcall(F f) {
 PyMethodDef methods[] = {
     {"add_kernel", py_add_kernel, METH_O, "register one exported kernel (a manifest entry, prepared)"},
     {"kernels", py_kernels, METH_NOARGS, "the problem keys of the registered kernels"},
+    {"lookup", fastcall(py_lookup), METH_FASTCALL, "lookup(n, k, nk, bf16, bias, m): the kernel key for that M"},
+    {"launch_at", fastcall(py_launch_at), METH_FASTCALL,
+     "launch_at(n, k, nk, bf16, bias, m): (grid, [(dims, box)]) of the kernel at that M"},
     {"mm", fastcall(py_mm), METH_FASTCALL, "mm(a, b, bias=None): torch.matmul(a, b) (+ bias, fused), b K x N"},
     {"linear", fastcall(py_linear), METH_FASTCALL, "linear(x, w, bias=None): F.linear(x, w, bias)"},
     {"explain", fastcall(py_explain), METH_FASTCALL, "explain(a, b, bias, nk): the kernel a call runs, or why not"},

@@ -4,13 +4,15 @@
 // Registers hgemm::mm(a, b, bias=None) (torch.matmul with a K x N B; with a bias, torch.addmm as transformers'
 // Conv1D calls it) and hgemm::linear(x, w, bias=None) (F.linear) with
 // TORCH_LIBRARY; hgemm_module.cpp adds Python entry points that skip the dispatcher's Python argument parsing. A
-// call runs an exported kernel where its (M, N, K, layout, dtype, bias) was tuned and its operands are plain,
+// call runs an exported kernel where its (N, K, layout, dtype, bias) was tuned for an M interval holding its M
+// (a hash lookup of the series, then a binary search of its intervals' starts) and its operands are plain,
 // contiguous, 16-byte aligned CUDA tensors of one device, with no gradient wanted; anything else goes to
-// at::matmul / at::linear.
+// at::matmul / at::linear. The launch at M (grid, tensor-map dims and boxes) comes from the kernel's segment
+// holding M (another binary search), as the family's launch rule gave it at that M (agent/export/geometry.py).
 //
 // Per device: each cubin is loaded once into the primary context, its dynamic shared memory raised; one scratch
 // buffer and one zeroed counter array serve every kernel that asks for them (the kernels leave the counters zeroed).
-// Tensor maps are encoded once per (kernel, operand, address). Clusters need nothing here: kernels that use them
+// Tensor maps are encoded once per (kernel, operand, address, M). Clusters need nothing here: kernels that use them
 // declare __cluster_dims__ in their source, so a plain cuLaunchKernel forms them. The stream is PyTorch's current
 // stream for the device (current_stream below: no CUDA build of torch's headers needed), so launches land in
 // CUDA-graph captures.
@@ -18,6 +20,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_map>
 
@@ -42,7 +45,7 @@ using hgemm::ProblemKey;
 
 struct ProblemHash {
   size_t operator()(const ProblemKey& p) const {
-    return std::hash<int64_t>()((p.m * 1000003 + p.n) * 1000003 + p.k) ^ (p.nk | p.bf16 << 1 | p.bias << 2);
+    return std::hash<int64_t>()(p.n * 1000003 + p.k) ^ (p.nk | p.bf16 << 1 | p.bias << 2);
   }
 };
 
@@ -50,13 +53,15 @@ struct MapKey {
   uint64_t kernel;
   int device, map;
   uintptr_t address;
+  int64_t m;
   bool operator==(const MapKey& o) const {
-    return kernel == o.kernel && device == o.device && map == o.map && address == o.address;
+    return kernel == o.kernel && device == o.device && map == o.map && address == o.address && m == o.m;
   }
 };
 struct MapHash {
   size_t operator()(const MapKey& k) const {
-    return std::hash<uintptr_t>()(k.address) ^ (k.kernel * 0x9E3779B97F4A7C15ull) ^ (k.device << 4 | k.map);
+    return std::hash<uintptr_t>()(k.address) ^ (k.kernel * 0x9E3779B97F4A7C15ull) ^ (k.device << 4 | k.map) ^
+           (static_cast<uint64_t>(k.m) * 0xC2B2AE3D27D4EB4Full);
   }
 };
 
@@ -71,7 +76,7 @@ struct DeviceState {
 constexpr size_t kMapCacheLimit = 1 << 14;  // activations move: bound the cache, refill after clearing
 
 std::mutex mutex;  // guards everything below
-std::unordered_map<ProblemKey, std::shared_ptr<const Kernel>, ProblemHash> kernels;
+std::unordered_map<ProblemKey, hgemm::IntervalTable, ProblemHash> kernels;  // series -> kernels by M
 std::unordered_map<int, DeviceState> devices;
 std::unordered_map<MapKey, CUtensorMap, MapHash> map_cache;
 uint64_t next_id = 1;
@@ -136,16 +141,17 @@ CUdeviceptr grow(CUdeviceptr& ptr, size_t& have, size_t need, bool zeroed) {
   return ptr;
 }
 
-const CUtensorMap& tensor_map(const Kernel& kern, int device, int index, void* address) {
-  const MapKey key{kern.id, device, index, reinterpret_cast<uintptr_t>(address)};
+const CUtensorMap& tensor_map(const Kernel& kern, int device, int index, void* address, int64_t m,
+                              const hgemm::Geometry& at) {
+  const MapKey key{kern.id, device, index, reinterpret_cast<uintptr_t>(address), m};
   auto it = map_cache.find(key);
   if (it != map_cache.end()) return it->second;
   if (map_cache.size() >= kMapCacheLimit) map_cache.clear();
   const MapSpec& s = kern.maps[index];
   static const std::array<unsigned, 5> ones{1, 1, 1, 1, 1};
   CUtensorMap map;
-  check(driver().TensorMapEncodeTiled(&map, kTmaFloat16, s.rank, address, s.dims.data(), s.strides.data(),
-                                      s.box.data(), ones.data(), 0, s.swizzle, s.l2, 0),
+  check(driver().TensorMapEncodeTiled(&map, kTmaFloat16, s.rank, address, at.dims[index].data(), s.strides.data(),
+                                      at.boxes[index].data(), ones.data(), 0, s.swizzle, s.l2, 0),
         "cuTensorMapEncodeTiled");
   return map_cache.emplace(key, map).first->second;
 }
@@ -181,12 +187,16 @@ std::shared_ptr<const Kernel> choose(const at::Tensor& a, const at::Tensor& b, c
   const auto dtype = a.scalar_type();
   if (dtype != at::kHalf && dtype != at::kBFloat16) return no("dtype is neither float16 nor bfloat16");
   if (b.scalar_type() != dtype || (bias && bias->scalar_type() != dtype)) return no("operands of mixed dtypes");
+  const int64_t m = a.numel() / k;
+  int64_t lo = 0, hi = 0;
   std::shared_ptr<const Kernel> kern;
   {
     std::lock_guard<std::mutex> lock(mutex);
-    auto it = kernels.find({a.numel() / k, n, k, nk, dtype == at::kBFloat16, bias != nullptr});
+    auto it = kernels.find({n, k, nk, dtype == at::kBFloat16, bias != nullptr});
     if (it == kernels.end()) return no("shape not tuned");
-    kern = it->second;
+    const auto* found = it->second.find(m, why ? &lo : nullptr, why ? &hi : nullptr);
+    if (!found) return no("M=" + std::to_string(m) + " not tuned (tuned M: " + it->second.describe() + ")");
+    kern = *found;
   }
   auto tuned_but = [&](const char* reason) {
     if (why) *why = std::string(reason) + " (tuned: " + kern->key + ")";
@@ -200,7 +210,9 @@ std::shared_ptr<const Kernel> choose(const at::Tensor& a, const at::Tensor& b, c
     return tuned_but("an operand is not 16-byte aligned");
   if (!a.is_cuda() || b.device() != a.device() || (bias && bias->device() != a.device()))
     return tuned_but("operands are not on one CUDA device");
-  if (why) *why = "kernel " + kern->key;
+  if (why)
+    *why = "kernel " + kern->key + " (M=" + std::to_string(m) + " in " + std::to_string(lo) +
+           (hi != lo ? "-" + std::to_string(hi) : "") + ")";
   return kern;
 }
 
@@ -209,6 +221,8 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
                                  const at::Tensor* bias) {
   c10::DeviceGuard guard(a.device());
   const int device = a.get_device();
+  const int64_t m = a.numel() / kern.k;
+  const hgemm::Geometry at = hgemm::geometry_at(kern, m);
   std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end() - 1);
   shape.push_back(kern.n);
   std::array<CUtensorMap, 3> maps;
@@ -227,9 +241,10 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
     }
     c = at::empty(shape, a.options());
     ptrs[2] = c.data_ptr();
-    for (size_t i = 0; i < kern.maps.size(); ++i) maps[i] = tensor_map(kern, device, i, ptrs[kern.maps[i].operand]);
+    for (size_t i = 0; i < kern.maps.size(); ++i)
+      maps[i] = tensor_map(kern, device, i, ptrs[kern.maps[i].operand], m, at);
   }
-  int32_t sizes[3] = {static_cast<int32_t>(kern.m), static_cast<int32_t>(kern.n), static_cast<int32_t>(kern.k)};
+  int32_t sizes[3] = {static_cast<int32_t>(m), static_cast<int32_t>(kern.n), static_cast<int32_t>(kern.k)};
   void* bias_ptr = bias ? const_cast<void*>(bias->const_data_ptr()) : nullptr;
   std::array<void*, 12> params;
   size_t np = 0;
@@ -238,7 +253,7 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
   if (bias) params[np++] = &bias_ptr;
   for (size_t i = 0; i < kern.maps.size(); ++i) params[np++] = &maps[i];
   if (scratch) params[np++] = &scratch, params[np++] = &counters;
-  check(driver().LaunchKernel(fn, kern.grid[0], kern.grid[1], kern.grid[2], kern.block[0], kern.block[1],
+  check(driver().LaunchKernel(fn, at.grid[0], at.grid[1], at.grid[2], kern.block[0], kern.block[1],
                               kern.block[2], kern.smem, current_stream(device), params.data(), nullptr),
         "cuLaunchKernel");
   return c;
@@ -318,17 +333,81 @@ TORCH_LIBRARY_IMPL(hgemm, Autograd, m) {
 
 namespace hgemm {
 
-void add_kernel(const ProblemKey& problem, std::shared_ptr<Kernel> kernel) {
+void IntervalTable::insert(int64_t lo, int64_t hi, std::shared_ptr<const Kernel> kernel) {
+  std::vector<int64_t> starts, ends;
+  std::vector<std::shared_ptr<const Kernel>> kernels;
+  auto keep = [&](int64_t a, int64_t b, const std::shared_ptr<const Kernel>& k) {
+    if (a <= b) starts.push_back(a), ends.push_back(b), kernels.push_back(k);
+  };
+  for (size_t i = 0; i < starts_.size(); ++i) {  // what is left of each interval outside lo..hi
+    keep(starts_[i], std::min(ends_[i], lo - 1), kernels_[i]);
+    keep(std::max(starts_[i], hi + 1), ends_[i], kernels_[i]);
+  }
+  keep(lo, hi, kernel);
+  std::vector<size_t> order(starts.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return starts[x] < starts[y]; });
+  starts_.clear(), ends_.clear(), kernels_.clear();
+  for (size_t i : order) starts_.push_back(starts[i]), ends_.push_back(ends[i]), kernels_.push_back(kernels[i]);
+}
+
+const std::shared_ptr<const Kernel>* IntervalTable::find(int64_t m, int64_t* lo, int64_t* hi) const {
+  auto it = std::upper_bound(starts_.begin(), starts_.end(), m);  // the first interval starting above m
+  if (it == starts_.begin()) return nullptr;
+  const size_t i = it - starts_.begin() - 1;
+  if (m > ends_[i]) return nullptr;
+  if (lo) *lo = starts_[i];
+  if (hi) *hi = ends_[i];
+  return &kernels_[i];
+}
+
+std::string IntervalTable::describe() const {
+  std::string out;
+  for (size_t i = 0; i < starts_.size(); ++i) {
+    out += (i ? ", " : "") + std::to_string(starts_[i]);
+    if (ends_[i] != starts_[i]) out += "-" + std::to_string(ends_[i]);
+  }
+  return out;
+}
+
+Geometry geometry_at(const Kernel& kernel, int64_t m) {
+  auto it = std::upper_bound(kernel.segments.begin(), kernel.segments.end(), m,
+                             [](int64_t v, const Segment& s) { return v < s.m; });
+  const Segment& seg = it == kernel.segments.begin() ? *it : *(it - 1);
+  Geometry out;
+  out.grid = seg.grid;
+  out.boxes = seg.boxes;
+  for (size_t i = 0; i < kernel.maps.size(); ++i) {
+    const MapSpec& s = kernel.maps[i];
+    for (unsigned d = 0; d < s.rank; ++d)
+      out.dims[i][d] = s.m_dims >> d & 1 ? static_cast<unsigned long long>(m) : s.dims[d];
+  }
+  return out;
+}
+
+void add_kernel(const ProblemKey& series, const std::vector<std::pair<int64_t, int64_t>>& serves,
+                std::shared_ptr<Kernel> kernel) {
   std::lock_guard<std::mutex> lock(mutex);
   kernel->id = next_id++;
-  kernels[problem] = std::move(kernel);
+  std::shared_ptr<const Kernel> registered = std::move(kernel);
+  for (const auto& [lo, hi] : serves) kernels[series].insert(lo, hi, registered);
 }
 
 std::vector<std::string> kernel_keys() {
   std::lock_guard<std::mutex> lock(mutex);
   std::vector<std::string> out;
-  for (const auto& kv : kernels) out.push_back(kv.second->key);
+  for (const auto& kv : kernels)
+    for (const auto& k : kv.second.kernels())
+      if (std::find(out.begin(), out.end(), k->key) == out.end()) out.push_back(k->key);
   return out;
+}
+
+std::shared_ptr<const Kernel> find_kernel(const ProblemKey& series, int64_t m) {
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = kernels.find(series);
+  if (it == kernels.end()) return nullptr;
+  const auto* found = it->second.find(m);
+  return found ? *found : nullptr;
 }
 
 at::Tensor call(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk) {

@@ -13,42 +13,76 @@
 
 namespace hgemm {
 
-struct MapSpec {  // cuTensorMapEncodeTiled's arguments but the address
+struct MapSpec {  // cuTensorMapEncodeTiled's arguments but the address and the box (per segment of M)
   int operand = 0;  // 0 A, 1 B, 2 C
   unsigned rank = 0;
   std::array<unsigned long long, 5> dims{}, strides{};
-  std::array<unsigned, 5> box{};
+  unsigned m_dims = 0;  // bit i set: dims[i] is the call's M
   int swizzle = 0, l2 = 0;
+};
+
+struct Segment {  // the launch from M = m up to the next segment's m
+  int64_t m = 0;
+  std::array<unsigned, 3> grid{};
+  std::array<std::array<unsigned, 5>, 3> boxes{};  // one per tensor map
 };
 
 struct Kernel {
   uint64_t id = 0;  // unique per registration: caches key on it, so a replaced kernel's entries go unused
   std::string key, arch, cubin;
-  int64_t m = 0, n = 0, k = 0;
-  std::array<unsigned, 3> grid{}, block{};
+  int64_t n = 0, k = 0;
+  std::vector<Segment> segments;  // sorted by m; the first starts at the lowest M the kernel serves
+  std::array<unsigned, 3> block{};
   unsigned smem = 0;
   std::vector<MapSpec> maps;
-  size_t workspace_bytes = 0, counters = 0;
+  size_t workspace_bytes = 0, counters = 0;  // enough for the largest M it serves
 };
 
+// The launch of a kernel at one M: the grid and each tensor map's dims (M filled in) and box.
+struct Geometry {
+  std::array<unsigned, 3> grid{};
+  std::array<std::array<unsigned long long, 5>, 3> dims{};
+  std::array<std::array<unsigned, 5>, 3> boxes{};
+};
+Geometry geometry_at(const Kernel& kernel, int64_t m);
+
+// A series: everything that selects a kernel but M.
 struct ProblemKey {
-  int64_t m, n, k;
+  int64_t n, k;
   bool nk, bf16, bias;
   bool operator==(const ProblemKey& o) const {
-    return m == o.m && n == o.n && k == o.k && nk == o.nk && bf16 == o.bf16 && bias == o.bias;
+    return n == o.n && k == o.k && nk == o.nk && bf16 == o.bf16 && bias == o.bias;
   }
 };
 
-// Registers a kernel for its problem, replacing one registered before.
-void add_kernel(const ProblemKey& problem, std::shared_ptr<Kernel> kernel);
+// One series' kernels by M: disjoint intervals sorted by their starts; find() is a binary search over the starts.
+class IntervalTable {
+ public:
+  // Serves lo..hi with the kernel from now on: the parts of intervals registered before that it overlaps go.
+  void insert(int64_t lo, int64_t hi, std::shared_ptr<const Kernel> kernel);
+  // nullptr: no interval holds m; else the kernel, and the interval in *lo, *hi where given
+  const std::shared_ptr<const Kernel>* find(int64_t m, int64_t* lo = nullptr, int64_t* hi = nullptr) const;
+  std::string describe() const;                                // "1-16, 17-24, 33"
+  std::vector<std::shared_ptr<const Kernel>> kernels() const { return kernels_; }
+
+ private:
+  std::vector<int64_t> starts_, ends_;
+  std::vector<std::shared_ptr<const Kernel>> kernels_;
+};
+
+// Registers a kernel for the M intervals `serves` of its series, replacing what served them before.
+void add_kernel(const ProblemKey& series, const std::vector<std::pair<int64_t, int64_t>>& serves,
+                std::shared_ptr<Kernel> kernel);
 std::vector<std::string> kernel_keys();
+// The kernel registered for M of the series, or nullptr.
+std::shared_ptr<const Kernel> find_kernel(const ProblemKey& series, int64_t m);
 
 // a @ B (+ bias), B K x N or N x K (nk), as the fast entry points run it: through the dispatcher where tensor
 // subclasses, fake tensors, functorch or dispatch modes must see the op; as at::matmul / at::linear where a gradient
 // is wanted; otherwise the tuned kernel, or at::matmul / at::linear where the call is not one it was tuned for.
 at::Tensor call(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk);
 
-// "kernel KEY", or why such a call goes to at::matmul / at::linear.
+// "kernel KEY (M=m in lo-hi)", or why such a call goes to at::matmul / at::linear.
 std::string explain(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk);
 
 }  // namespace hgemm

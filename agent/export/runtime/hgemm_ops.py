@@ -1,17 +1,20 @@
 """Exported HGEMM op: runs the kernels an hgemm-agent run found, on torch tensors; cuBLAS for everything else.
 
-This file is copied as `hgemm_ops.py` next to `manifest.json` (kernels keyed by problem, `M_N_K:layout:dtype[:bias]`),
-the kernels' `.cu` / `.cubin` files, the compiled op's sources (`hgemm_op.cpp`, `hgemm_module.cpp`, their headers)
-with its build helper `hgemm_build.py`, and `hgemm_driver.py` (tensor maps and launches by ctypes).
+This file is copied as `hgemm_ops.py` next to `manifest.json` (kernels keyed by problem, `M_N_K:layout:dtype[:bias]`
+or `LO-HI_N_K:...` for a bucket of M, each with the M intervals it serves and its launch at every M of them), the
+kernels' `.cu` / `.cubin` files, the compiled op's sources (`hgemm_op.cpp`, `hgemm_module.cpp`, their headers)
+with its build helper `hgemm_build.py`, `hgemm_intervals.py` (which kernel serves an M, and its launch there) and
+`hgemm_driver.py` (tensor maps and launches by ctypes).
 
 - `mm(a, b, bias=None)` is `torch.matmul(a, b)` (a (*, K), b K x N), with a bias `torch.addmm(bias, a, b)` (the
   bias fused); `linear(x, w, bias=None)` is `F.linear` (w N x K).
 - `patch(model, matmul=False)` routes each `nn.Linear` whose (N, K, dtype, bias) was tuned through `linear`, and
   each transformers `Conv1D` (GPT-2's projections: x @ W + b with W K x N) through `mm`; with matmul=True also
   `F.linear` / `torch.matmul` / `@` / `mm` / `addmm` on tuned shapes; `unpatch(model)` undoes it.
-- Each call runs the exported kernel where its M, N, K, layout, dtype and bias were tuned (and beat cuBLAS), the
-  operands are contiguous, 16-byte aligned tensors of one CUDA device and no gradient is wanted; anything else is
-  `torch.matmul` / `F.linear`, with the same result it would have had.
+- Each call runs the exported kernel where its N, K, layout, dtype and bias were tuned for an M interval holding its
+  M (and beat cuBLAS there), the operands are contiguous, 16-byte aligned tensors of one CUDA device and no gradient
+  is wanted; anything else is `torch.matmul` / `F.linear`, with the same result it would have had.
+  `explain(a, b, bias, layout)` names the kernel and the interval, or why not.
 - Launches go through the compiled op (`hgemm::mm` / `hgemm::linear`, C++, built on first use and cached under
   `build/`; `compiled()` builds it) where it builds, else through the Python launch path (about 20 µs more host
   time a call), with a one-line warning. `HGEMM_OPS_COMPILED=0` chooses the Python path; `HGEMM_OPS_BUILD_DIR`
@@ -25,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 import types
 import warnings
 import weakref
@@ -42,20 +46,26 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def _sibling(name: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
+    """A module shipped beside this one, registered under a name of its own for this export (torch.compile looks
+    the modules of the functions it traces up by name)."""
+    spec = importlib.util.spec_from_file_location(f"{__name__}__{name}", HERE / f"{name}.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 driver = _sibling("hgemm_driver")
+intervals = _sibling("hgemm_intervals")
 
 
 def parse_key(key: str) -> tuple[int, int, int, str, str, bool]:
-    """'M_N_K:layout:dtype[:bias]' -> (m, n, k, layout, dtype, bias)."""
+    """'M_N_K:layout:dtype[:bias]' -> (m, n, k, layout, dtype, bias); a range 'LO-HI_N_K:...' gives m = LO."""
     mnk, layout, dtype, *rest = key.split(":")
-    m, n, k = (int(x) for x in mnk.split("_"))
-    return m, n, k, layout, dtype, rest == ["bias"]
+    m, n, k = mnk.split("_")
+    return intervals.key_m(key)[0], int(n), int(k), layout, dtype, rest == ["bias"]
+
+
+INDEX = intervals.Index(MANIFEST, lambda key: parse_key(key)[1:])  # the kernels by series and M interval
 
 
 def problem_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str) -> str | None:
@@ -103,21 +113,26 @@ def compiled():
 
 
 def _prepared(key: str, entry: dict) -> dict:
-    """A manifest entry as the compiled op's add_kernel takes it: problem fields, cubin bytes, and each tensor map
-    as cuTensorMapEncodeTiled's arguments (checked and derived here, by the driver module's rules)."""
-    m, n, k, layout, dtype, bias = parse_key(key)
+    """A manifest entry as the compiled op's add_kernel takes it: problem fields, the M intervals it serves, cubin
+    bytes, its launch segments, and each tensor map as cuTensorMapEncodeTiled's arguments (checked at each segment's
+    first M and derived here, by the driver module's rules)."""
+    _, n, k, layout, dtype, bias = parse_key(key)
+    segments = intervals.segments(key, entry)
     maps = []
-    for t in entry.get("tensor_maps", []):
-        dims, box, strides = tuple(t["dims"]), tuple(t["box"]), tuple(t.get("strides") or ())
-        driver.check_tiled(16, dims, box, t["swizzle"], strides)
-        maps.append({"operand": driver.OPERANDS.index(t["operand"]), "dims": dims, "box": box,
+    for i, t in enumerate(entry.get("tensor_maps", [])):
+        strides = tuple(t.get("strides") or ())
+        for seg in segments:
+            dims = tuple(seg["m"] if d in t.get("m_dims", ()) else v for d, v in enumerate(t["dims"]))
+            driver.check_tiled(16, dims, tuple(seg["boxes"][i]), t["swizzle"], strides)
+        dims = tuple(t["dims"])
+        maps.append({"operand": driver.OPERANDS.index(t["operand"]), "dims": dims, "m_dims": t.get("m_dims", []),
                      "strides": strides or driver.packed_strides(dims), "swizzle": driver.SWIZZLE[t["swizzle"]],
                      "l2": driver.l2_promotion(dims, strides)})
-    return {"key": key, "m": m, "n": n, "k": k, "nk": layout == "nk", "bf16": dtype == "bf16", "bias": bias,
-            "arch": entry["arch"], "cubin": (HERE / entry["cubin"]).read_bytes(), "grid": entry["grid"],
-            "block": entry["block"], "smem_bytes": entry["smem_bytes"],
-            "workspace_bytes": entry.get("workspace_bytes", 0), "counters": entry.get("counters", 0),
-            "tensor_maps": maps}
+    return {"key": key, "n": n, "k": k, "nk": layout == "nk", "bf16": dtype == "bf16", "bias": bias,
+            "serves": intervals.serves(key, entry), "arch": entry["arch"],
+            "cubin": (HERE / entry["cubin"]).read_bytes(), "segments": segments, "block": entry["block"],
+            "smem_bytes": entry["smem_bytes"], "workspace_bytes": entry.get("workspace_bytes", 0),
+            "counters": entry.get("counters", 0), "tensor_maps": maps}
 
 
 # ---- the Python launch path (where the compiled op is unavailable) ------------------------------------------------
@@ -159,20 +174,23 @@ def fallback(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout
 
 
 def python_run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
-    """The Python launch path: the kernel through hgemm_driver (ctypes), or cuBLAS."""
-    key = problem_key(a, b, bias, layout)
-    entry = MANIFEST["kernels"].get(key) if key else None
+    """The Python launch path: the kernel through hgemm_driver (ctypes), or cuBLAS (and under torch.compile, which
+    traces what the call means)."""
+    if torch.compiler.is_compiling():
+        return fallback(a, b, bias, layout)
+    call = problem_key(a, b, bias, layout)
+    key = INDEX.find_key(call)
+    entry = MANIFEST["kernels"][key] if key else None
     operands = (a, b) if bias is None else (a, b, bias)
     n = b.shape[0] if layout == "nk" else b.shape[-1]
     if entry is None or (bias is not None and bias.shape != (n,)) or not _usable(*operands):
         return fallback(a, b, bias, layout)
-    m, n, k = parse_key(key)[:3]
+    m, n, k = parse_key(call)[:3]
+    grid, maps = INDEX.launch_at(key, entry, m)
     c = torch.empty(*a.shape[:-1], n, dtype=a.dtype, device=a.device)
-    driver.launch(_kernel(entry).kernel.ptr, tuple(entry["grid"]), tuple(entry["block"]), entry["smem_bytes"],
+    driver.launch(_kernel(entry).kernel.ptr, grid, tuple(entry["block"]), entry["smem_bytes"],
                   torch.cuda.current_stream(a.device).cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()),
-                  (m, n, k), [(t["operand"], t["dims"], t["box"], t["swizzle"], t.get("strides", ()))
-                              for t in entry.get("tensor_maps", [])],
-                  entry.get("workspace_bytes", 0), entry.get("counters", 0),
+                  (m, n, k), maps, entry.get("workspace_bytes", 0), entry.get("counters", 0),
                   None if bias is None else bias.data_ptr())
     return c
 
@@ -265,14 +283,14 @@ class MatmulMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.linear and 2 <= len(args) + len(kwargs) <= 3 and set(kwargs) <= {"bias"}:
             x, w, bias = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
-            if problem_key(x, w, bias, "nk") in MANIFEST["kernels"]:
+            if INDEX.find_key(problem_key(x, w, bias, "nk")):
                 return _eager.linear(x, w, bias)
         elif not kwargs and ((func in MATMULS and len(args) == 2) or (func in ADDMMS and len(args) == 3)):
             bias, a, b = (None, *args) if func in MATMULS else args
             if bias is None or bias.dim() == 1:
-                if problem_key(a, b, bias, "kn") in MANIFEST["kernels"]:
+                if INDEX.find_key(problem_key(a, b, bias, "kn")):
                     return _eager.mm(a, b, bias)
-                if b.dim() == 2 and problem_key(a, b.t(), bias, "nk") in MANIFEST["kernels"]:
+                if b.dim() == 2 and INDEX.find_key(problem_key(a, b.t(), bias, "nk")):
                     return _eager.linear(a, b.t(), bias)
         return func(*args, **kwargs)
 
@@ -328,16 +346,23 @@ def unpatch(model: nn.Module) -> int:
 
 
 def explain(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, layout: str = "kn") -> str:
-    """Which kernel the compiled op runs for these operands, or why it calls cuBLAS instead."""
+    """Which kernel the compiled op runs for these operands and the M interval it serves, or why it calls cuBLAS
+    instead (naming the bucket of M cuBLAS serves, where the run found no kernel for it)."""
     ext = compiled()
-    return ext.explain(a, b, bias, layout == "nk") if ext is not None else "the compiled op is unavailable"
+    call = problem_key(a, b, bias, layout)
+    listed = INDEX.describe(parse_key(call)[0], parse_key(call)[1:]) if call else ""
+    if ext is None:
+        return f"the compiled op is unavailable; the manifest says: {listed or 'not a GEMM of this export'}"
+    why = ext.explain(a, b, bias, layout == "nk")
+    return listed if why.startswith("M=") and "cuBLAS serves" in listed else why
 
 
 def selfcheck(factor: float = 2.0) -> list[str]:
     """hgemm_selfcheck.py: every exported kernel through each launch path against an fp64 reference and cuBLAS,
     then the compiled op in a CUDA graph, on a side stream and under torch.compile."""
     ops = types.SimpleNamespace(MANIFEST=MANIFEST, DTYPES=DTYPES, parse_key=parse_key, problem_key=problem_key,
-                                compiled=compiled, PythonPath=PythonPath, mm=mm, linear=linear, fallback=fallback)
+                                compiled=compiled, PythonPath=PythonPath, mm=mm, linear=linear, fallback=fallback,
+                                INDEX=INDEX, intervals=intervals)
     return _sibling("hgemm_selfcheck").selfcheck(ops, factor)
 
 

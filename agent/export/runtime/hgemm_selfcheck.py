@@ -1,22 +1,32 @@
 """Self-check of an exported HGEMM op, run by `python hgemm_ops.py` in a fresh process (needs a CUDA GPU).
 
-Every exported kernel on fresh random inputs, through each launch path there is (the compiled op and the Python
-path), against an fp64 reference and cuBLAS (its error may be at most `factor` times cuBLAS's); then the compiled
-op where CUDA graphs, side streams and torch.compile put it: its very first call inside a CUDA-graph capture (the
-kernel loads and the scratch buffers are allocated there), a call on a side stream, a 3-D input under
-torch.compile(fullgraph=True), and an untuned shape, which must give exactly cuBLAS's result. Raises
-AssertionError on the first failure.
+Every exported kernel on fresh random inputs, at both ends of each M interval it serves and at an M inside, through
+each launch path there is (the compiled op and the Python path), against an fp64 reference and cuBLAS (its error
+may be at most `factor` times cuBLAS's); then the compiled op where CUDA graphs, side streams and torch.compile put
+it: its very first call inside a CUDA-graph capture (the kernel loads and the scratch buffers are allocated there),
+a call on a side stream, a 3-D input under torch.compile(fullgraph=True), and an M no interval serves, which must
+give exactly cuBLAS's result. Raises AssertionError on the first failure.
 """
 
 from __future__ import annotations
 
+import random
 import types
 
 import torch
 
 
-def operands(ops: types.SimpleNamespace, key: str) -> tuple:
-    m, n, k, layout, dtype, bias = ops.parse_key(key)
+def served_ms(ops: types.SimpleNamespace, key: str, rng: random.Random) -> list[int]:
+    """Each interval's ends and an M inside it."""
+    ms = []
+    for lo, hi in ops.intervals.serves(key, ops.MANIFEST["kernels"][key]):
+        ms += [lo, hi, rng.randint(lo, hi)]
+    return list(dict.fromkeys(ms))
+
+
+def operands(ops: types.SimpleNamespace, key: str, m: int | None = None) -> tuple:
+    low, n, k, layout, dtype, bias = ops.parse_key(key)
+    m = low if m is None else m
     dt = ops.DTYPES[dtype]
     a = torch.randn(m, k, device="cuda").to(dt)
     b = torch.randn(k, n, device="cuda").to(dt) if layout == "kn" else torch.randn(n, k, device="cuda").to(dt)
@@ -53,13 +63,15 @@ def selfcheck(ops: types.SimpleNamespace, factor: float = 2.0) -> list[str]:
         torch.cuda.synchronize()
         lines.append(verdict(ops, f"{kernels[0]} compiled, first call inside a CUDA-graph capture", out, *args, factor))
     paths = {"compiled": ext, "python": ops.PythonPath} if ext is not None else {"python": ops.PythonPath}
+    rng = random.Random(0)
     with torch.no_grad():
         for key in kernels:
-            args = operands(ops, key)
-            for name, path in paths.items():
-                out = call(path, *args)
-                torch.cuda.synchronize()
-                lines.append(verdict(ops, f"{key} {name}", out, *args, factor))
+            for m in served_ms(ops, key, rng):
+                args = operands(ops, key, m)
+                for name, path in paths.items():
+                    out = call(path, *args)
+                    torch.cuda.synchronize()
+                    lines.append(verdict(ops, f"{key} at M={m} {name}", out, *args, factor))
     if ext is None or not kernels:
         return lines + [f"{key}: cuBLAS (no kernel beat it)" for key in ops.MANIFEST.get("cublas", [])]
     a, b, bias, layout = args = operands(ops, kernels[-1])
@@ -73,9 +85,11 @@ def selfcheck(ops: types.SimpleNamespace, factor: float = 2.0) -> list[str]:
     with torch.no_grad():
         out = traced(a.unsqueeze(0), b, bias)
     lines.append(verdict(ops, f"{kernels[-1]} under torch.compile(fullgraph=True), a 3-D input", out, *args, factor))
-    untuned = torch.cat([a, a[:1]])  # one row more than the tuned M
-    if ops.problem_key(untuned, b, bias, layout) not in ops.MANIFEST["kernels"]:
+    top = max((hi for _, hi in ops.intervals.serves(kernels[-1], ops.MANIFEST["kernels"][kernels[-1]])),
+              default=a.shape[0])
+    untuned = torch.cat([a, a[:1].expand(top + 1 - a.shape[0], -1)])  # one row past the highest M served
+    if ops.INDEX.find_key(ops.problem_key(untuned, b, bias, layout)) is None:
         same = torch.equal(call(ext, untuned, b, bias, layout), ops.fallback(untuned, b, bias, layout))
-        lines.append(f"{kernels[-1]} with M + 1 (not tuned): {'cuBLAS, same result' if same else 'FAILED'}")
+        lines.append(f"{kernels[-1]} at M={top + 1} (not served): {'cuBLAS, same result' if same else 'FAILED'}")
         assert same, lines[-1]
     return lines + [f"{key}: cuBLAS (no kernel beat it)" for key in ops.MANIFEST.get("cublas", [])]
