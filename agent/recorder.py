@@ -1,6 +1,6 @@
 """Record the GEMMs a piece of PyTorch code runs and write them as a shapes file that `run --shapes` reads.
 
-    with agent.record_gemm_shapes("shapes.txt"):
+    with agent.record_gemm_shapes("shapes.txt"):              # or serve_m=(1, 256): every M from 1 to 256 too
         model(input_ids)
 
 What counts as a GEMM here is what the exported op computes: C[M,N] = A[M,K] @ B (+ bias[N]) with one B for all of
@@ -12,11 +12,17 @@ counted by reason in the file's header: batched products with a B per batch (`bm
 B), matrix-vector products (a 1-D B), dtypes other than fp16 and bf16, mixed dtypes, `addmm` with a full C
 or scaling, strided B views and shapes the kernels do not take (N or K not a multiple of 8).
 
+A problem seen at several M (a decode step and a prefill, or several batch sizes) is written as one range of M,
+`LO-HI_N_K:...` from the smallest M seen to the largest, which `run` searches in buckets and the export serves at
+every M inside; `serve_m=(lo, hi)` widens every problem's range to hold lo-hi as well (the batch sizes a server
+will see, recorded or not).
+
 Calls run exactly as they would without the recorder (a TorchFunctionMode only looks at them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +31,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
+from agent.buckets import representative, series
 from core.records import Problem
 
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -34,11 +41,14 @@ ADDMMS = {torch.addmm, torch.Tensor.addmm}
 
 
 class GemmRecorder(TorchFunctionMode):
-    """Counts each distinct Problem the code inside it runs (`problems`), and each call it skipped by reason
-    (`skipped`)."""
+    """Counts each distinct Problem the code inside it runs (`problems`, one M each), and each call it skipped by
+    reason (`skipped`); `serve_m` (lo, hi) widens each problem's M range in the file to hold lo-hi."""
 
-    def __init__(self) -> None:
+    def __init__(self, serve_m: tuple[int, int] | None = None) -> None:
         super().__init__()
+        if serve_m is not None and not 1 <= serve_m[0] <= serve_m[1]:
+            raise ValueError(f"serve_m={serve_m}: expected (lo, hi) with 1 <= lo <= hi")
+        self.serve_m = serve_m
         self.problems: Counter[Problem] = Counter()
         self.skipped: Counter[str] = Counter()
 
@@ -91,23 +101,49 @@ class GemmRecorder(TorchFunctionMode):
         except ValueError as e:
             self.skipped[f"not a kernel shape ({e})"] += 1
 
+    def ranges(self) -> dict[Problem, tuple[tuple[int, ...], int]]:
+        """Per problem as the file writes it (a range of M where it was seen at several M or serve_m widens it),
+        first seen first: the M values seen and the calls."""
+        seen: dict[Problem, list] = {}
+        for p, calls in self.problems.items():
+            entry = seen.setdefault(series(p), [[], 0])
+            entry[0].append(p.m)
+            entry[1] += calls
+        out = {}
+        for s, (ms, calls) in seen.items():
+            lo, hi = min(ms), max(ms)
+            if self.serve_m:
+                lo, hi = min(lo, self.serve_m[0]), max(hi, self.serve_m[1])
+            span = (lo, hi) if hi > lo else None
+            out[dataclasses.replace(s, m=representative(lo, hi) if span else lo, m_range=span)] = (tuple(ms), calls)
+        return out
+
     def text(self) -> str:
-        """The shapes file: a comment header, then one M_N_K:layout:dtype[:bias] line per problem, first seen
-        first."""
+        """The shapes file: a comment header, then one M_N_K:layout:dtype[:bias] line per problem (LO-HI_N_K:... where
+        it ran at several M, or serve_m widens it), first seen first."""
         calls = sum(self.problems.values())
         head = [f"# GEMM shapes recorded by hgemm-agent (agent.record_gemm_shapes): {calls} calls, "
-                f"{len(self.problems)} distinct problems"]
+                f"{len(self.problems)} distinct problems" + (f", every M widened to hold {self.serve_m[0]}-"
+                                                              f"{self.serve_m[1]}" if self.serve_m else "")]
         if self.skipped:
             head.append(f"# skipped {sum(self.skipped.values())} calls: "
                         + "; ".join(f"{n} {why}" for why, n in self.skipped.items()))
         head.append("# search them: python -m agent run --shapes THIS_FILE")
-        return "\n".join(head + [f"{p.key}  # {n} call{'s' if n > 1 else ''}" for p, n in self.problems.items()]) + "\n"
+        lines = [f"{p.key}  # {n} call{'s' if n > 1 else ''}" + (f" at M = {_listed(ms)}" if p.m_range else "")
+                 for p, (ms, n) in self.ranges().items()]
+        return "\n".join(head + lines) + "\n"
+
+
+def _listed(ms: tuple[int, ...], most: int = 8) -> str:
+    ms = sorted(ms)
+    return ", ".join(map(str, ms)) if len(ms) <= most else f"{', '.join(map(str, ms[:most]))}, ... ({len(ms)} M)"
 
 
 @contextmanager
-def record_gemm_shapes(path: str | Path) -> Iterator[GemmRecorder]:
-    """Record the GEMMs run inside the block; on leaving it normally, write them to `path` (a shapes file)."""
-    recorder = GemmRecorder()
+def record_gemm_shapes(path: str | Path, serve_m: tuple[int, int] | None = None) -> Iterator[GemmRecorder]:
+    """Record the GEMMs run inside the block; on leaving it normally, write them to `path` (a shapes file), each
+    problem seen at several M as a range of M, every range widened to hold serve_m=(lo, hi) where given."""
+    recorder = GemmRecorder(serve_m)
     with recorder:
         yield recorder
     Path(path).write_text(recorder.text())

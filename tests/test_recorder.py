@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -91,3 +92,31 @@ def test_importing_the_package_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code + "; print('torch' in sys.modules)"], capture_output=True,
                          text=True, cwd=Path(__file__).parents[1])
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+
+
+def test_a_problem_seen_at_several_m_is_written_as_a_range(tmp_path):
+    lin, out = nn.Linear(64, 128).half(), nn.Linear(64, 64, bias=False).half()
+    path = tmp_path / "s.txt"
+    with torch.no_grad(), agent.record_gemm_shapes(path) as rec:
+        for m in (1, 3, 17, 100, 3):  # decode steps and a prefill of one layer
+            lin(torch.randn(m, 64).half())
+        out(torch.randn(5, 64).half())
+    assert len(rec.problems) == 5  # one Problem per M seen; the file folds them
+    lines = [ln for ln in path.read_text().splitlines() if not ln.startswith("#")]
+    assert lines == ["1-100_128_64:nk:f16:bias  # 5 calls at M = 1, 3, 17, 100", "5_64_64:nk:f16  # 1 call"]
+    assert read_shapes_file(path) == [Problem(51, 128, 64, "nk", "f16", True, m_range=(1, 100)),
+                                      Problem(5, 64, 64, "nk")]
+
+
+def test_serve_m_widens_every_recorded_range(tmp_path):
+    lin, out = nn.Linear(64, 128).half(), nn.Linear(64, 64, bias=False).half()
+    path = tmp_path / "s.txt"
+    with torch.no_grad(), agent.record_gemm_shapes(path, serve_m=(1, 256)):
+        lin(torch.randn(1000, 64).half())
+        lin(torch.randn(2, 64).half())
+        out(torch.randn(5, 64).half())
+    text = path.read_text()
+    assert "every M widened to hold 1-256" in text.splitlines()[0]
+    assert [p.key for p in read_shapes_file(path)] == ["1-1000_128_64:nk:f16:bias", "1-256_64_64:nk:f16"]
+    with pytest.raises(ValueError, match="1 <= lo <= hi"):
+        agent.record_gemm_shapes(path, serve_m=(0, 8)).__enter__()
