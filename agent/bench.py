@@ -42,10 +42,12 @@ class BenchRow:
 
 
 def best_across(stores: list[RunStore], problem: Problem) -> tuple[RunStore, str, float] | None:
-    """The run and candidate with the highest median speed-up for this problem, if any beat cuBLAS."""
+    """The run and candidate with the highest median speed-up for this problem, if any beat cuBLAS (for a bucket of
+    M: the candidate that serves it)."""
     found = []
     for s in stores:
-        if problem.key in {p.key for p in s.problems()} and (win := s.winner(problem)):
+        if problem.key in {p.key for p in s.problems()} and (
+                win := buckets.served(s, problem) if problem.m_range else s.winner(problem)):
             found.append((s, win.candidate.id, win.speedup))
     top = max(found, key=lambda x: x[2], default=None)
     return top if top and top[2] > 1.0 else None

@@ -267,6 +267,9 @@ def cmd_bench(args) -> int:
                 else list(dict.fromkeys(p for s in stores for p in s.problems())))
     if not problems:
         raise UsageError("nothing to bench: give RUNs or --shapes FILE")
+    if args.shapes and (ranged := next((p for p in problems if p.m_range), None)):
+        raise UsageError(f"bench times shapes of one M, not the range {ranged.mnk}: list the M values to bench "
+                         "(tools/range_bench.py writes such a file)")
     folder = args.out or (stores[0].folder / "bench" if stores else args.runs_dir / f"bench-{new_run_id()}")
     pool, device = start_pool(None)
     try:

@@ -77,3 +77,11 @@ def test_an_m_inside_a_bucket_is_benched_as_the_export_dispatches_it(tmp_path):
     assert [r.kernel == "cuBLAS" for r in rows] == [True, True, False, False]
     assert rows[3].kernel == f"a/{served.candidate.id}" and rows[3].ratio_warm == 0.75
     assert rows[1].note == "M=18 in bucket 17-24_256_512" and rows[2].note == "M=30 in bucket 25-32_256_512"
+
+
+def test_a_runs_own_buckets_bench_their_served_kernel(tmp_path):
+    problems = buckets.plan([Problem(24, 256, 512, "nk", m_range=(17, 32))])
+    store = populated_run(tmp_path / "a", problems=tuple(problems), n=3, evaluate=m_dependent_evaluate)
+    assert best_across([store], problems[0]) is None  # 17-24 goes to cuBLAS, whatever its winner ran at M=21
+    _, cid, _ = best_across([store], problems[1])
+    assert cid == buckets.served(store, problems[1]).candidate.id

@@ -218,3 +218,11 @@ def test_bench_without_gpu_says_so(tmp_path, capsys):
     populated_run(tmp_path / "runs" / "r1")
     code, _, err = run_cli(capsys, "bench", "r1", "--runs-dir", tmp_path / "runs")
     assert code == 2 and "no usable GPU" in err
+
+
+def test_bench_refuses_a_range_and_names_what_to_give(tmp_path, capsys):
+    shapes = tmp_path / "bench.txt"
+    shapes.write_text("5_4096_4096:nk\n1-256_4096_4096:nk\n")
+    code, _, err = run_cli(capsys, "bench", "--shapes", shapes, "--runs-dir", tmp_path / "runs")
+    assert code == 2 and "not the range 1-256_4096_4096" in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
