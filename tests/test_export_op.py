@@ -245,3 +245,23 @@ def test_explain_names_the_interval_or_the_cublas_bucket(tmp_path, op_build_dir)
     assert ops.explain(torch.randn(3001, k).half(), w, None, "nk").startswith("M=3001 not tuned (tuned M: 1, 2, 5-8")
     out = ops.linear(in_cublas, w)  # a miss is the plain call
     assert torch.equal(out, F.linear(in_cublas, w))
+
+
+def test_a_later_registration_replaces_only_the_m_it_overlaps(ops):
+    ext = ops.compiled()
+    base = {"file": "fake.cu", "cubin": "fake.cubin", "arch": "sm_90a", "block": [128, 1, 1], "smem_bytes": 0,
+            "tensor_maps": [], "workspace_bytes": 0, "counters": 0}
+
+    def register(key, lo, hi):
+        ext.add_kernel(ops._prepared(key, {**base, "serves": [[lo, hi]],
+                                           "segments": [{"m": lo, "grid": [lo, 1, 1], "boxes": []}]}))
+
+    register("1-100_40_16:kn:f16", 1, 100)
+    register("40-60_40_16:kn:f16", 40, 60)
+    register("95-120_40_16:kn:f16", 95, 120)
+    found = {m: ext.lookup(40, 16, False, False, False, m) for m in range(0, 130)}
+    assert {m for m, key in found.items() if key == "1-100_40_16:kn:f16"} == set(range(1, 40)) | set(range(61, 95))
+    assert {m for m, key in found.items() if key == "40-60_40_16:kn:f16"} == set(range(40, 61))
+    assert {m for m, key in found.items() if key == "95-120_40_16:kn:f16"} == set(range(95, 121))
+    assert found[0] is None and found[121] is None
+    assert ext.launch_at(40, 16, False, False, False, 70) == ([1, 1, 1], [])  # its own launch, from its first M
