@@ -24,7 +24,7 @@ class Naive(Family):
 
     def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
         p = self.parse(params, problem)
-        grid = (-(-problem.n // p.block_x), -(-problem.m // p.block_y), 1)
+        grid = (-(-problem.out_n // p.block_x), -(-problem.m // p.block_y), 1)
         return LaunchSpec(grid, (p.block_x, p.block_y, 1), 0)
 
     def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:

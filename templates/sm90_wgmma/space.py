@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 from core.device import H200, DeviceFacts
 from core.records import LaunchSpec, Problem, TensorMapSpec
 from templates.family import Family, Params
-from templates.sm90_wgmma.params import SWAP_C_CHUNK, Sm90WgmmaParams, launched_tiles
+from templates.sm90_wgmma.params import SWAP_C_CHUNK, Sm90WgmmaParams, launched_tiles, with_update
 from templates.sm90_wgmma.search import seeds
 
 
@@ -45,6 +45,8 @@ class Sm90Wgmma(Family):
         if problem.b_layout == "kn" and params.block_n % 64:
             raise ValueError(f"block_n={params.block_n}: with B in kn layout (MN-major for wgmma) block_n must be "
                              "a multiple of 64, the width of a 128-byte swizzle panel")
+        if problem.fused.gated and (why := gated_problem(params)):
+            raise ValueError(f"a gated epilogue ({problem.epilogue}): {why}")
 
     def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
         p = self.parse(params, problem)
@@ -74,10 +76,41 @@ class Sm90Wgmma(Family):
             maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, a_rows)), b_map)
         if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels (swapped: 16-row chunks)
             c_rows = SWAP_C_CHUNK if p.swap_ab else p.block_m // p.row_owners
-            maps += (TensorMapSpec("C", (problem.n, problem.m), (64, c_rows)),)
+            maps += (TensorMapSpec("C", (problem.out_n, problem.m), (64, c_rows)),)
         return LaunchSpec(grid=(grid, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
                           workspace_bytes=p.k_groups * tiles * p.block_m * p.block_n * 4 if grouped else 0,
                           counters=tiles * p.split_k if grouped else 0)
 
     def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
-        return seeds(problem, device)
+        settings = seeds(problem, device)
+        if not problem.fused.gated:
+            return settings
+        # gated: each setting as the nearest one whose tiles combine gate and up columns in place
+        out: dict[str, dict[str, Any]] = {}
+        for s in settings:
+            p = Sm90WgmmaParams(**s)
+            if gated_problem(p):
+                p = with_update(p, gated_update(p))
+            if p is not None and not gated_problem(p):
+                out.setdefault(repr(sorted(p.model_dump().items())), p.model_dump())
+        return list(out.values())
+
+
+def gated_problem(p: Sm90WgmmaParams) -> str | None:
+    """Why a setting cannot fuse a gated epilogue (each thread combines a gate value and the up value 8 columns on, in
+    a whole tile), or None."""
+    if p.reduces:
+        return f"split_k={p.split_k}, k_groups={p.k_groups}: the tile's sums must be whole in one CTA (no split-K)"
+    if p.epilogue == "tma" and (p.swap_ab or p.block_n % 128):
+        return ("epilogue=tma stores 64-column panels of C, which has block_n / 2 columns a tile: block_n a multiple "
+                "of 128, and not swapped (swapped tiles store gated C through the smem epilogue)")
+    return None
+
+
+def gated_update(p: Sm90WgmmaParams) -> dict[str, Any]:
+    """The change that makes a setting fit a gated epilogue: no split-K, and the smem epilogue where TMA stores
+    cannot take the half-width tile."""
+    update: dict[str, Any] = {"split_k": 1, "k_groups": 1} if p.reduces else {}
+    if p.epilogue == "tma" and (p.swap_ab or p.block_n % 128):
+        update["epilogue"] = "smem"
+    return update
