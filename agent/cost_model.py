@@ -37,7 +37,7 @@ FAILURE_PENALTY = math.log(2.0)
 # runs measure only the first dozen or so of each shape's settings, so a database they filled knows little of the
 # kinds the rules place late (clusters, deep splits), and a weak prior let the trees bury those (on the H200 sweep
 # of 11 shapes with two 48-shape runs added: 7.4 candidates to within 2% at 0.003, 5.5 at 0.02; without the runs
-# 2.4 at both; BENCHMARKS.md, session 8).
+# 2.4 at both; docs/notebook.md, session 8).
 RANK_WEIGHT = 0.02
 # The model may bring any setting forward, but holds none back more than this many places behind the family's own
 # order: a run's model knows little of the kinds the rules place late (few candidates reach them), and on the H200

@@ -1,7 +1,7 @@
 """What the sm90_wgmma family's search order (`search.py`) ranks with: the tile shapes it lists, and two rough cost
 models, relative times of a setting on a problem: one for whole tiles (waves of resident blocks), one for split-K
 settings (streamed operands, cluster placement, workspace sums). Their constants come from measurements on the H200
-(BENCHMARKS.md).
+(docs/notebook.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Rough cost models (`costs.py`) rank tile shapes by waves of resident blocks; split-K, K-group and swapped-role
 settings lead for the problem classes they serve. The rules and the slots where some kinds enter come from
-measurements on the H200 (BENCHMARKS.md); a learned model can reorder what this returns.
+measurements on the H200 (docs/notebook.md); a learned model can reorder what this returns.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _fitted_settings(problem: Problem, sms: int, listed_best: float) -> list[Sm9
 
 # Swapped tiles of M just past a multiple of 64: the rows are wgmma's N (steps of 16), the B tile split among the
 # consumers in 64-row wgmmas. They enter where `tile_cost` puts them this far ahead of every listed shape (measured on
-# the H200, BENCHMARKS.md session 9: 4437_512_3584 0.84 -> 0.99x of cuBLAS, 205_50304_1024 0.87-0.89 -> 0.98-1.00x,
+# the H200, docs/notebook.md session 9: 4437_512_3584 0.84 -> 0.99x of cuBLAS, 205_50304_1024 0.87-0.89 -> 0.98-1.00x,
 # 222_32000_4096 0.92 -> 0.99x, 3072_2304_768 kn 1.01 -> 1.10x; unsplit, 657_9984_3144 and 414_2472_11744 not helped).
 # The bar was 8% with the smem epilogue; persistent with TMA stores they keep closer to their cost (session 16:
 # 4772_1600_6400, 260 tiles of 240 x 128 against 247 of 256 x 128, 6% ahead by cost: 0.999x against 0.906x).
@@ -214,7 +214,7 @@ def _swapsplit_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     as one wave holds (at most 8, each at least MIN_K_TILES k-tiles), in K groups, and in one cluster of the largest
     power of two of them where that many clusters run at once. The two K-group settings and the one cluster split
     with the least work a CTA (a tile's area over its parts, with `tile_cost`'s traffic term), in that order: group,
-    cluster, group. Measured on the H200 (BENCHMARKS.md session 9): 414_2472_11744 kn, 2 x 20 tiles of 208 x 128 in 3
+    cluster, group. Measured on the H200 (docs/notebook.md session 9): 414_2472_11744 kn, 2 x 20 tiles of 208 x 128 in 3
     K groups 1.014x of cuBLAS (every unsplit, split-K and stream-K setting before: 0.58-0.79x). Not proposed where M
     is a multiple of 128 (512_1024_8192 kn: 176 x 128 split_k 4 0.920x against the listed split-K leader's 0.887x, but
     4 K groups 0.789x)."""

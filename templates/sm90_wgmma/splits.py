@@ -1,7 +1,7 @@
 """Settings of the sm90_wgmma family's search order (`search.py`) for few C tiles and a long K: which problems split
 K over several CTAs a C tile (thread-block clusters summing through distributed shared memory, K groups summing
 through a workspace, multicast pairs in K groups) and the settings that do it, best guesses first; and unsplit
-clusters along N that share A's rows. From measurements on the H200 (BENCHMARKS.md).
+clusters along N that share A's rows. From measurements on the H200 (docs/notebook.md).
 """
 
 from __future__ import annotations
