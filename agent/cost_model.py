@@ -33,16 +33,13 @@ MIN_PROBLEMS = 4
 MIN_FAMILY_ROWS = 40
 FAILURE_PENALTY = math.log(2.0)
 # The family's own order as a prior: a setting k places later must be predicted exp(k * RANK_WEIGHT) times faster to
-# go ahead (10 places: 22%), so that where the trees cannot tell settings apart the hand-written rules decide. Default
+# go ahead (10 places: 22%), so that where the trees cannot tell settings apart the hand-written rules decide: default
 # runs measure only the first dozen or so of each shape's settings, so a database they filled knows little of the
-# kinds the rules place late (clusters, deep splits), and a weak prior let the trees bury those (on the H200 sweep
-# of 11 shapes with two 48-shape runs added: 7.4 candidates to within 2% at 0.003, 5.5 at 0.02; without the runs
-# 2.4 at both; docs/notebook.md, session 8).
+# kinds the rules place late (clusters, deep splits). docs/decisions.md `learned-order`.
 RANK_WEIGHT = 0.02
 # The model may bring any setting forward, but holds none back more than this many places behind the family's own
-# order: a run's model knows little of the kinds the rules place late (few candidates reach them), and on the H200
-# the learned order pushed winners found at the rules' 11th-16th places (split-K, multicast clusters) out of a
-# shape's 16 candidates (48-shape suite, nk: 71_3584_3584 1.25x -> 1.01x, 767_2608_1976 1.19x -> 1.04x).
+# order (unless measured on the problem): a run's model knows little of the kinds the rules place late (few
+# candidates reach them). docs/decisions.md `learned-order`.
 DEMOTE_MAX = 3
 PRIOR_TOP = 3  # a family's prior mean: the mean prediction of its first few settings in the model's order
 PRIOR_SD = 0.3  # as sure as one measurement (the bandit's noise): the first results of the arm soon outweigh it

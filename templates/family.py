@@ -40,8 +40,8 @@ _ENV = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trai
 
 @functools.lru_cache(maxsize=32)
 def _compiled(text: str) -> jinja2.Template:
-    """A template's text compiled once: compiling took ~30 ms of a ~31 ms render (the family's 800-line template),
-    paid for every candidate and every compile started ahead, between the GPU's evaluations."""
+    """A template's text compiled once: compiling is nearly all of a render's time, which every candidate and every
+    compile started ahead would otherwise pay again, between the GPU's evaluations."""
     return _ENV.from_string(text)
 
 

@@ -88,9 +88,8 @@ TILES = [
     (64, 64, 2, 2), (64, 64, 1, 2), (32, 128, 1, 4), (128, 32, 4, 1), (32, 64, 1, 2), (64, 32, 2, 1),
     (32, 32, 1, 2), (16, 128, 1, 4), (16, 64, 1, 4), (16, 64, 1, 2), (16, 32, 1, 2), (32, 16, 2, 1),
 ]
-# (block_k, stages) in order of preference. On the H200, block_k=64 beat 32 on every shape timed (4096^3: 128x256
-# 347 vs 465 us; 128x4096x4096: 23 vs 29 us); deeper rings hide more latency where few warps are resident, and the
-# 2-stage ones are for K so short that a deeper ring holds nothing.
+# (block_k, stages) in order of preference: block_k 64 first (docs/decisions.md `sm80-pipelines`); deeper rings hide
+# more latency where few warps are resident, and the 2-stage ones are for K so short that a deeper ring holds nothing.
 PIPELINES = [(64, 3), (64, 4), (32, 4), (32, 5), (64, 6), (32, 3), (64, 2), (32, 2)]
 
 
@@ -116,8 +115,8 @@ class Sm80Mma(Family):
     name: ClassVar[str] = "sm80_mma"
     arches: ClassVar[tuple[str, ...]] = ("sm_90a", "sm_80")
     params_model: ClassVar[type[Params]] = Sm80MmaParams
-    # mma.sync on Hopper: its best settings measured 0.44-0.56x of sm90_wgmma's best on compute-bound H200 problems
-    # (sm_80: not measured, and no other family runs there, so no prior depends on it)
+    # mma.sync on Hopper reaches about half of sm90_wgmma on compute-bound problems (docs/decisions.md
+    # `tensor-share`); on sm_80 no other family runs, so no prior depends on its share there
     tensor_share: ClassVar[dict[str, float]] = {"sm_90a": 0.4, "sm_80": 0.85}
     description: ClassVar[str] = (
         "Ampere-style HGEMM: STAGES-deep cp.async ring into XOR-swizzled shared memory, ldmatrix fragments, "

@@ -1,7 +1,7 @@
 """What the sm90_wgmma family's search order (`search.py`) ranks with: the tile shapes it lists, and two rough cost
 models, relative times of a setting on a problem: one for whole tiles (waves of resident blocks), one for split-K
-settings (streamed operands, cluster placement, workspace sums). Their constants come from measurements on the H200
-(docs/notebook.md).
+settings (streamed operands, cluster placement, workspace sums). Where their constants come from: docs/decisions.md,
+the entries named beside them.
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ TILES = [
 
 # Rows of an operand that start off 128-byte lines (A: K x 2 bytes not a multiple of 128; B: the same in nk, N x 2
 # bytes in kn): every 128-byte row a TMA copy brings spans two lines, and past a rate of such rows the L2 cannot keep
-# up. Measured on the H200 (session 12, 657_9984 at K = 3144 against 3136 and 3200, both layouts, ten settings): a
-# tile slows with u, such rows a k-tile per 1024 outputs of the tile (rows a multicast cluster shares counted once),
-# past ODD_ROWS_FREE: u = 4 +2-4%, u = 8 +16-22% (multicast pairs +6-8%), u = 12-13 +28-36%; cuBLAS +3% kn, +7% nk.
+# up. A tile slows with u, such rows a k-tile per 1024 outputs of the tile (rows a multicast cluster shares counted
+# once), by ODD_ROWS_SLOPE a unit past ODD_ROWS_FREE (decisions.md `odd-rows`).
 ODD_ROWS_FREE, ODD_ROWS_SLOPE = 4.0, 0.04
 ODD_ROWS_MIN_K_TILES = 8  # where K is shorter, a tile's loads weigh little against its fill and stores: not counted
-# A multicast pair where rows are on lines: measured 0.9-1.0x of the same tiles without (657_9984_3136 nk: 0.98x)
+# A multicast pair where rows are on lines, against the same tiles without (decisions.md `tile-cost`)
 MULTICAST_COST = 1.02
 
 
@@ -52,10 +51,9 @@ def tile_cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
     per_sm = min(p.min_blocks, -(-tiles // sms))
     k_tiles = -(-problem.k // p.block_k)
     traffic = 1 + 40 / p.block_m + 40 / p.block_n
-    # Two consumer warpgroups per SM measured best on the H200 (three: 3-15% slower; one leaves gaps between wgmma
-    # groups).
+    # Two consumer warpgroups an SM are the reference; three and one issue slower (decisions.md `tile-cost`)
     issue = {2: 1.0, 3: 1.06}.get(per_sm * p.consumers, 1.1)
-    # kn with block_n = 192: B rows of 24 chunks leave producer threads idle; measured 5-20% slower on the H200.
+    # kn with block_n = 192: B rows of 24 chunks leave producer threads idle (decisions.md `tile-cost`)
     uneven = 1.15 if problem.b_layout == "kn" and 128 % (p.block_n // 8) else 1.0
     # the ring fills once per tile
     pair = MULTICAST_COST if p.cluster_m > 1 else 1.0
@@ -65,16 +63,14 @@ def tile_cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
 
 
 # Clusters of 8, 4, 2 CTAs that run at once per CTA slot of an SM: clusters must fit inside one GPC, so the 132 SMs
-# hold fewer than 132 / size (64x64 tiles, split_k=8, 1 block per SM: 16 clusters measured clearly slower per CTA
-# than 8 or 11 on the H200; 32 clusters of 4 ran on 120 SMs, the last 2 clusters in a second wave).
+# hold fewer than 132 / size (decisions.md `clusters-per-slot`).
 MIN_K_TILES = 16  # the fewest k-tiles a CTA of a split tile gets (its pipeline's fill and the sum amortised)
 CLUSTERS_PER_SLOT = {2: 66, 4: 30, 8: 14}
 
 
 # K groups sum through the workspace, which costs more than a cluster's sums through distributed shared memory: the
-# last CTA of a tile reads the other groups' fp32 partials. Measured on the H200 (session 11, 3 shapes of 16 k-tiles a
-# CTA): a tile's split pairs in 2 K groups 12-32% slower than one cluster of 4 where that fits a wave, i.e. 3-7
-# k-tiles' wgmma issue per group beyond the first.
+# last CTA of a tile reads the other groups' fp32 partials: WORKSPACE_SUM k-tiles' wgmma issue per group beyond the
+# first (decisions.md `workspace-sum`).
 WORKSPACE_SUM = 6
 
 

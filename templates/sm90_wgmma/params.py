@@ -42,14 +42,14 @@ class Sm90WgmmaParams(Params):
                                           "(swap_ab: block_n/consumers columns)")
     raster_group: int = Field(8, ge=1, le=64, description="tile-rows a block group walks before moving across N")
     min_blocks: Literal[1, 2] = Field(1, description="blocks resident per SM (__launch_bounds__); caps registers")
-    # smem measured 3-10% faster than direct on the H200 (docs/notebook.md)
+    # smem by default (docs/decisions.md `default-epilogue-loader`)
     epilogue: Literal["direct", "smem", "tma"] = Field(
         "smem", description="smem: C staged in shared memory for 16-byte stores; direct: 4-byte stores from the "
         "accumulators; tma: C staged in 128-byte-swizzled panels and written by asynchronous TMA stores (block_n a "
         "multiple of 64), so a persistent block's next tile starts while the last one drains")
     persistent: bool = Field(False, description="one block per SM slot striding over the tiles; the producer "
                              "prefetches the next tile while the consumers store the last")
-    # tma measured 13-25% faster than cp_async on the H200 at 1024-8192 cubed (docs/notebook.md)
+    # tma by default (docs/decisions.md `default-epilogue-loader`)
     loader: Literal["cp_async", "tma"] = Field(
         "tma", description="how the producer fills the ring: tma = one thread issuing cp.async.bulk.tensor copies "
         "from host-encoded tensor maps (zero-filled past the edges); cp_async = 128 threads of 16-byte cp.async "

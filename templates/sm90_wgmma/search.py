@@ -1,8 +1,8 @@
 """The search order of the sm90_wgmma family: which settings to try for a problem on a device, best guesses first.
 
 Rough cost models (`costs.py`) rank tile shapes by waves of resident blocks; split-K, K-group and swapped-role
-settings lead for the problem classes they serve. The rules and the slots where some kinds enter come from
-measurements on the H200 (docs/notebook.md); a learned model can reorder what this returns.
+settings lead for the problem classes they serve. Why each rule and each place where a kind enters: the entry of
+docs/decisions.md named beside it. A learned model can reorder what this returns (agent/cost_model.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _swap_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     Where the tiles fill fewer than half the SMs and K is long, each tile's K is split over as many CTAs as one wave
     holds (at most 8, and fewer where each would get under MIN_K_TILES k-tiles: decode's k/v projections, N = 1024
     and K = 4096, split 4 ways rather than not at all): in one cluster where that many clusters run at once, in K
-    groups, and in pairs of K groups; none for other problems."""
+    groups, and in pairs of K groups; none for other problems (decisions.md `swap-tiny`)."""
     if problem.m > 48:
         return []
     k_tiles = -(-problem.k // 64)
@@ -56,7 +56,7 @@ def _swap_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
 
 # Tile shapes beyond TILES: block_n in steps of 16 (nk; kn B panels are 64 columns) for rows of 64, 128, 192, 256.
 FITTED_ROWS = ((64, 1), (128, 2), (192, 3), (256, 2))
-FITTED_GAIN = 0.97  # a fitted shape enters where the cost model puts it at least 3% ahead of every listed shape
+FITTED_GAIN = 0.97  # a fitted shape enters where the cost model puts it at least 3% ahead (decisions.md `fitted`)
 
 
 def _fitted_settings(problem: Problem, sms: int, listed_best: float) -> list[Sm90WgmmaParams]:
@@ -73,16 +73,12 @@ def _fitted_settings(problem: Problem, sms: int, listed_best: float) -> list[Sm9
 
 
 # Swapped tiles of M just past a multiple of 64: the rows are wgmma's N (steps of 16), the B tile split among the
-# consumers in 64-row wgmmas. They enter where `tile_cost` puts them this far ahead of every listed shape (measured on
-# the H200, docs/notebook.md session 9: 4437_512_3584 0.84 -> 0.99x of cuBLAS, 205_50304_1024 0.87-0.89 -> 0.98-1.00x,
-# 222_32000_4096 0.92 -> 0.99x, 3072_2304_768 kn 1.01 -> 1.10x; unsplit, 657_9984_3144 and 414_2472_11744 not helped).
-# The bar was 8% with the smem epilogue; persistent with TMA stores they keep closer to their cost (session 16:
-# 4772_1600_6400, 260 tiles of 240 x 128 against 247 of 256 x 128, 6% ahead by cost: 0.999x against 0.906x).
+# consumers in 64-row wgmmas. They enter where `tile_cost` puts them this far ahead of every listed shape
+# (decisions.md `swap-fit`).
 SWAP_FIT_GAIN = 0.95
 SWAP_FIT_COLS = ((128, 2), (192, 3), (64, 1))  # (block_n, consumers): one m64 wgmma row block per consumer
 # Where rows are off 128-byte lines, also 256 columns (fewer of A's rows a k-tile per output), and where B's are,
-# multicast pairs of the 128- and 256-column tiles (B's rows read once a pair). Measured on the H200 (session 12):
-# 657_9984_3144 kn 112 x 256 0.99x of cuBLAS (224 x 128: 0.86x), nk 112 x 256 in pairs 0.95x (the best before: 0.88x).
+# multicast pairs of the 128- and 256-column tiles (B's rows read once a pair; decisions.md `odd-rows`).
 ODD_ROWS_COLS = ((256, 2),)
 
 
@@ -92,10 +88,7 @@ def _swap_fit_settings(problem: Problem, sms: int,
     up to 16, pad M far less than 64-row multiples do (205 rows: one 208-row tile, not 256; 414: two of 208, not 512;
     657: three of 224, not 768), where `tile_cost` ranks them well ahead of the best listed shape: the two best, each as
     a lead and an alternate. Beyond one wave the lead is the persistent kind, with TMA stores in 16-row chunks, where
-    that keeps a ring of 4 stages (measured with the smem epilogue: 205_50304_1024 0.93 -> 0.98x, 7214_896_896 0.90 ->
-    0.96x; 222_32000_4096, 3 stages: 0.99 -> 0.96x. With TMA stores, session 15: 205_50304_1024 nk 208 x 128 s5 1.015x
-    against the smem kind's 0.988x, 222_32000_4096 nk 224 x 128 s4 0.995x, 657_9984_3144 nk 112 x 256 in pairs 0.967x
-    against the same one tile a CTA's 0.937x)."""
+    that keeps a ring of 4 stages (decisions.md `swap-fit`)."""
     leads, alternates = [], []
     for p in _ahead(problem, sms, _swapped_shapes(problem, odd=True), SWAP_FIT_GAIN * listed_best):
         tiles = problem.tiles(p.block_m, p.block_n)
@@ -129,12 +122,8 @@ def _swapped_shapes(problem: Problem, odd: bool = False) -> list[dict[str, Any]]
 
 # Tall swapped tiles (rows as wgmma's N, 256 columns as four m64 wgmmas over two consumers) with persistent blocks
 # and TMA stores in 16-row chunks (C needs 16 KB beside the ring, not a whole tile): cuBLAS's tiling for large
-# problems. tile_cost puts them 3-13% ahead of 128 x 256 on some large problems; measured on the H200 (session 15),
-# about 5% less than that (8192 cubed kn: 3-4% ahead, measured 1-2% behind), so they enter only where they stay
-# ahead of the persistent lead (the same overlap of stores with the next tile) by TALL_COST. Measured against the
-# lead: 4437_8192_8192 1.009x of cuBLAS against 0.979x (nk), 1.002x against 0.976x (kn); 7471_4096_4096 1.016-1.018x
-# against 0.95-0.97x; 4096_6144_4096 nk 1.049x against 1.029x; not proposed at 4096 cubed (0.85x: 26 tiles of 160
-# rows make 3.2 waves), 6278_12800_1600 nk or 8192 cubed kn (0.96-0.99x, 1.005-1.012x against 1.00x, 1.03x).
+# problems. They enter only where `tile_cost` x TALL_COST stays under the persistent lead's (the same overlap of
+# stores with the next tile): the cost model rates them ahead of what they measure (decisions.md `tall`).
 TALL_ROWS = (144, 160, 176, 192)
 TALL_COST = 1.05
 
@@ -157,10 +146,7 @@ def _tall_settings(problem: Problem, sms: int, lead: list[Sm90WgmmaParams]) -> l
 
 # Few C tiles because N is narrow (one m64 wgmma of columns at most) and M moderate: the listed tiles' 64 rows give
 # ceil(M / 64) x ceil(N / 16) CTAs (534_32_1120: 18; cuBLAS runs 68 of 8 rows). Swapped tiles of 16 and 32 of M's rows
-# (N padded to 64 wgmma rows) with K split over cluster pairs: measured on the H200 (session 16) 534_32_1120 nk
-# 0.97-1.00x of cuBLAS against the listed 0.87-0.89x, kn 1.02-1.03x against 0.83-0.85x, 310_40_928 nk 0.97-1.00x
-# against 0.90x, kn 0.95-0.96x against 0.80-0.81x; the same tiles unsplit 0.85-0.89x, in K groups (the workspace
-# sum) 0.76-0.82x.
+# (N padded to 64 wgmma rows) with K split over cluster pairs (decisions.md `narrow`).
 NARROW_N = 64
 NARROW_ROWS = (16, 32)
 NARROW_PART_K_TILES = 7  # the fewest k-tiles a CTA of the split gets (310_40_928: 15 k-tiles over 2)
@@ -185,11 +171,7 @@ def _narrow_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
 
 
 # Ping-pong consumers (each of two owns whole tiles, one storing while the other multiplies) where K is a k-tile or
-# two and every block gets two tiles or more. Measured on the H200 (session 18, warm ratio to cuBLAS, the rules' best
-# against the best of these): 933_6912_16 kn 1.081 -> 1.149, nk 1.092 -> 1.175; 16384_512_128 nk 1.077 -> 1.178;
-# 12288_1024_64 nk 1.185 -> 1.236, kn 1.185 -> 1.231; 16384_16384_64 nk 1.162 -> 1.206. At K = 768-896 they stayed
-# 1-5% behind the rules' best (4732_896_896, 3072_2304_768, 7214_896_896 nk), at K = 1600-4096 7% (6278_12800_1600,
-# 4096 cubed, nk).
+# two and every block gets two tiles or more (decisions.md `ping-pong`).
 PING_PONG_K_TILES = 2
 PING_PONG_TILES = ((64, 256, "tma"), (128, 128, "tma"), (128, 128, "smem"))  # the order they won in
 
@@ -203,8 +185,7 @@ def _ping_pong_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     return [v for v in found if v is not None]
 
 
-# Measured at M = 414 only (512 is a multiple of 128: not proposed); smaller M (71-149 rows: one tile of rows, where
-# the listed split-K and unsplit settings measured 1.2-1.4x of cuBLAS) keep today's order.
+# Smaller M (one tile of rows) keeps the listed split-K and unsplit settings (decisions.md `swap-split`).
 SWAP_SPLIT_MIN_M = 256
 
 
@@ -214,10 +195,7 @@ def _swapsplit_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     as one wave holds (at most 8, each at least MIN_K_TILES k-tiles), in K groups, and in one cluster of the largest
     power of two of them where that many clusters run at once. The two K-group settings and the one cluster split
     with the least work a CTA (a tile's area over its parts, with `tile_cost`'s traffic term), in that order: group,
-    cluster, group. Measured on the H200 (docs/notebook.md session 9): 414_2472_11744 kn, 2 x 20 tiles of 208 x 128 in 3
-    K groups 1.014x of cuBLAS (every unsplit, split-K and stream-K setting before: 0.58-0.79x). Not proposed where M
-    is a multiple of 128 (512_1024_8192 kn: 176 x 128 split_k 4 0.920x against the listed split-K leader's 0.887x, but
-    4 K groups 0.789x)."""
+    cluster, group. Not proposed where M is a multiple of 128 (decisions.md `swap-split`)."""
     if problem.m <= SWAP_SPLIT_MIN_M:
         return []
     k_tiles = -(-problem.k // 64)
@@ -273,13 +251,11 @@ SWAP_ALTERNATE_RANK = 7  # their other kind (persistent or not): after the fitte
 FITTED_RANK = 4  # tile shapes fitted to the problem's waves: after the best guesses of the measured shapes
 SPLIT_RANK = 6  # split-K where smaller tiles could fill the SMs without it (splits.split_class "some")
 CLUSTER_N_RANK = 3  # clusters of 4 along N sharing A's rows (splits.cluster_n_settings): after the leaders
-# The cp.async producer of the two best guesses where they have one consumer warpgroup or split K: it wins now and
-# then where TMA barely loses. Of larger tiles whole in K it never won on the H200: 151 measured over sessions 7-10,
-# 3 within 2% of the shape's best (all at K <= 64, where the producer hardly matters); of the others, 93 measured, 23
-# within 2%, 13 won (small-M tiles and split-K leaders: 131_400_5632, 16_4096_4096, 64_1024_16384, 512_1024_8192 nk).
+# The cp.async producer of the two best guesses where they have one consumer warpgroup or split K (decisions.md
+# `cp-async`).
 CP_ASYNC_RANK = 8
-# clusters of 2 sharing B by TMA multicast where B's rows are on 128-byte lines: measured 0.9-1.0x of the same tiles
-# without, so for longer searches (where they are off lines, pairs are shapes of their own that tile_cost ranks)
+# Clusters of 2 sharing B by TMA multicast where B's rows are on 128-byte lines, for longer searches (where they are
+# off lines, pairs are shapes of their own that tile_cost ranks; decisions.md `multicast-late`)
 MULTICAST_RANK = 12
 MAX_SEEDS = 30
 
@@ -301,9 +277,7 @@ def _enter_at(ordered: list[Sm90WgmmaParams], rank: int, extra: list[Sm90WgmmaPa
 def _persistent_leads(picked: list[Sm90WgmmaParams], k_tiles: int) -> list[Sm90WgmmaParams]:
     """The persistent kinds of the best guesses: up to three with TMA stores, then, where the best guess's columns
     are no whole 64-column panels (nk's fitted widths: no TMA stores), its kind with the smem epilogue; each where
-    its ring keeps 3 stages or covers K. The smem one measured on the H200 (session 11): 3072_2304_768 nk 128 x 224,
-    two whole waves of 12 k-tiles a tile, 0.83x of cuBLAS one tile a block and 0.97x persistent, against the
-    TMA-store leads' 0.85-0.90x; level with them on 3072_4800_1600 nk, behind on 7214_896_896 nk (0.90x, 0.98x)."""
+    its ring keeps 3 stages or covers K (decisions.md `persistent-leads`)."""
     def found(update: dict[str, Any], fits: bool) -> list[Sm90WgmmaParams]:
         variants = (with_update(p, update) for p in picked if (p.block_n % 64 == 0) == fits)
         return list({v.model_dump_json(): v for v in variants
@@ -354,17 +328,16 @@ def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
         if group < tiles_m or group == 1:
             picked.append(best.model_copy(update={"raster_group": group}))
     # Persistent blocks with TMA stores lead where the best guess gives a block more than one tile: the next
-    # tile's loads and MMAs overlap the last one's stores (measured on the H200: 1.04-1.16x of cuBLAS at
-    # K <= 128, where the others reach 0.8x; 1.0x at 4096 cubed), unless the room C takes beside the ring leaves
-    # too shallow a ring for a long K. In one wave there is nothing to overlap (1024 cubed: 0.93x against 0.97x).
+    # tile's loads and MMAs overlap the last one's stores, unless the room C takes beside the ring leaves too
+    # shallow a ring for a long K. In one wave there is nothing to overlap (decisions.md `persistent-leads`).
     one_wave = problem.tiles(best.block_m, best.block_n) <= sms * best.min_blocks
     lead = [] if one_wave else _persistent_leads(picked[:10], k_tiles)
-    # Other epilogues of the two best guesses (persistent with direct stores measured 0.3-0.97x: left out).
+    # Other epilogues of the two best guesses, one tile a block (decisions.md `other-epilogues`).
     others = [with_update(p, u) for p in picked[:2] for u in ({"epilogue": "direct"}, {"epilogue": "tma"})]
     first = picked[:1] if _pair_first(picked, problem, sms, k_tiles) else []
     picked = first + lead + picked[len(first):] + [v for v in others if v is not None]
-    # Long-K problems with few tiles: split-K settings first, K groups after the two best (measured on par with
-    # them on 64_1024_16384); skinny problems with few tiles: K groups first. Every other list is unchanged.
+    # Long-K problems with few tiles: split-K settings first, K groups after the two best; skinny problems with few
+    # tiles: K groups first (decisions.md `split-k`, `k-groups-skinny`). Every other list is unchanged.
     split = split_settings(problem, sms, device.smem_per_sm)
     if split_class(problem, sms) == "some":
         ordered = list(picked)

@@ -19,7 +19,7 @@ class Sm90Wgmma(Family):
     name: ClassVar[str] = "sm90_wgmma"
     arches: ClassVar[tuple[str, ...]] = ("sm_90a",)
     params_model: ClassVar[type[Params]] = Sm90WgmmaParams
-    # with sm80_mma's 0.4: their ratio is what the H200 measured on compute-bound problems (docs/notebook.md)
+    # with sm80_mma's 0.4 (docs/decisions.md `tensor-share`)
     tensor_share: ClassVar[dict[str, float]] = {"sm_90a": 0.85}
     description: ClassVar[str] = (
         "Hopper HGEMM: a producer warpgroup streams A/B tiles with TMA (host-encoded tensor maps) or cp.async "

@@ -1,7 +1,7 @@
 """Settings of the sm90_wgmma family's search order (`search.py`) for few C tiles and a long K: which problems split
 K over several CTAs a C tile (thread-block clusters summing through distributed shared memory, K groups summing
 through a workspace, multicast pairs in K groups) and the settings that do it, best guesses first; and unsplit
-clusters along N that share A's rows. From measurements on the H200 (docs/notebook.md).
+clusters along N that share A's rows. Why each: docs/decisions.md, the entries named beside them.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ def cluster_size(parts: int) -> int:
 
 def split_class(problem: Problem, sms: int) -> str | None:
     """Which problems split-K serves, all with at least 32 k-tiles (halves keep 16). "long": K long against M and
-    N (K >= 8 max(M, N)), measured on the dev suite: split settings lead. At M > 64 (skinny problems have K groups
-    and swapped roles of their own): "few" where even 64 x 64 tiles fill at most half the SMs (1024_128_4096:
-    32, and the best unsplit settings streamed K through them at 0.70x of cuBLAS): split settings lead too;
+    N (K >= 8 max(M, N)): split settings lead. At M > 64 (skinny problems have K groups and swapped roles of their
+    own): "few" where even 64 x 64 tiles fill at most half the SMs (1024_128_4096: 32): split settings lead too;
     "some" where 128 x 128 tiles fill at most a quarter of the SMs but smaller tiles fill them: split settings enter
-    at SPLIT_RANK, after the best unsplit guesses. None: no split-K."""
+    after the best unsplit guesses. None: no split-K (decisions.md `split-k`)."""
     if problem.k < 32 * 64:
         return None
     if problem.k >= 8 * max(problem.m, problem.n):
@@ -47,10 +46,9 @@ def split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90Wgm
     with split_k 8 or 4 (and 2 outside the "long" class, where K is shorter against the tiles), tiles x split_k
     within two waves of CTAs, every CTA at least 16 k-tiles, with the deepest ring that fits and with a 4-stage ring
     (several CTAs per SM); where a tile's cluster of 4 or 8 CTAs would not fit one wave (GPC placement) and each CTA
-    would get at least 2 x MIN_K_TILES, also as cluster pairs in K groups, for the cheapest such tile only
-    (512_1024_8192: 32 tiles of 128 x 128 in pairs of 2 groups 0.91-0.94x of cuBLAS, the rules' split leaders
-    0.86-0.92x, three runs of session 11; at 16 k-tiles a CTA they lost to every fitting cluster). The two best
-    tilings lead (each its best ring), so the first two are not one tiling twice. None for other problems."""
+    would get at least 2 x MIN_K_TILES, also as cluster pairs in K groups, for the cheapest such tile only. The two
+    best tilings lead (each its best ring), so the first two are not one tiling twice. None for other problems
+    (decisions.md `split-k`)."""
     kind = split_class(problem, sms)
     if kind is None:
         return []
@@ -104,11 +102,8 @@ def group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     k-tiles, then at least MIN_K_TILES; the deepest ring that fits; none for other problems. A tile's CTAs are K
     groups, or cluster pairs in K groups (the pair sums through distributed shared memory, which costs less than the
     workspace), pairs first. 64 x 256 tiles only as one pair, or in a wave of groups: their sums spill in others
-    (fewer groups where K is short; pairs in groups).
-    Measured on the H200: 64_4096_16384 64x64 with 2 groups 1.03-1.14x of cuBLAS (the best single-CTA tiles
-    0.91-1.03x), a cluster pair 37.6 against 38.6 us kn; 64_1024_4096 nk (decode's k/v projections at batch 64)
-    64x64 in 4 pairs of 8 k-tiles 1.23x, 8 groups 1.10x, 4 groups of 16 k-tiles 1.06x, the best unsplit tiles
-    0.66-0.80x; on M = 128-1024 the fp32 partials cost more than the extra SMs bring (0.33-0.77x)."""
+    (fewer groups where K is short; pairs in groups). At M = 128-1024 the fp32 partials cost more than the extra SMs
+    bring (decisions.md `k-groups-skinny`)."""
     k_tiles = -(-problem.k // 64)
     if problem.m > 64 or -(-problem.n // 64) > sms // 2:
         return []
@@ -132,20 +127,11 @@ def group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     return found
 
 
-# Multicast pairs in K groups pay where each CTA keeps a long K. Measured on the H200 (session 13: the rules' first
-# eight and up to six pairs each on 17 few-tile long-K problems, one sweep, nk unless noted): of the 10
-# problem-layouts where pairs keep 48+ k-tiles a CTA, 5 gained 5-27% over the best of the eight (1607_392_11704
-# 176 x 128 swapped pairs in 3 groups 0.91 -> 1.15x of cuBLAS, unpaired 0.99x; 256_2048_16384 128 x 128 in 4 groups
-# 0.90 -> 0.99x; 579_1000_14960 1.01 -> 1.07x; 512_1024_8192 64 x 128 in 2 groups 0.94 -> 0.99-1.00x in the sweep,
-# both layouts, 0.93-0.96x in the suite runs, where cuBLAS itself moved 19.8-21.7 us between evaluations), 4 were
-# level (414 both layouts, 231_3072_24576, 914_1152_10400) and 512_3072_24576 lost 8% (0.83x against 0.90x). At
-# 16-32 k-tiles a CTA pairs measured 0.35-0.92x against split-K clusters' 0.97-1.39x (1024_128_4096, 1372_192_6168,
-# 221_1024_8192, 128_4096_4096, 2048_256_2048): not proposed.
+# Multicast pairs in K groups pay where each CTA keeps a long K; with 16-32 k-tiles a CTA split-K clusters beat them
+# (decisions.md `pair-groups`).
 PAIR_MIN_K_TILES = 3 * MIN_K_TILES
-# Pairs of 64-row tiles at M <= 128 are not proposed: there K groups of 64-row tiles measured 0.33-0.77x of the
-# unsplit settings (128_8192_8192; not measured in pairs)
-PAIR_MIN_M = 128
-PAIR_FILL = 0.75  # the share of the SMs a pair setting's CTAs fill at least (the pairs that gained: 0.82-0.97)
+PAIR_MIN_M = 128  # pairs of 64-row tiles at M <= 128 are not proposed: K groups lose there (`pair-groups`)
+PAIR_FILL = 0.75  # the share of the SMs a pair setting's CTAs fill at least
 
 
 def pair_group_settings(problem: Problem, sms: int, smem_per_sm: int, shapes: list[dict],
@@ -174,15 +160,9 @@ def pair_group_settings(problem: Problem, sms: int, smem_per_sm: int, shapes: li
 
 
 # Clusters of 4 CTAs along N, each loading a quarter of the A tile's rows (multicast) and all of its 64-column B tile,
-# unsplit: the structure of cuBLAS's kernel for 414_2472_11744 nk (nvjet 64x144 in clusters of 4, 120 CTAs; ncu, session
-# 14). Measured on the H200 (tools/sweeps/multicast_n.sh, multicast_n_class.sh; warm ratio to cuBLAS, the best of the
-# rules' first four before): 414_2472_11744 nk 144 x 64 swapped 0.96-0.975x (0.85-0.90x), kn 1.01x (1.03x);
-# 1607_392_11704 128 x 64 nk 1.09-1.15x (pairs in K groups 1.03-1.15x), kn 1.17x (1.08x); level or behind where K is
-# shorter (56-140 k-tiles: 1024_1024_4096, 2863_512_3584, 1024_1600_6400, 1024_1536_8960 0.86-1.03x against 1.00-1.11x),
-# where the tile pads M or N far (148_3584_18944 58% of the tiles' area inside M x N: 0.54-0.56x; 6147_24_12888: 9%),
-# and behind on 182_3584_18944 (71%: 0.59-0.62x against 0.95-1.01x), 914_1152_10400 (0.97-0.98x of the pairs in K
-# groups' 1.03-1.06x) and 512_3584_18944 (256 x 64: 0.89-0.95x against 0.93-0.99x). No cost model here told the winners
-# (1607: 74% inside) from those: they enter the list after the leaders (search.CLUSTER_N_RANK).
+# unsplit: the structure of cuBLAS's kernel for 414_2472_11744 nk (nvjet 64x144 in clusters of 4, 120 CTAs). For a
+# very long K, and only where the tiles pad M and N little; no cost model here tells where they win, so they enter
+# after the leaders, not by cost (decisions.md `cluster-n`).
 CLUSTER_N_MIN_K_TILES = 160
 CLUSTER_N_FILL = 0.7  # the share of the launched tiles' area inside M x N at least
 
