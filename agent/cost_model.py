@@ -11,6 +11,12 @@ and setting were measured before, the measurement is used, not the prediction.
 Too little data, and the family keeps its own order: the model is trained only with at least MIN_PROBLEMS
 problems measured on this GPU model, and it orders a family only where that family has at least MIN_FAMILY_ROWS
 usable rows over MIN_PROBLEMS problems.
+
+Where the learned order and the family's rules meet (`CostModel.order`, the one place; docs/decisions.md
+`learned-order`): the family's own order (sm90_wgmma: its rules table) is the prior, so a setting k places later must
+be predicted exp(k * RANK_WEIGHT) times faster to go ahead of one; the model may bring any setting forward but holds
+none back more than DEMOTE_MAX places behind its place in the family's order; a setting measured on the same problem
+is placed by its measurement and is free of that limit. Nothing else reorders a family's settings.
 """
 
 from __future__ import annotations
