@@ -33,6 +33,7 @@ import numpy as np
 
 from agent import gbt
 from agent.tuning_db import TuningDB, TuningRow
+from core.plan import ceil_div
 from core.records import Problem, Status
 
 MIN_PROBLEMS = 4
@@ -75,7 +76,7 @@ def features(problem: Problem, family: str, params: dict[str, Any], sms: int) ->
     slots = sms * max(1, params.get("min_blocks", 1))
     waves = ctas / slots
     values += [math.log2(tiles), math.log2(ctas), waves, waves / math.ceil(waves), m * n / (tiles * bm * bn),
-               math.log2(max(1, -(-k // (bk * parts))))]
+               math.log2(max(1, ceil_div(k, bk * parts)))]
     return values
 
 

@@ -30,10 +30,6 @@ from core.records import LaunchSpec, Problem
 from core.source import source_problem
 from core.validation import validation_message
 
-SMEM_PER_BLOCK_MAX = 227 * 1024  # sm_90 opt-in maximum of dynamic shared memory per block
-SMEM_PER_BLOCK_MAX_SM80 = 163 * 1024
-
-
 # a sandboxed environment: an edited template from an LLM is untrusted text, and must not reach Python
 _ENV = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
 

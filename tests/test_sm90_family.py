@@ -407,7 +407,7 @@ def test_m_past_a_multiple_of_64_gets_swapped_tiles_of_its_rows(problem, rows):
 
 def test_rows_off_128_byte_lines_weigh_by_the_rows_a_tile_loads_per_output():
     def factor(problem, **fields):
-        return costs.odd_rows_factor(Sm90WgmmaParams(**{"consumers": 2, "stages": 4, **fields}), problem, 132)
+        return costs.odd_rows_factor(Sm90WgmmaParams(**{"consumers": 2, "stages": 4, **fields}), problem, H200)
     odd_nk, odd_kn = Problem(657, 9984, 3144, "nk"), Problem(657, 9984, 3144, "kn")
     assert costs.odd_rows(odd_nk) == (True, True) and costs.odd_rows(odd_kn) == (True, False)
     assert costs.odd_rows(Problem(657, 9984, 3136, "nk")) == (False, False)

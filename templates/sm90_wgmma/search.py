@@ -20,6 +20,7 @@ from functools import cached_property
 from typing import Any
 
 from core.device import H200, DeviceFacts
+from core.plan import ceil_div
 from core.records import Problem
 from templates.sm90_wgmma.costs import TILES
 from templates.sm90_wgmma.kinds import (
@@ -62,11 +63,11 @@ class Search:
 
     @property
     def k_tiles(self) -> int:
-        return -(-self.problem.k // 64)
+        return ceil_div(self.problem.k, 64)
 
     @cached_property
     def shapes(self) -> list[tuple[float, list[Sm90WgmmaParams]]]:
-        return listed_shapes(self.problem, self.sms)
+        return listed_shapes(self.problem, self.device)
 
     @cached_property
     def listed(self) -> list[Sm90WgmmaParams]:
@@ -77,7 +78,7 @@ class Search:
     @cached_property
     def first(self) -> list[Sm90WgmmaParams]:
         """The best guess, where it is a multicast pair that goes before the persistent leads."""
-        return self.listed[:1] if pair_first(self.listed, self.problem, self.sms, self.k_tiles) else []
+        return self.listed[:1] if pair_first(self.listed, self.problem, self.device, self.k_tiles) else []
 
     @cached_property
     def leads(self) -> list[Sm90WgmmaParams]:
@@ -96,16 +97,16 @@ class Search:
 
     @cached_property
     def split(self) -> list[Sm90WgmmaParams]:
-        return split_settings(self.problem, self.sms, self.device.smem_per_sm)
+        return split_settings(self.problem, self.device)
 
     @cached_property
     def swap_fit(self) -> tuple[list[Sm90WgmmaParams], list[Sm90WgmmaParams]]:
         """The M-fitted swapped tiles: leads and their other kinds."""
-        return swap_fit_settings(self.problem, self.sms, self.shapes[0][0])
+        return swap_fit_settings(self.problem, self.device, self.shapes[0][0])
 
     @cached_property
     def swap_split(self) -> list[Sm90WgmmaParams]:
-        return swap_split_settings(self.problem, self.sms)
+        return swap_split_settings(self.problem, self.device)
 
     @cached_property
     def tile_fields(self) -> list[dict[str, Any]]:
@@ -145,11 +146,11 @@ FEW_TILES_LONG_K = "32+ k-tiles and K >= 8 max(M, N), or M > 64 and 64 x 64 tile
 RULES: tuple[Rule, ...] = (
     # the base list, appended in this order
     Rule("swap-tiny", "swap-tiny", "M <= 48",
-         lambda s, _: swap_tiny_settings(s.problem, s.sms)),
+         lambda s, _: swap_tiny_settings(s.problem, s.device)),
     Rule("split-k-leaders", "split-k", FEW_TILES_LONG_K + ": the two best tilings",
          lambda s, _: s.split[:2] if s.split_class in ("long", "few") else []),
     Rule("k-groups-skinny", "k-groups-skinny", "M <= 64 and 64-row tiles fill at most half the SMs",
-         lambda s, _: group_settings(s.problem, s.sms)),
+         lambda s, _: group_settings(s.problem, s.device)),
     Rule("split-k-rest", "split-k", FEW_TILES_LONG_K + ": the other split settings",
          lambda s, _: s.split[2:] if s.split_class in ("long", "few") else []),
     Rule("pair-first", "pair-first", "the best guess is a multicast pair well ahead of the best single tile",
@@ -162,24 +163,24 @@ RULES: tuple[Rule, ...] = (
     Rule("split-k-some", "split-k", "32+ k-tiles, M > 64, 128 x 128 tiles fill at most a quarter of the SMs and "
          "smaller tiles fill them", lambda s, _: s.split if s.split_class == "some" else [], after=6),
     Rule("ping-pong", "ping-pong", "K <= 128 and two tiles a block or more",
-         lambda s, _: ping_pong_settings(s.problem, s.sms), after=0),
+         lambda s, _: ping_pong_settings(s.problem, s.device), after=0),
     Rule("narrow", "narrow", "M > 48, N <= 64 and K long enough to split in pairs",
-         lambda s, _: narrow_settings(s.problem, s.sms), after=0),
+         lambda s, _: narrow_settings(s.problem, s.device), after=0),
     Rule("swap-split", "swap-split", "M > 256, not a multiple of 128, swapped tiles fill under half the SMs",
          lambda s, _: s.swap_split, after=2),
     Rule("swap-fit", "swap-fit", "M > 48, swapped tiles of M's rows 5% ahead by tile_cost (unless swap-split)",
          lambda s, _: [] if s.swap_split else s.swap_fit[0], after=2),
     Rule("tall", "tall", "beyond a wave, tall swapped tiles ahead of the persistent lead by tile_cost x 1.05",
-         lambda s, _: tall_settings(s.problem, s.sms, s.leads), after=2),
+         lambda s, _: tall_settings(s.problem, s.device, s.leads), after=2),
     Rule("fitted", "fitted", "fitted tile shapes 3% ahead of every listed one by tile_cost",
-         lambda s, _: fitted_settings(s.problem, s.sms, s.shapes[0][0]), after=4),
+         lambda s, _: fitted_settings(s.problem, s.device, s.shapes[0][0]), after=4),
     Rule("swap-fit-alternates", "swap-fit", "the swap-fit tiles' other kinds (all of them, where swap-split leads)",
          lambda s, _: (s.swap_fit[0] if s.swap_split else []) + s.swap_fit[1], after=7),
     Rule("cp-async", "cp-async", "the first two settings have one consumer warpgroup or split K", _cp_async, after=8),
     Rule("pair-groups", "pair-groups", "M > 128, C tiles under half the SMs, 48+ k-tiles a CTA in pairs",
-         lambda s, _: pair_group_settings(s.problem, s.sms, s.device.smem_per_sm, s.tile_fields)[:2], after=1),
+         lambda s, _: pair_group_settings(s.problem, s.device, s.tile_fields)[:2], after=1),
     Rule("cluster-n", "cluster-n", "160+ k-tiles, 64-column tiles whose clusters of 4 fill about one wave",
-         lambda s, _: cluster_n_settings(s.problem, s.sms, s.device.smem_per_sm, s.tile_fields)[:1], after=3),
+         lambda s, _: cluster_n_settings(s.problem, s.device, s.tile_fields)[:1], after=3),
     Rule("multicast-late", "multicast-late", "two one-tile-a-block guesses of 128-column multiples",
          lambda s, _: [v for p in s.wide if (v := with_update(p, {"cluster_m": 2})) is not None], after=12),
 )

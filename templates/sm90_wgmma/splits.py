@@ -6,8 +6,10 @@ clusters along N that share A's rows. Why each: docs/decisions.md, the entries n
 
 from __future__ import annotations
 
+from core.device import DeviceFacts
+from core.plan import ceil_div
 from core.records import Problem
-from templates.sm90_wgmma.costs import CLUSTERS_PER_SLOT, MIN_K_TILES, TILES, split_cost
+from templates.sm90_wgmma.costs import MIN_K_TILES, TILES, split_cost
 from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, launched_tiles
 
 MAX_PARTS = 8  # CTAs a C tile's K is split over at most (a cluster of 8, or 8 K groups)
@@ -41,7 +43,7 @@ def split_class(problem: Problem, sms: int) -> str | None:
     return "some" if problem.tiles(128, 128) <= sms // 4 else None
 
 
-def split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90WgmmaParams]:
+def split_settings(problem: Problem, device: DeviceFacts) -> list[Sm90WgmmaParams]:
     """Split-K settings for long-K problems with few C tiles (`split_class`), best guesses first: every tile shape
     with split_k 8 or 4 (and 2 outside the "long" class, where K is shorter against the tiles), tiles x split_k
     within two waves of CTAs, every CTA at least 16 k-tiles, with the deepest ring that fits and with a 4-stage ring
@@ -49,22 +51,23 @@ def split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90Wgm
     would get at least 2 x MIN_K_TILES, also as cluster pairs in K groups, for the cheapest such tile only. The two
     best tilings lead (each its best ring), so the first two are not one tiling twice. None for other problems
     (decisions.md `split-k`)."""
-    kind = split_class(problem, sms)
+    kind = split_class(problem, device.sms)
     if kind is None:
         return []
-    k_tiles = -(-problem.k // 64)
+    k_tiles = ceil_div(problem.k, 64)
     found: list[Sm90WgmmaParams] = []
     for bm, bn, consumers in TILES:
-        if (problem.b_layout == "kn" and bn % 64) or bm > -(-problem.m // 64) * 64 or bn > -(-problem.n // 64) * 64:
+        if ((problem.b_layout == "kn" and bn % 64) or bm > ceil_div(problem.m, 64) * 64
+                or bn > ceil_div(problem.n, 64) * 64):
             continue  # kn needs 64-column panels; rows or columns past M, N would be computed for nothing
         tiles = problem.tiles(bm, bn)
-        if tiles >= sms // 2:
+        if tiles >= device.sms // 2:
             continue
         for split in (8, 4) if kind == "long" else (8, 4, 2):
-            if tiles * split > 2 * sms or k_tiles // split < 16 or tiles * split < 32:
+            if tiles * split > 2 * device.sms or k_tiles // split < 16 or tiles * split < 32:
                 continue
             ways = [{"split_k": split}]
-            if (split >= 4 and CLUSTERS_PER_SLOT[split] < tiles <= CLUSTERS_PER_SLOT[2] * 2 // split
+            if (split >= 4 and device.clusters_at_once(split) < tiles <= device.clusters_at_once(2) * 2 // split
                     and k_tiles // split >= 2 * MIN_K_TILES):  # the workspace sums amortised over a longer K
                 ways.append({"split_k": 2, "k_groups": split // 2})
             for way in ways:
@@ -76,7 +79,7 @@ def split_settings(problem: Problem, sms: int, smem_per_sm: int) -> list[Sm90Wgm
                             break
                         except ValueError:
                             continue
-    found.sort(key=lambda p: split_cost(p, problem, sms, smem_per_sm))
+    found.sort(key=lambda p: split_cost(p, problem, device))
     grouped = [_tile(p) for p in found if p.k_groups > 1][:1]  # the K groups of the cheapest such tile only
     found = [p for p in found if p.k_groups == 1 or _tile(p) in grouped]
     leaders: list[Sm90WgmmaParams] = []
@@ -96,7 +99,7 @@ def _tile(p: Sm90WgmmaParams) -> tuple[int, int, int]:
     return p.block_m, p.block_n, p.consumers
 
 
-def group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
+def group_settings(problem: Problem, device: DeviceFacts) -> list[Sm90WgmmaParams]:
     """K-group settings for skinny problems (M <= 64) whose 64-row tiles fill at most half the SMs: 64 x 64, 128, 256
     tiles with as many CTAs per tile as one wave holds (at most 8), first with each CTA at least MIN_K_TILES / 2
     k-tiles, then at least MIN_K_TILES; the deepest ring that fits; none for other problems. A tile's CTAs are K
@@ -104,19 +107,19 @@ def group_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
     workspace), pairs first. 64 x 256 tiles only as one pair, or in a wave of groups: their sums spill in others
     (fewer groups where K is short; pairs in groups). At M = 128-1024 the fp32 partials cost more than the extra SMs
     bring (decisions.md `k-groups-skinny`)."""
-    k_tiles = -(-problem.k // 64)
-    if problem.m > 64 or -(-problem.n // 64) > sms // 2:
+    k_tiles = ceil_div(problem.k, 64)
+    if problem.m > 64 or ceil_div(problem.n, 64) > device.sms // 2:
         return []
     found = []
     for bn in (64, 128, 256):
-        tiles = -(-problem.n // bn)
-        if bn > -(-problem.n // 64) * 64:
+        tiles = ceil_div(problem.n, bn)
+        if bn > ceil_div(problem.n, 64) * 64:
             continue
         for floor in (MIN_K_TILES // 2, MIN_K_TILES):
-            groups = k_parts(tiles, sms, k_tiles, floor)
+            groups = k_parts(tiles, device.sms, k_tiles, floor)
             if groups < 2:
                 continue
-            if bn == 256 and groups < min(MAX_PARTS, sms // tiles):
+            if bn == 256 and groups < min(MAX_PARTS, device.sms // tiles):
                 continue  # 64 x 256 sums spill in fewer groups than a wave holds (where K is short)
             pairs = groups == 2 or (groups >= 4 and bn < 256)  # and as pairs in groups
             ways = [{"split_k": 2, "k_groups": groups // 2}] if pairs else []
@@ -134,7 +137,7 @@ PAIR_MIN_M = 128  # pairs of 64-row tiles at M <= 128 are not proposed: K groups
 PAIR_FILL = 0.75  # the share of the SMs a pair setting's CTAs fill at least
 
 
-def pair_group_settings(problem: Problem, sms: int, smem_per_sm: int, shapes: list[dict],
+def pair_group_settings(problem: Problem, device: DeviceFacts, shapes: list[dict],
                         min_k_tiles: int = PAIR_MIN_K_TILES, fill: float = PAIR_FILL,
                         min_m: int = PAIR_MIN_M) -> list[Sm90WgmmaParams]:
     """Multicast pairs in K groups for problems (M > min_m) whose C tiles fill under half the SMs with a long K: the
@@ -145,18 +148,18 @@ def pair_group_settings(problem: Problem, sms: int, smem_per_sm: int, shapes: li
     order's rule; a sweep passes looser limits to measure beyond it."""
     if problem.m <= min_m:
         return []
-    k_tiles = -(-problem.k // 64)
+    k_tiles = ceil_div(problem.k, 64)
     found = []
     for fields in shapes:
         bm, bn = fields["block_m"], fields["block_n"]
-        if bn % 128 or -(-problem.m // bm) < 2 or bn > -(-problem.n // 64) * 64:
+        if bn % 128 or ceil_div(problem.m, bm) < 2 or bn > ceil_div(problem.n, 64) * 64:
             continue
         tiles = 2 * problem.tiles(2 * bm, bn)  # whole pairs of row tiles (a trailing CTA past M still loads)
-        groups = k_parts(tiles, sms, k_tiles, min_k_tiles)
-        if (tiles < sms // 2 and groups >= 2 and tiles * groups >= fill * sms
+        groups = k_parts(tiles, device.sms, k_tiles, min_k_tiles)
+        if (tiles < device.sms // 2 and groups >= 2 and tiles * groups >= fill * device.sms
                 and (v := deepest({**fields, "cluster_m": 2, "k_groups": groups}))):
             found.append(v)
-    return sorted(found, key=lambda p: split_cost(p, problem, sms, smem_per_sm))
+    return sorted(found, key=lambda p: split_cost(p, problem, device))
 
 
 # Clusters of 4 CTAs along N, each loading a quarter of the A tile's rows (multicast) and all of its 64-column B tile,
@@ -167,12 +170,12 @@ CLUSTER_N_MIN_K_TILES = 160
 CLUSTER_N_FILL = 0.7  # the share of the launched tiles' area inside M x N at least
 
 
-def cluster_n_settings(problem: Problem, sms: int, smem_per_sm: int, shapes: list[dict]) -> list[Sm90WgmmaParams]:
+def cluster_n_settings(problem: Problem, device: DeviceFacts, shapes: list[dict]) -> list[Sm90WgmmaParams]:
     """Tiles of 64 columns and at least twice as many rows (of `shapes`: the listed tiles, the swapped tiles of M's
     rows) in clusters of 4 along N, unsplit, where K has at least CLUSTER_N_MIN_K_TILES k-tiles, the clusters fill
     between PAIR_FILL of the SMs and the one wave of clusters of 4 that run at once, and the padding of M and N
     leaves CLUSTER_N_FILL of the tiles inside them; each with its deepest ring, cheapest first by `split_cost`."""
-    if -(-problem.k // 64) < CLUSTER_N_MIN_K_TILES:
+    if ceil_div(problem.k, 64) < CLUSTER_N_MIN_K_TILES:
         return []
     found = []
     for fields in shapes:
@@ -181,6 +184,6 @@ def cluster_n_settings(problem: Problem, sms: int, smem_per_sm: int, shapes: lis
             continue
         ctas = launched_tiles(v, problem)
         inside = problem.m * problem.n / (ctas * bm * bn)
-        if PAIR_FILL * sms <= ctas <= 4 * CLUSTERS_PER_SLOT[4] and inside >= CLUSTER_N_FILL:
+        if PAIR_FILL * device.sms <= ctas <= 4 * device.clusters_at_once(4) and inside >= CLUSTER_N_FILL:
             found.append(v)
-    return sorted(found, key=lambda p: split_cost(p, problem, sms, smem_per_sm))
+    return sorted(found, key=lambda p: split_cost(p, problem, device))
