@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from core.epilogue import Epilogue
+from core.plan import ceil_div
 
 B_LAYOUTS = ("kn", "nk")  # kn: B is K x N row-major (torch.matmul); nk: N x K row-major (nn.Linear weight)
 DTYPES = ("f16", "bf16")  # inputs and output; accumulation is fp32 in both
@@ -81,7 +82,7 @@ class Problem:
 
     def tiles(self, block_m: int, block_n: int) -> int:
         """C tiles of block_m x block_n that cover the M x N output."""
-        return -(-self.m // block_m) * -(-self.n // block_n)
+        return ceil_div(self.m, block_m) * ceil_div(self.n, block_n)
 
     def floor_us(self, peak_tflops: float = 800.0, peak_tbps: float = 4.3) -> float:
         """Roofline floor: the larger of the arithmetic and memory times, launch latency excluded."""

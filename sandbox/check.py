@@ -38,6 +38,7 @@ import torch
 
 from core.epilogue import Epilogue, compose
 from core.epilogue import reference as apply_epilogue
+from core.plan import ceil_div
 from core.records import Problem
 
 ERR_FACTOR = 2.0
@@ -116,7 +117,7 @@ def edge_shapes(problem: Problem) -> list[tuple[int, int, int]]:
     shapes.append((min(m, 300) + 13, min(n, 256) + 24, min(k, 512) + 8))
     shapes.append((max(1, m - 1), max(8, n - 8), max(8, k - 8)))
     if problem.fused.gated:
-        shapes = [(sm, -(-sn // 16) * 16, sk) for sm, sn, sk in shapes]
+        shapes = [(sm, ceil_div(sn, 16) * 16, sk) for sm, sn, sk in shapes]
     return list(dict.fromkeys(shapes))
 
 

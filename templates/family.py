@@ -34,18 +34,14 @@ from core.records import LaunchSpec, Problem
 from core.source import source_problem
 from core.validation import validation_message
 
-SMEM_PER_BLOCK_MAX = 227 * 1024  # sm_90 opt-in maximum of dynamic shared memory per block
-SMEM_PER_BLOCK_MAX_SM80 = 163 * 1024
-
-
 # a sandboxed environment: an edited template from an LLM is untrusted text, and must not reach Python
 _ENV = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
 
 
 @functools.lru_cache(maxsize=32)
 def _compiled(text: str) -> jinja2.Template:
-    """A template's text compiled once: compiling took ~30 ms of a ~31 ms render (the family's 800-line template),
-    paid for every candidate and every compile started ahead, between the GPU's evaluations."""
+    """A template's text compiled once: compiling is nearly all of a render's time, which every candidate and every
+    compile started ahead would otherwise pay again, between the GPU's evaluations."""
     return _ENV.from_string(text)
 
 

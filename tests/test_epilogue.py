@@ -17,6 +17,7 @@ from core.epilogue import (
     reference,
     split_gate_up,
 )
+from core.plan import ceil_div
 from core.records import Problem
 from sandbox.build import compile_cuda
 from sandbox.check import Checker, CheckFailed
@@ -246,7 +247,7 @@ def gpu_cases() -> list:
                     continue
                 epi = Epilogue(name)
                 layout, (dtype, bias) = ("kn", "nk")[(i + j) % 2], (("f16", False), ("bf16", True))[(i + j) // 2 % 2]
-                problem = Problem(m, -(-n // 16) * 16 if epi.gated else n, k, layout, dtype, bias, name)
+                problem = Problem(m, ceil_div(n, 16) * 16 if epi.gated else n, k, layout, dtype, bias, name)
                 try:
                     get_family(family).parse(params, problem)
                 except ValueError:

@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from core.device import H200, DeviceFacts
+from core.plan import ceil_div
 from core.records import LaunchSpec, Problem, TensorMapSpec
 from templates.family import Family, Params
-from templates.sm90_wgmma.params import SWAP_C_CHUNK, Sm90WgmmaParams, launched_tiles, with_update
+from templates.sm90_wgmma.params import SWAP_C_CHUNK, Sm90WgmmaParams, launch_plan, with_update
 from templates.sm90_wgmma.search import seeds
 
 
@@ -19,7 +20,7 @@ class Sm90Wgmma(Family):
     name: ClassVar[str] = "sm90_wgmma"
     arches: ClassVar[tuple[str, ...]] = ("sm_90a",)
     params_model: ClassVar[type[Params]] = Sm90WgmmaParams
-    # with sm80_mma's 0.4: their ratio is what the H200 measured on compute-bound problems (BENCHMARKS.md, session 10)
+    # with sm80_mma's 0.4 (docs/decisions.md `tensor-share`)
     tensor_share: ClassVar[dict[str, float]] = {"sm_90a": 0.85}
     description: ClassVar[str] = (
         "Hopper HGEMM: a producer warpgroup streams A/B tiles with TMA (host-encoded tensor maps) or cp.async "
@@ -53,12 +54,9 @@ class Sm90Wgmma(Family):
         assert isinstance(p, Sm90WgmmaParams)
         # split-K: the kernel's __cluster_dims__(split_k, 1, 1) groups consecutive blocks, one cluster per tile and K
         # group; k_groups > 1 adds the workspace (the groups' fp32 partial tiles) and one arrival counter per CTA of
-        # a tile's cluster
-        tiles = launched_tiles(p, problem)
-        # persistent: as many blocks as the SMs hold at once, in whole multicast clusters
-        cluster = p.cluster_m * p.cluster_n
-        slots = device.sms * p.min_blocks // cluster * cluster
-        grid = min(tiles, slots) if p.persistent else tiles * p.split_k * p.k_groups
+        # a tile's cluster; persistent: as many blocks as the SMs hold at once, in whole multicast clusters
+        plan = launch_plan(p, problem, device)
+        tiles = plan.tiles
         grouped = p.k_groups > 1
         maps: tuple[TensorMapSpec, ...] = ()
         if p.loader == "tma":  # boxes land as 128-byte rows (64 fp16), swizzled like the cp.async copies
@@ -72,12 +70,12 @@ class Sm90Wgmma(Family):
                 b_map = TensorMapSpec("B", (n, k), (64, p.block_k))
             # where M fits one tile, the A box is only M rounded up to 8 rows (the kernel's a_box_rows); with
             # multicast along N each CTA's share of the tile's rows
-            a_rows = p.block_m // p.cluster_n if p.cluster_n > 1 else min(p.block_m, -(-problem.m // 8) * 8)
+            a_rows = p.block_m // p.cluster_n if p.cluster_n > 1 else min(p.block_m, ceil_div(problem.m, 8) * 8)
             maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, a_rows)), b_map)
         if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels (swapped: 16-row chunks)
             c_rows = SWAP_C_CHUNK if p.swap_ab else p.block_m // p.row_owners
             maps += (TensorMapSpec("C", (problem.out_n, problem.m), (64, c_rows)),)
-        return LaunchSpec(grid=(grid, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
+        return LaunchSpec(grid=(plan.ctas, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
                           workspace_bytes=p.k_groups * tiles * p.block_m * p.block_n * 4 if grouped else 0,
                           counters=tiles * p.split_k if grouped else 0)
 

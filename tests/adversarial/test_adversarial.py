@@ -31,6 +31,7 @@ from agent.loop import SearchLoop
 from agent.proposers.base import Proposer, SearchState
 from agent.store import RunStore
 from core.epilogue import EPILOGUES, Epilogue
+from core.plan import ceil_div
 from core.records import Candidate, EvalJob, Problem, Status
 from sandbox.build import ARCHES, compile_cuda
 from templates import get_family
@@ -60,7 +61,7 @@ class Fixture:
 
     def problem(self, layout: str) -> Problem:
         m, n, k = SHAPE
-        n = -(-n // 16) * 16 if Epilogue(self.epilogue).gated else n
+        n = ceil_div(n, 16) * 16 if Epilogue(self.epilogue).gated else n
         return Problem(m, n, k, layout, self.dtype, self.bias, self.epilogue)
 
     def candidate(self, layout: str) -> Candidate:
