@@ -87,6 +87,7 @@ class TimedBuffers:
     def __init__(self, problem: Problem, launch: Launch, launches: int, mode: str,
                  checker: Checker | None = None, flush: L2Flush | None = None):
         self.p, self.launch_fn, self.launches, self.mode, self.checker = problem, launch, launches, mode, checker
+        self.std = check.input_std(problem)
         self.flush = flush
         p, dtype = problem, TORCH_DTYPE[problem.dtype]
         residual = p.fused.residual
@@ -121,7 +122,7 @@ class TimedBuffers:
 
     def randomise(self) -> None:
         for t in self.inputs:
-            t.all.normal_()
+            t.all.normal_(0.0, self.std if t is self.a or t is self.b else 1.0)
         if self.checker is not None:  # what the inputs were: a kernel must not change them
             self.snapshot = [t.bits.clone() for t in self.inputs]
 
@@ -142,7 +143,7 @@ class TimedBuffers:
             def overhead(i: int) -> None:  # new values for this launch's A (bias, R), written just before it
                 for t in (self.a, self.bias, self.r):
                     if t is not None:
-                        t[i % self.a_sets].normal_()
+                        t[i % self.a_sets].normal_(0.0, self.std if t is self.a else 1.0)
         return Subject(lambda i: self.launch_fn(*self.args(i)), self.launches, overhead, self.before_replay,
                        self.after_replay)
 
