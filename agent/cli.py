@@ -17,6 +17,7 @@ from agent.config import LlmSettings, RunConfig
 from agent.shapes import ShapeError, parse_shape_list, read_shapes_file
 from agent.store import RunStore, StoreError, list_runs, new_run_id
 from agent.tuning_db import default_path
+from core.epilogue import EPILOGUES
 from core.records import B_LAYOUTS
 from core.validation import validation_message
 
@@ -116,6 +117,10 @@ def add_dtype_bias(parser: Parser) -> None:
     """Defaults for --mnk shapes and for shapes-file lines that do not name their own dtype and bias."""
     parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="inputs and output (default fp16)")
     parser.add_argument("--bias", action="store_true", help="C = A B + bias[N] (a fused bias epilogue)")
+    parser.add_argument("--epilogue", choices=EPILOGUES, default="none",
+                        help="what the kernel applies to A B (+ bias) before storing C: an activation (relu, silu, "
+                        "gelu_tanh), a gated one on interleaved gate/up columns (silu_mul, gelu_mul: C has N/2 "
+                        "columns) or a residual add (residual: + R, an M x N tensor) (default none)")
 
 
 def _join_negative_values(argv: list[str]) -> list[str]:
@@ -167,8 +172,9 @@ def cmd_run(args) -> int:
         raise UsageError("--gpus picks local GPUs, --cluster a Dask cluster's: give one of them")
     if args.compile_only and (args.gpus or args.cluster):
         raise UsageError("--compile-only uses no GPU: drop --gpus / --cluster")
-    problems = (parse_shape_list(args.mnk, args.b_layout, args.dtype, args.bias) if args.mnk
-                else read_shapes_file(args.shapes, args.b_layout, args.dtype, args.bias) if args.shapes else None)
+    defaults = (args.b_layout, args.dtype, args.bias, args.epilogue)
+    problems = (parse_shape_list(args.mnk, *defaults) if args.mnk
+                else read_shapes_file(args.shapes, *defaults) if args.shapes else None)
     problems = buckets.plan(problems) if problems else problems  # ranges of M -> buckets
     try:
         llm = LlmSettings.from_env(model=args.llm_model, base_url=args.llm_base_url, max_calls=args.llm_max_calls,
@@ -263,7 +269,7 @@ def cmd_bench(args) -> int:
         (stores[0].folder / "bench_server.json").write_text(json.dumps(report, indent=1))
         console.print(bench.server_table(report, args.target_qps))
         return 0
-    problems = (read_shapes_file(args.shapes, args.b_layout, args.dtype, args.bias) if args.shapes
+    problems = (read_shapes_file(args.shapes, args.b_layout, args.dtype, args.bias, args.epilogue) if args.shapes
                 else list(dict.fromkeys(p for s in stores for p in s.problems())))
     if not problems:
         raise UsageError("nothing to bench: give RUNs or --shapes FILE")

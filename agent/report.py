@@ -46,7 +46,7 @@ class LiveView:
             if r.status not in (Status.OK, Status.SKIPPED):
                 row["fail"][r.status.value] += 1
             if r.status is Status.OK and (row["best"] is None or r.time_us < row["best"]):
-                row["best"], row["ratio"], row["cublas"] = r.time_us, r.speedup, r.cublas_warm.median_us
+                row["best"], row["ratio"], row["cublas"] = r.time_us, r.speedup, r.ranked[1].median_us
             self.last = f"{data['candidate'].id} {data['candidate'].family} {r.status.value} {r.reason[:80]}"
         elif kind == "profile":
             self.last = f"{data['candidate'].id}: profiling with Nsight Compute"
@@ -120,7 +120,7 @@ def show_run(store: RunStore) -> Group:
         counts = store.failure_counts(p)
         fails = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k not in ("ok", "skipped")) or "-"
         win = store.winner(p)
-        dtype = p.dtype + (" +bias" if p.bias else "")
+        dtype = p.dtype + (" +bias" if p.bias else "") + (f" {p.epilogue}" if p.epilogue != "none" else "")
         if win is None:
             t.add_row(p.mnk, p.b_layout, dtype, str(sum(counts.values())), fails, *["-"] * 8)
             continue
@@ -135,7 +135,7 @@ def show_run(store: RunStore) -> Group:
             text = prof.summary if prof.ok else f"profiling failed: {(prof.error.splitlines() or ['?'])[-1][:120]}"
             profiles.append(Text(f"profile {p.mnk} {p.b_layout} {c.id}: {text}"))  # Text: no markup in ncu's words
         t.add_row(p.mnk, p.b_layout, dtype, str(sum(counts.values())), fails, c.id, c.family, fmt_us(r.time_us),
-                  fmt_us(r.cublas_warm.median_us), fmt_ratio(ratio), fmt_ratio(cold), cold_warm, f"{floor:.0f}%")
+                  fmt_us(r.ranked[1].median_us), fmt_ratio(ratio), fmt_ratio(cold), cold_warm, f"{floor:.0f}%")
     device = store.get_meta("device")
     parts = [t, *bucket_lines(store), *profiles]
     if compile_only(store):

@@ -32,7 +32,8 @@ PROFILES_TABLE = """CREATE TABLE IF NOT EXISTS profiles (candidate_id TEXT PRIMA
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS problems (key TEXT PRIMARY KEY, m INT, n INT, k INT, b_layout TEXT, dtype TEXT,
-                                     position INT, bias INT DEFAULT 0, m_lo INT, m_hi INT);
+                                     position INT, bias INT DEFAULT 0, epilogue TEXT DEFAULT 'none', m_lo INT,
+                                     m_hi INT);
 CREATE TABLE IF NOT EXISTS candidates (id TEXT PRIMARY KEY, seq INTEGER, problem_key TEXT, family TEXT,
     params TEXT, origin TEXT, rationale TEXT, template_override TEXT, created REAL, patch TEXT);
 CREATE TABLE IF NOT EXISTS builds (candidate_id TEXT PRIMARY KEY, arch TEXT, ok INT, source TEXT, cubin BLOB,
@@ -41,7 +42,7 @@ CREATE TABLE IF NOT EXISTS builds (candidate_id TEXT PRIMARY KEY, arch TEXT, ok 
 CREATE TABLE IF NOT EXISTS results (candidate_id TEXT PRIMARY KEY, status TEXT, time_us REAL, speedup REAL,
     record TEXT, created REAL);
 CREATE TABLE IF NOT EXISTS measurements (candidate_id TEXT, time_us REAL, cublas_us REAL, speedup REAL,
-    created REAL);
+    created REAL, honest INT DEFAULT 0);
 CREATE TABLE IF NOT EXISTS events (ts REAL, kind TEXT, message TEXT);
 """ + PROFILES_TABLE + WINNERS_TABLE + MODEL_CALLS_TABLE + BUCKET_ENDS_TABLE
 
@@ -102,6 +103,10 @@ class RunStore:
         if "m_lo" not in columns:
             self.db.execute("ALTER TABLE problems ADD COLUMN m_lo INT")
             self.db.execute("ALTER TABLE problems ADD COLUMN m_hi INT")
+        if "epilogue" not in columns:
+            self.db.execute("ALTER TABLE problems ADD COLUMN epilogue TEXT DEFAULT 'none'")
+        if "honest" not in {row[1] for row in self.db.execute("PRAGMA table_info(measurements)")}:
+            self.db.execute("ALTER TABLE measurements ADD COLUMN honest INT DEFAULT 0")
         if "patch" not in {row[1] for row in self.db.execute("PRAGMA table_info(candidates)")}:
             self.db.execute("ALTER TABLE candidates ADD COLUMN patch TEXT")
         self.db.executescript(PROFILES_TABLE + WINNERS_TABLE + MODEL_CALLS_TABLE + BUCKET_ENDS_TABLE)
@@ -127,12 +132,12 @@ class RunStore:
     def add_problems(self, problems: list[Problem]) -> None:
         for i, p in enumerate(problems):
             lo, hi = p.m_range or (None, None)
-            self.db.execute("INSERT OR IGNORE INTO problems (key, m, n, k, b_layout, dtype, position, bias, m_lo, "
-                            "m_hi) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            (p.key, p.m, p.n, p.k, p.b_layout, p.dtype, i, int(p.bias), lo, hi))
+            self.db.execute("INSERT OR IGNORE INTO problems (key, m, n, k, b_layout, dtype, position, bias, epilogue, "
+                            "m_lo, m_hi) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            (p.key, p.m, p.n, p.k, p.b_layout, p.dtype, i, int(p.bias), p.epilogue, lo, hi))
 
     def problems(self) -> list[Problem]:
-        rows = self.db.execute("SELECT m, n, k, b_layout, dtype, bias, m_lo, m_hi FROM problems "
+        rows = self.db.execute("SELECT m, n, k, b_layout, dtype, bias, epilogue, m_lo, m_hi FROM problems "
                                "ORDER BY position").fetchall()
         return [_problem(*r) for r in rows]
 
@@ -158,8 +163,9 @@ class RunStore:
         self._notify(r.candidate_id)
 
     def add_measurement(self, r: EvalResult) -> None:
-        self.db.execute("INSERT INTO measurements VALUES (?, ?, ?, ?, ?)",
-                        (r.candidate_id, r.time_us, r.cublas_warm.median_us, r.speedup, time.time()))
+        self.db.execute("INSERT INTO measurements VALUES (?, ?, ?, ?, ?, ?)",
+                        (r.candidate_id, r.time_us, r.ranked[1].median_us, r.speedup, time.time(),
+                         int(r.honest is not None)))
         self._notify(r.candidate_id)
 
     def _notify(self, cid: str) -> None:
@@ -169,20 +175,23 @@ class RunStore:
                 listener(c, r, speedups)
 
     def speedups(self, cid: str) -> list[float]:
-        rows = self.db.execute("SELECT speedup FROM measurements WHERE candidate_id = ?", (cid,)).fetchall()
-        return [r[0] for r in rows]
+        """A candidate's speed-ups over cuBLAS: its honest measurements where it has any (re-measurements, past the
+        first screen), else every measurement."""
+        rows = self.db.execute("SELECT speedup, honest FROM measurements WHERE candidate_id = ?", (cid,)).fetchall()
+        honest = [r[0] for r in rows if r[1]]
+        return honest or [r[0] for r in rows]
 
     def event(self, kind: str, message: str) -> None:
         self.db.execute("INSERT INTO events VALUES (?, ?, ?)", (time.time(), kind, message))
 
     def candidate(self, cid: str) -> Candidate:
-        row = self.db.execute("SELECT c.id, p.m, p.n, p.k, p.b_layout, p.dtype, p.bias, p.m_lo, p.m_hi, c.family, "
-                              "c.params, c.origin, c.rationale, c.template_override, c.patch FROM candidates c JOIN "
-                              "problems p ON c.problem_key = p.key WHERE c.id = ?", (cid,)).fetchone()
+        row = self.db.execute("SELECT c.id, p.m, p.n, p.k, p.b_layout, p.dtype, p.bias, p.epilogue, p.m_lo, p.m_hi, "
+                              "c.family, c.params, c.origin, c.rationale, c.template_override, c.patch FROM candidates "
+                              "c JOIN problems p ON c.problem_key = p.key WHERE c.id = ?", (cid,)).fetchone()
         if row is None:
             raise StoreError(f"no candidate {cid!r} in run {self.run_id}")
-        return Candidate(_problem(*row[1:9]), row[9], json.loads(row[10]), row[11], row[12], row[13],
-                         Patch.from_json(row[14]) if row[14] else None)
+        return Candidate(_problem(*row[1:10]), row[10], json.loads(row[11]), row[12], row[13], row[14],
+                         Patch.from_json(row[15]) if row[15] else None)
 
     def candidates(self, problem: Problem | None = None) -> list[Candidate]:
         q = "SELECT id FROM candidates" + (" WHERE problem_key = ?" if problem else "") + " ORDER BY seq"
@@ -266,8 +275,8 @@ class RunStore:
         return self.db.execute("SELECT ts, kind, message FROM events ORDER BY ts").fetchall()
 
 
-def _problem(m, n, k, b_layout, dtype, bias, m_lo=None, m_hi=None) -> Problem:
-    return Problem(m, n, k, b_layout, dtype, bool(bias), None if m_lo is None else (m_lo, m_hi))
+def _problem(m, n, k, b_layout, dtype, bias, epilogue="none", m_lo=None, m_hi=None) -> Problem:
+    return Problem(m, n, k, b_layout, dtype, bool(bias), epilogue, m_range=None if m_lo is None else (m_lo, m_hi))
 
 
 def list_runs(root: Path) -> list[RunStore]:

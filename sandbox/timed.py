@@ -8,11 +8,16 @@ honestly in the correctness checks; these buffers make that show in the timing i
 - cold: an L2 flush before each launch; each launch reads a set of its own (up to the budget), and every set gets new
   values before every replay, so nothing a kernel kept from an earlier launch matches: honest by construction;
 - fresh (the re-check of a suspect): each launch's A is refilled with new random values inside the graph just before
-  the launch (so it is in L2), B is shared; its time says what the warm time would be without any reuse.
+  the launch (so it is in L2), B is shared; its time says what the warm time would be without any reuse;
+- honest (the figure that ranks, past the first screen): every operand of each launch (A, B, the bias, R; for the
+  baseline of a gated epilogue, its separate gate and up weights) refilled with new random values inside the graph
+  just before it, so no launch can reuse an earlier one's work; the refills' own time is subtracted.
 Before each replay every output is poisoned; after it: no guard region touched, no input changed, no poison left,
 the first output of each set verified on sampled rows against an fp64 reference and cuBLAS's error, the other
 outputs of the set equal to it bit for bit (deterministic kernels) or verified likewise. cuBLAS is timed the same way
-on sets of its own with other values: no buffer holds the product the candidate is timed on.
+on sets of its own with other values: no buffer holds the product the candidate is timed on. Where the problem fuses
+an epilogue, "cuBLAS" is what the model runs instead (`Baseline`): the GEMM (two, for gate and up) and PyTorch's
+elementwise ops, all in the one graph.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
+from core.epilogue import split_gate_up
 from core.records import Problem, Timing
 from sandbox import check
 from sandbox.check import TORCH_DTYPE, Checker, CheckFailed, GuardedStack, same_bits
@@ -30,19 +37,51 @@ MEMORY_BUDGET = 6 << 30  # bytes of timing buffers per subject; beyond it launch
 FRESH_SLOTS = 64
 NONDETERMINISTIC_SAMPLE = 16
 VERIFY_BYTES = 1 << 30  # a verification batch's B, gathered and in fp64 (10 bytes an element), stays below this
-Launch = Callable[..., None]  # launch(A, B, C, M, N, K, bias)
+Launch = Callable[..., None]  # launch(A, B, C, M, N, K, bias, residual)
+ACT_IN_PLACE = {"relu": F.relu_, "silu": lambda x: F.silu(x, inplace=True),
+                "gelu_tanh": lambda x: torch.ops.aten.gelu_(x, approximate="tanh")}
 
 
-def cublas_launch(problem: Problem) -> Launch:
-    """cuBLAS as the user's code calls it: torch.matmul (or F.linear with the bias fused, as addmm)."""
-    def launch(a, b, c, m, n, k, bias=None):
-        b_kn = b if problem.b_layout == "kn" else b.t()
+class Baseline:
+    """What the user's model runs for the problem, into C: cuBLAS as the code calls it (torch.matmul, or F.linear
+    with the bias fused, as addmm), then the epilogue's PyTorch ops in the dtype: the activation (in place), the
+    residual add, or for a gated epilogue two GEMMs on the separate gate and up weights and act(gate) * up.
+    `prepare(t)` splits a gated B or bias into its gate and up halves once, outside the timed graphs."""
+
+    def __init__(self, problem: Problem):
+        self.p, self.epi = problem, problem.fused
+        self.halves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def prepare(self, t: torch.Tensor | None) -> None:
+        if self.epi.gated and t is not None and t.data_ptr() not in self.halves:
+            dim = 0 if self.p.b_layout == "nk" and t.dim() == 2 else -1  # an N x K weight's rows
+            self.halves[t.data_ptr()] = tuple(h.contiguous() for h in split_gate_up(t, dim))
+
+    def _gemm(self, a, b, bias, out=None):
+        b_kn = b if self.p.b_layout == "kn" else b.t()
         if bias is None:
-            torch.matmul(a, b_kn, out=c)
-        else:
-            torch.addmm(bias, a, b_kn, out=c)
+            return torch.matmul(a, b_kn, out=out)
+        return torch.addmm(bias, a, b_kn, out=out)
 
-    return launch
+    def __call__(self, a, b, c, m, n, k, bias=None, residual=None):
+        if self.epi.gated:
+            self.prepare(b)
+            self.prepare(bias)
+            bg, bu = self.halves[b.data_ptr()]
+            cg, cu = self.halves[bias.data_ptr()] if bias is not None else (None, None)
+            gate, up = self._gemm(a, bg, cg), self._gemm(a, bu, cu)
+            torch.mul(ACT_IN_PLACE[self.epi.activation](gate), up, out=c)
+        elif self.epi.residual:
+            torch.add(self._gemm(a, b, bias), residual, out=c)
+        else:
+            self._gemm(a, b, bias, out=c)
+            if self.epi.activation != "none":
+                ACT_IN_PLACE[self.epi.activation](c)
+
+
+def cublas_launch(problem: Problem) -> Baseline:
+    """The baseline a candidate is timed against: cuBLAS, and the epilogue's PyTorch ops where one is fused."""
+    return Baseline(problem)
 
 
 class TimedBuffers:
@@ -51,18 +90,22 @@ class TimedBuffers:
     def __init__(self, problem: Problem, launch: Launch, launches: int, mode: str,
                  checker: Checker | None = None, flush: L2Flush | None = None):
         self.p, self.launch_fn, self.launches, self.mode, self.checker = problem, launch, launches, mode, checker
+        self.std = check.input_std(problem)
         self.flush = flush
         p, dtype = problem, TORCH_DTYPE[problem.dtype]
-        set_bytes = 2 * (p.m * p.k + p.k * p.n + p.n)
-        out_bytes = 2 * p.m * p.n
+        residual = p.fused.residual
+        set_bytes = 2 * (p.m * p.k + p.k * p.n + p.n + (p.m * p.n if residual else 0))
+        out_bytes = 2 * p.m * p.out_n
         budget_sets = max(1, MEMORY_BUDGET // 2 // set_bytes)
-        # warm: two sets, the least the rotation needs (more would push larger operands out of the L2); fresh: a
-        # slot per launch up to FRESH_SLOTS (every launch refills its slot, so slots may repeat); cold: a set per launch
-        sets = {"warm": 2, "fresh": min(launches, budget_sets, FRESH_SLOTS)}.get(mode, min(launches, budget_sets))
+        # warm: two sets, the least the rotation needs (more would push larger operands out of the L2); fresh and
+        # honest: a slot per launch up to FRESH_SLOTS (every launch refills its slot, so slots may repeat); cold: a
+        # set per launch
+        refills = mode in ("fresh", "honest")
+        sets = 2 if mode == "warm" else min(launches, budget_sets, FRESH_SLOTS) if refills else min(launches,
+                                                                                                    budget_sets)
         sets = max(2, sets)
-        # fresh: an output per set, so each output's last write follows its set's last refresh
-        self.outputs = sets if mode == "fresh" else max(min(sets, launches),
-                                                        min(launches, MEMORY_BUDGET // 2 // out_bytes))
+        # fresh, honest: an output per set, so each output's last write follows its set's last refill
+        self.outputs = sets if refills else max(min(sets, launches), min(launches, MEMORY_BUDGET // 2 // out_bytes))
         self.a_sets = sets
         self.b_sets = 1 if mode == "fresh" else sets
         # the operand set behind each output: that of the last launch writing it
@@ -71,37 +114,56 @@ class TimedBuffers:
         self.a = GuardedStack(p.m, p.k, dtype, self.a_sets)
         self.b = GuardedStack(*b_shape, dtype, self.b_sets)
         self.bias = GuardedStack(1, p.n, dtype, self.a_sets) if p.bias else None
-        self.c = GuardedStack(p.m, p.n, dtype, self.outputs)
-        self.inputs = [t for t in (self.a, self.b, self.bias) if t is not None]
+        self.r = GuardedStack(p.m, p.n, dtype, self.a_sets) if residual else None  # R rotates with A
+        self.c = GuardedStack(p.m, p.out_n, dtype, self.outputs)
+        self.inputs = [t for t in (self.a, self.b, self.bias, self.r) if t is not None]
         self.snapshot: list[torch.Tensor] = []
         self.replays = 0
         self.randomise()
+        if isinstance(launch, Baseline):  # gated: the gate and up halves, split before any graph
+            for s in range(self.a_sets):
+                for t in self.inputs_of(s)[1:3]:
+                    launch.prepare(t)
 
     def randomise(self) -> None:
         for t in self.inputs:
-            t.all.normal_()
+            t.all.normal_(0.0, self.std if t is self.a or t is self.b else 1.0)
         if self.checker is not None:  # what the inputs were: a kernel must not change them
             self.snapshot = [t.bits.clone() for t in self.inputs]
 
-    def inputs_of(self, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A, B and the bias (None without one) of operand set s (B is shared where it does not rotate)."""
-        return self.a[s], self.b[s % self.b_sets], None if self.bias is None else self.bias[s][0]
+    def inputs_of(self, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A, B, the bias and R (None without them) of operand set s (B is shared where it does not rotate)."""
+        return (self.a[s], self.b[s % self.b_sets], None if self.bias is None else self.bias[s][0],
+                None if self.r is None else self.r[s])
 
     def args(self, i: int) -> tuple:
-        a, b, bias = self.inputs_of(i % self.a_sets)
-        return a, b, self.c[i % self.outputs], self.p.m, self.p.n, self.p.k, bias
+        a, b, bias, r = self.inputs_of(i % self.a_sets)
+        return a, b, self.c[i % self.outputs], self.p.m, self.p.n, self.p.k, bias, r
 
     def subject(self) -> Subject:
         overhead = None
         if self.mode == "cold":
             overhead = self.flush
-        elif self.mode == "fresh":
-            def overhead(i: int) -> None:  # new values for this launch's A (and bias), written just before it
-                self.a[i % self.a_sets].normal_()
-                if self.bias is not None:
-                    self.bias[i % self.a_sets].normal_()
+        elif self.mode in ("fresh", "honest"):
+            def overhead(i: int) -> None:  # new values for this launch's operands, written just before it
+                for t, std in self.refilled(i % self.a_sets):
+                    t.normal_(0.0, std)
         return Subject(lambda i: self.launch_fn(*self.args(i)), self.launches, overhead, self.before_replay,
                        self.after_replay)
+
+    def refilled(self, s: int) -> list[tuple[torch.Tensor, float]]:
+        """What the fresh and honest modes refill before a launch on slot s, with each one's standard deviation:
+        fresh A, the bias and R; honest every operand the launch reads (the gate and up halves the baseline of a
+        gated epilogue reads in place of B and the bias)."""
+        a, b, bias, r = self.inputs_of(s)
+        if self.mode == "fresh":
+            b = None
+        elif isinstance(self.launch_fn, Baseline) and self.p.fused.gated:
+            halves = [*self.launch_fn.halves[b.data_ptr()], *(self.launch_fn.halves[bias.data_ptr()]
+                                                              if bias is not None else ())]
+            return [(a, self.std)] + [(h, self.std if h.dim() == 2 else 1.0) for h in halves] + \
+                ([(r, 1.0)] if r is not None else [])
+        return [(t, std) for t, std in ((a, self.std), (b, self.std), (bias, 1.0), (r, 1.0)) if t is not None]
 
     def before_replay(self) -> None:
         if self.mode == "cold" and self.replays:
@@ -120,15 +182,16 @@ class TimedBuffers:
         where = f"{self.mode} timing, replay {self.replays}"
         if not all(t.guards_intact() for t in (*self.inputs, self.c)):
             raise CheckFailed(f"out-of-bounds write during timing ({where})")
-        if self.mode != "fresh" and not all(same_bits(t.bits, s) for t, s in zip(self.inputs, self.snapshot,
-                                                                                   strict=True)):
+        if self.mode not in ("fresh", "honest") and not all(same_bits(t.bits, s) for t, s in zip(self.inputs,
+                                                                                                  self.snapshot,
+                                                                                                  strict=True)):
             raise CheckFailed(f"the kernel modified its inputs during timing ({where})")
         unwritten = (self.c.poisoned() >= 0).nonzero()
         if len(unwritten):
             o = int(unwritten[0])
             first = int(self.c.poisoned()[o])
-            raise CheckFailed(f"the timed launches left an output unwritten: output {o}, C[{first // self.p.n},"
-                              f"{first % self.p.n}] still holds the poison ({where})")
+            raise CheckFailed(f"the timed launches left an output unwritten: output {o}, C[{first // self.p.out_n},"
+                              f"{first % self.p.out_n}] still holds the poison ({where})")
         first_of: dict[int, int] = {}
         for o, s in enumerate(self.set_of):
             first_of.setdefault(s, o)
@@ -165,7 +228,8 @@ class TimedBuffers:
             self.checker.verify_batch(
                 self.c.all[out[:, None], rows], self.a.all[sets[:, None], rows], b, bias,
                 f"M={p.m} N={p.n} K={p.k}, {rows.shape[1]} sampled rows of each",
-                [f"the timed launches left a wrong result ({where}, output {o})" for o in part])
+                [f"the timed launches left a wrong result ({where}, output {o})" for o in part],
+                None if self.r is None else self.r.all[sets[:, None], rows])
 
 
 # A candidate's cold time may exceed its warm time by cuBLAS's own gap plus this much before its warm time is
@@ -193,8 +257,14 @@ def time_subjects(problem: Problem, launches: dict[str, Launch], checker: Checke
     flush_us = graph_estimate_us(flush)
     out = {}
     for mode in modes:
-        extra = flush_us if mode == "cold" else 0.0
-        buffers = {name: TimedBuffers(problem, fn, launches_for(est[name] + extra), mode,
+        extra = dict.fromkeys(launches, flush_us if mode == "cold" else 0.0)
+        if mode == "honest":  # each launch's refills, timed alone (a probe of two slots)
+            for name, fn in launches.items():
+                probe = TimedBuffers(problem, fn, 2, mode)
+                refill = probe.subject().overhead
+                extra[name] = graph_estimate_us(lambda refill=refill: refill(0))
+                del probe, refill
+        buffers = {name: TimedBuffers(problem, fn, launches_for(est[name] + extra[name]), mode,
                                       checker if name == "candidate" else None, flush)
                    for name, fn in launches.items()}
         out[mode] = measure({name: b.subject() for name, b in buffers.items()}, cupti=mode == "warm")
@@ -202,14 +272,18 @@ def time_subjects(problem: Problem, launches: dict[str, Launch], checker: Checke
     return out
 
 
-def time_candidate(problem: Problem, kernel: Launch, checker: Checker, flush: L2Flush) -> dict[str, Timing | None]:
-    """Warm and cold timings of the candidate and cuBLAS; where the candidate's warm time is suspect, the fresh
-    re-check too, and CheckFailed if its speed-up does not hold on fresh inputs."""
+def time_candidate(problem: Problem, kernel: Launch, checker: Checker, flush: L2Flush,
+                   honest: bool = False) -> dict[str, Timing | None]:
+    """Warm and cold timings of the candidate and cuBLAS (and with `honest` the honest ones, which then rank it);
+    where the candidate's warm time is suspect, the fresh re-check too, and CheckFailed if its speed-up does not
+    hold on fresh inputs."""
     launches = {"candidate": kernel, "cublas": cublas_launch(problem)}
-    t = time_subjects(problem, launches, checker, flush)
+    t = time_subjects(problem, launches, checker, flush, ("warm", "cold", "honest") if honest else ("warm", "cold"))
     warm, cold = t["warm"], t["cold"]
     result = dict(warm=warm["candidate"], cold=cold["candidate"], cublas_warm=warm["cublas"],
                   cublas_cold=cold["cublas"], fresh=None, cublas_fresh=None)
+    if honest:
+        result.update(honest=t["honest"]["candidate"], cublas_honest=t["honest"]["cublas"])
     if suspect(warm["candidate"], cold["candidate"], warm["cublas"], cold["cublas"]):
         fresh = time_subjects(problem, launches, checker, flush, ("fresh",))["fresh"]
         result.update(fresh=fresh["candidate"], cublas_fresh=fresh["cublas"])

@@ -70,7 +70,7 @@ def test_served_is_the_leader_as_fast_as_cublas_at_both_ends(tmp_path):
     assert buckets.served(store, b) is None  # not re-timed at its ends yet
     checks = buckets.EndChecks(store, b, timeout_s=5.0)
     jobs = checks.next_jobs()
-    assert {j.cubin for j in jobs} == {b"cubin first"} and {j.timeout_s for j in jobs} == {5.0}
+    assert {j.cubin for j in jobs} == {b"cubin first"} and {(j.timeout_s, j.honest) for j in jobs} == {(5.0, True)}
     assert [(j.candidate_id, j.problem) for j in jobs] == [(first.id, Problem(17, 256, 512, "nk")),
                                                            (first.id, Problem(24, 256, 512, "nk"))]
     checks.record(jobs[0], ok(first.id, 1.3))

@@ -13,6 +13,7 @@ from sandbox.check import Checker, CheckFailed
 def checker(layout: str, bias: bool) -> Checker:
     c = object.__new__(Checker)  # the bounds need only the problem: no GPU, no launch
     c.problem, c.dtype, c.rel_err, c.cublas_rel_err = Problem(8, 24, 64, layout, "f16", bias), "f16", 0.0, 0.0
+    c.epilogue = c.problem.fused
     return c
 
 
@@ -75,7 +76,7 @@ def cpu_gemm(fault=None):
     fault(call, c) may then spoil the output of the call-th launch."""
     calls = []
 
-    def launch(a, b, c, m, n, k, bias=None):
+    def launch(a, b, c, m, n, k, bias=None, residual=None):
         acc = a.float() @ (b.float() if P.b_layout == "kn" else b.float().t())
         c.copy_((acc + (0 if bias is None else bias.float())).half())
         if fault:
@@ -111,7 +112,7 @@ def replay(buffers, subject):
     buffers.after_replay()
 
 
-@pytest.mark.parametrize("mode", ["warm", "cold", "fresh"])
+@pytest.mark.parametrize("mode", ["warm", "cold", "fresh", "honest"])
 def test_every_timed_output_is_verified(on_cpu, mode):
     from sandbox.timed import TimedBuffers
 
@@ -141,6 +142,27 @@ def test_every_timed_output_is_verified(on_cpu, mode):
 
     with pytest.raises(CheckFailed, match="left an output unwritten: output 2"):
         timed(skip)
+
+
+def test_the_honest_mode_refills_every_operand_of_every_launch(on_cpu):
+    from sandbox.timed import Baseline, TimedBuffers
+
+    buffers = TimedBuffers(P, cpu_gemm(), 6, "honest", Checker(cpu_gemm(), P, seed=2))
+    assert buffers.b_sets == buffers.a_sets == buffers.outputs == 6  # a slot (and B) of its own a launch
+    before = [t.bits.clone() for t in buffers.inputs]
+    buffers.subject().overhead(4)
+    changed = [bool((t.bits != old).any(dim=1)[min(4, t.count - 1)]) for t, old in zip(buffers.inputs, before,
+                                                                                      strict=True)]
+    assert changed == [True, True, True]  # A, B and the bias of slot 4
+    fresh = TimedBuffers(P, cpu_gemm(), 6, "fresh", Checker(cpu_gemm(), P, seed=2))
+    assert fresh.b_sets == 1 and len(fresh.refilled(0)) == 2  # fresh: A and the bias only
+    gated = Problem(8, 32, 64, "nk", "f16", True, "silu_mul")
+    baseline = Baseline(gated)
+    buffers = TimedBuffers(gated, baseline, 4, "honest")
+    a, b, bias, _ = buffers.inputs_of(1)
+    refilled = [t.data_ptr() for t, _ in buffers.refilled(1)]
+    halves = [h.data_ptr() for h in (*baseline.halves[b.data_ptr()], *baseline.halves[bias.data_ptr()])]
+    assert refilled == [a.data_ptr(), *halves]  # the baseline reads the separate gate and up weights: those
 
 
 def test_a_range_of_m_is_checked_at_its_ends_and_inside(on_cpu):

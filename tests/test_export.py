@@ -88,10 +88,14 @@ def test_python_path_falls_back_to_cublas_off_gpu(tmp_path, monkeypatch):
     assert torch.equal(ops.linear(a, b), F.linear(a, b)) and torch.equal(ops.linear(a, b, bias), F.linear(a, b, bias))
     entry = {**ops.MANIFEST["kernels"]["1000_3000_2000:kn:f16"], "serves": [[16, 16]]}
     ops.MANIFEST["kernels"]["16_24_8:kn:f16"] = entry  # CPU-sized
-    ops.INDEX = ops.intervals.Index(ops.MANIFEST, lambda key: ops.parse_key(key)[1:])
+    ops.INDEX = ops.intervals.Index(ops.MANIFEST)
     x, w = torch.randn(2, 8, 8).half(), torch.randn(8, 24).half()
     assert ops.problem_key(x, w, None, "kn") == "16_24_8:kn:f16"  # leading dims fold into M
     assert ops.INDEX.find_key("16_24_8:kn:f16") == "16_24_8:kn:f16"
+    ops.MANIFEST["kernels"]["8_24_8:kn:f16:bias:silu_mul"] = {**entry, "serves": [[8, 8]]}  # a fused epilogue
+    ops.INDEX = ops.intervals.Index(ops.MANIFEST)
+    assert ops.INDEX.find_key("8_24_8:kn:f16:bias") is None  # serves only calls that name the same epilogue
+    assert ops.INDEX.find_key("8_24_8:kn:f16:bias:silu_mul") == "8_24_8:kn:f16:bias:silu_mul"
     assert torch.equal(ops.mm(x, w), torch.matmul(x, w))  # CPU tensors: the kernel is not usable, cuBLAS path
     assert ops.driver.TENSOR_MAP_BYTES == 128  # the copied driver module loaded beside it
 
@@ -131,7 +135,7 @@ def test_export_serves_the_buckets_as_fast_as_cublas_at_both_ends(tmp_path, monk
     assert "serves every M from 25 to 32" in (tmp_path / "out" / entry["file"]).read_text()
     assert [ln.problem for ln in lines] == problems and sum(ln.kernel_file is not None for ln in lines) == 3
     ops = load_ops(tmp_path / "out")
-    series = (256, 512, "nk", "f16", False)
+    series = "256_512:nk:f16"
     found = {m: ops.INDEX.find(m, series) for m in range(1, 50)}
     assert {m for m, key in found.items() if key} == set(range(25, 49)) | {20}
     x, w = torch.randn(30, 512).half(), torch.randn(256, 512).half()

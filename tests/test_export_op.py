@@ -212,7 +212,7 @@ def test_cpp_and_python_find_the_same_kernel_and_launch_at_every_m(tmp_path, op_
     family, found = get_family("sm90_wgmma"), set()
     for m in range(1, 4097):
         key = ext.lookup(n, k, True, False, False, m)
-        assert key == ops.INDEX.find(m, (n, k, "nk", "f16", False)), m
+        assert key == ops.INDEX.find(m, f"{n}_{k}:nk:f16"), m
         if key is None:
             assert ext.launch_at(n, k, True, False, False, m) is None
             continue
@@ -238,8 +238,8 @@ def test_explain_names_the_interval_or_the_cublas_bucket(tmp_path, op_build_dir)
     ops = load_ops(export_folder(tmp_path / "out", kernels, tuple(cublas)))
     x, w = torch.randn(6, k).half(), torch.randn(n, k).half()
     assert ops.explain(x, w, None, "nk") == "operands are not on one CUDA device (tuned: 5-8_512_1024:nk:f16)"
-    assert ops.INDEX.describe(6, (n, k, "nk", "f16", False)) == "kernel 5-8_512_1024:nk:f16 (M=6 in 5-8)"
-    assert ops.INDEX.describe(19, (n, k, "nk", "f16", False)) == "kernel 17-24_512_1024:nk:f16 (M=19 in 17-19)"
+    assert ops.INDEX.describe(6, f"{n}_{k}:nk:f16") == "kernel 5-8_512_1024:nk:f16 (M=6 in 5-8)"
+    assert ops.INDEX.describe(19, f"{n}_{k}:nk:f16") == "kernel 17-24_512_1024:nk:f16 (M=19 in 17-19)"
     in_cublas = torch.randn(3, k).half()  # 3-4 is the third bucket: cuBLAS serves it
     assert ops.explain(in_cublas, w, None, "nk") == "M=3 is in 3-4_512_1024:nk:f16, which cuBLAS serves"
     assert ops.explain(torch.randn(3001, k).half(), w, None, "nk").startswith("M=3001 not tuned (tuned M: 1, 2, 5-8")

@@ -27,7 +27,10 @@ def test_a_range_of_m():
     assert parse_shape("1-512_4096_4096:nk") == Problem(257, 4096, 4096, "nk", m_range=(1, 512))
     assert parse_shape("1-512_4096_4096:nk").key == "1-512_4096_4096:nk:f16"
     assert parse_shape("16-16_64_64") == Problem(16, 64, 64)  # one M: the plain problem and its key
-    assert parse_shape("100-4000_64_64:kn:bf16:bias") == Problem(2050, 64, 64, "kn", "bf16", True, (100, 4000))
+    assert parse_shape("100-4000_64_64:kn:bf16:bias") == Problem(2050, 64, 64, "kn", "bf16", True, m_range=(100, 4000))
+    gated = parse_shape("1-64_28672_4096:nk:bf16:silu_mul")  # a range with a fused epilogue: the key keeps both
+    assert gated == Problem(33, 28672, 4096, "nk", "bf16", False, "silu_mul", m_range=(1, 64))
+    assert gated.key == "1-64_28672_4096:nk:bf16:silu_mul"
     assert parse_shape_list("1-8_64_64,1-8_64_64:kn,8_64_64") == [Problem(5, 64, 64, m_range=(1, 8)),
                                                                  Problem(8, 64, 64)]
 
@@ -57,6 +60,10 @@ def test_unknown_layout():
     ("16_4096_4096:nk:f16", {"dtype": "bf16"}, Problem(16, 4096, 4096, "nk", "f16")),
     ("16_4096_4096", {"b_layout": "nk", "dtype": "fp16", "bias": True}, Problem(16, 4096, 4096, "nk", "f16", True)),
     ("16_4096_4096", {"dtype": "bf16"}, Problem(16, 4096, 4096, "kn", "bf16")),
+    ("16_28672_4096:nk:bf16:bias:silu_mul", {}, Problem(16, 28672, 4096, "nk", "bf16", True, "silu_mul")),
+    ("16_4096_4096:nk:f16:residual", {"bias": True}, Problem(16, 4096, 4096, "nk", "f16", False, "residual")),
+    ("16_4096_4096:nk:f16:bias", {"epilogue": "relu"}, Problem(16, 4096, 4096, "nk", "f16", True)),  # named: none
+    ("16_4096_4096:nk", {"epilogue": "gelu_tanh"}, Problem(16, 4096, 4096, "nk", "f16", False, "gelu_tanh")),
 ])
 def test_layout_dtype_and_bias_fields(text, defaults, problem):
     assert parse_shape(text, **defaults) == problem
@@ -65,7 +72,10 @@ def test_layout_dtype_and_bias_fields(text, defaults, problem):
 
 @pytest.mark.parametrize("text, match", [
     ("64_64_64:tn", "unknown B layout 'tn'"), ("64_64_64:nk:fp32", "unknown dtype 'fp32'"),
-    ("64_64_64:nk:bf16:relu", "expected 'bias'"), ("64_64_64:nk:bf16:bias:x", "malformed"),
+    ("64_64_64:nk:bf16:gelu", "expected 'bias' and/or an epilogue"),
+    ("64_64_64:nk:bf16:bias:x", "expected 'bias' and/or an epilogue"),
+    ("64_64_64:nk:bf16:relu:bias", "expected 'bias' and/or an epilogue"),
+    ("64_64_64:nk:bf16:bias:relu:relu", "malformed"), ("64_24_64:nk:f16:silu_mul", "multiple of 16"),
     ("64_64_64::bf16", "malformed"), ("64_64_64:", "malformed"),
 ])
 def test_bad_fields(text, match):

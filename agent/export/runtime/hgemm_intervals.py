@@ -1,18 +1,17 @@
 """Which exported kernel serves a call's M, and its launch at that M (the Python launch path's side; hgemm_op.cpp
 does the same in C++).
 
-Shipped in an hgemm-agent export next to hgemm_ops.py. Each series (N, K, layout, dtype, bias: a problem key's
-fields after M) holds its kernels' M intervals (a manifest entry's `serves`), disjoint and sorted by their starts;
-`find` is a binary search over the starts. A kernel's launch at M comes from its segment holding M (`segments`,
-sorted by their first M; another binary search), with M written into the tensor-map dimensions that follow it
-(`m_dims`). Entries from before M ranges (no `serves`, `segments` or `m_dims`) serve their key's M with their
-`grid` and boxes.
+Shipped in an hgemm-agent export next to hgemm_ops.py. Each series (a problem key after its M:
+`N_K:layout:dtype[:bias][:epilogue]`) holds its kernels' M intervals (a manifest entry's `serves`), disjoint and
+sorted by their starts; `find` is a binary search over the starts. A kernel's launch at M comes from its segment
+holding M (`segments`, sorted by their first M; another binary search), with M written into the tensor-map
+dimensions that follow it (`m_dims`). Entries from before M ranges (no `serves`, `segments` or `m_dims`) serve
+their key's M with their `grid` and boxes.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
 
 
 def key_m(key: str) -> tuple[int, int]:
@@ -20,6 +19,11 @@ def key_m(key: str) -> tuple[int, int]:
     text = key.split("_", 1)[0]
     lo, _, hi = text.partition("-")
     return int(lo), int(hi or lo)
+
+
+def series_of(key: str) -> str:
+    """What a problem key names besides M: 'M_N_K:layout:...' -> 'N_K:layout:...'."""
+    return key.split("_", 1)[1]
 
 
 def serves(key: str, entry: dict) -> list[tuple[int, int]]:
@@ -34,23 +38,22 @@ def segments(key: str, entry: dict) -> list[dict]:
 class Index:
     """The manifest's kernels (and the problems cuBLAS serves, for explanations) by series and M."""
 
-    def __init__(self, manifest: dict, series_of: Callable[[str], tuple]):
-        self.series_of = series_of
-        claims: dict[tuple, list[tuple[int, int, str | None]]] = {}
+    def __init__(self, manifest: dict):
+        claims: dict[str, list[tuple[int, int, str]]] = {}
         for key, entry in manifest["kernels"].items():
             claims.setdefault(series_of(key), []).extend((lo, hi, key) for lo, hi in serves(key, entry))
         self.tables = {s: _table(c) for s, c in claims.items()}
-        self.cublas: dict[tuple, list[tuple[int, int, str]]] = {}
+        self.cublas: dict[str, list[tuple[int, int, str]]] = {}
         for key in manifest.get("cublas", []):
             self.cublas.setdefault(series_of(key), []).append((*key_m(key), key))
         self._starts: dict[str, list[int]] = {}
 
-    def find(self, m: int, series: tuple) -> str | None:
+    def find(self, m: int, series: str) -> str | None:
         """The key of the kernel serving M of the series, or None."""
         hit = self.interval(m, series)
         return hit[2] if hit else None
 
-    def interval(self, m: int, series: tuple) -> tuple[int, int, str] | None:
+    def interval(self, m: int, series: str) -> tuple[int, int, str] | None:
         """(lo, hi, key): the interval of the series holding M and its kernel, or None."""
         table = self.tables.get(series)
         if table is None:
@@ -61,9 +64,9 @@ class Index:
 
     def find_key(self, key: str | None) -> str | None:
         """find() for a call's own problem key ('M_N_K:...'), or None."""
-        return None if key is None else self.find(key_m(key)[0], self.series_of(key))
+        return None if key is None else self.find(key_m(key)[0], series_of(key))
 
-    def describe(self, m: int, series: tuple) -> str:
+    def describe(self, m: int, series: str) -> str:
         """Which interval of the series holds M and what serves it, or what the series' intervals are."""
         if (hit := self.interval(m, series)) is not None:
             lo, hi, key = hit

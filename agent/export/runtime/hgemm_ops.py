@@ -65,7 +65,7 @@ def parse_key(key: str) -> tuple[int, int, int, str, str, bool]:
     return intervals.key_m(key)[0], int(n), int(k), layout, dtype, rest == ["bias"]
 
 
-INDEX = intervals.Index(MANIFEST, lambda key: parse_key(key)[1:])  # the kernels by series and M interval
+INDEX = intervals.Index(MANIFEST)  # the kernels by series (the key after M) and M interval
 
 
 def problem_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str) -> str | None:
@@ -350,7 +350,7 @@ def explain(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, 
     instead (naming the bucket of M cuBLAS serves, where the run found no kernel for it)."""
     ext = compiled()
     call = problem_key(a, b, bias, layout)
-    listed = INDEX.describe(parse_key(call)[0], parse_key(call)[1:]) if call else ""
+    listed = INDEX.describe(parse_key(call)[0], intervals.series_of(call)) if call else ""
     if ext is None:
         return f"the compiled op is unavailable; the manifest says: {listed or 'not a GEMM of this export'}"
     why = ext.explain(a, b, bias, layout == "nk")
