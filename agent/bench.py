@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agent.store import RunStore
+from core.device import H200, DeviceFacts
 from core.records import BaselineJob, EvalJob, EvalResult, Problem, Status
+from core.roofline import floor_pct
 
 
 @dataclass(frozen=True)
@@ -47,17 +49,19 @@ def best_across(stores: list[RunStore], problem: Problem) -> tuple[RunStore, str
     return top if top and top[2] > 1.0 else None
 
 
-def row_from(problem: Problem, kernel: str, r: EvalResult, note: str = "") -> BenchRow:
+def row_from(problem: Problem, kernel: str, r: EvalResult, note: str = "", device: DeviceFacts = H200) -> BenchRow:
     ours_w, ours_c = (r.warm, r.cold) if r.warm else (r.cublas_warm, r.cublas_cold)
     w, c = ours_w.median_us, ours_c.median_us
     cupti = (r.cublas_warm.cupti_us / ours_w.cupti_us) if r.cublas_warm.cupti_us and ours_w.cupti_us else None
     return BenchRow(problem.mnk, problem.b_layout, kernel, w, r.cublas_warm.median_us, c, r.cublas_cold.median_us,
                     r.cublas_warm.median_us / w, r.cublas_cold.median_us / c if c > 0 else float("nan"),
-                    problem.flops / w / 1e6, 100 * problem.floor_us() / w, cupti, note,
+                    problem.flops / w / 1e6, floor_pct(problem, device, w), cupti, note,
                     problem.dtype + ("+bias" if problem.bias else ""))
 
 
-def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], progress=print) -> list[BenchRow]:
+def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], progress=print,
+                  device: DeviceFacts = H200) -> list[BenchRow]:
+    """Per problem a row: the best kernel of the runs re-checked and re-timed, or cuBLAS; `% floor` on `device`."""
     rows = []
     for p in problems:
         pick = best_across(stores, p)
@@ -67,7 +71,7 @@ def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], pro
             cand, build = store.candidate(cid), store.build(cid)
             r = evaluate(EvalJob(cid, p, cand.family, cand.params, build.cubin))
             if r.status is Status.OK and r.speedup and r.speedup > 1.0:
-                rows.append(row_from(p, f"{store.run_id}/{cid}", r))
+                rows.append(row_from(p, f"{store.run_id}/{cid}", r, device=device))
                 progress(f"{p.key}: {rows[-1].ratio_warm:.3f}x")
                 continue
             note = f"{cid} now {r.status.value} {r.speedup or ''}: cuBLAS kept".strip()
@@ -75,7 +79,7 @@ def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], pro
         if r.status is not Status.OK:
             progress(f"{p.key}: cuBLAS timing failed: {r.reason}")
             continue
-        rows.append(row_from(p, "cuBLAS", r, note))
+        rows.append(row_from(p, "cuBLAS", r, note, device))
         progress(f"{p.key}: cuBLAS")
     return rows
 

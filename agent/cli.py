@@ -267,7 +267,7 @@ def cmd_bench(args) -> int:
     folder = args.out or (stores[0].folder / "bench" if stores else args.runs_dir / f"bench-{new_run_id()}")
     pool, device = start_pool(None)
     try:
-        rows = bench.bench_offline(pool.evaluate, stores, problems, progress=lambda s: console.print(s))
+        rows = bench.bench_offline(pool.evaluate, stores, problems, progress=lambda s: console.print(s), device=device)
     finally:
         pool.close()
     console.print(bench.rows_table(rows, f"bench on {device.name} (device time, same process)"))

@@ -28,6 +28,7 @@ from agent.proposers.base import Proposer, SearchState, arm_of
 from agent.store import RunStore, Winner
 from core.device import H200, DeviceFacts
 from core.records import BuildResult, Candidate, EvalJob, EvalResult, Problem, ProfileResult, Status
+from core.roofline import floor_us
 from sandbox.build_pool import BuildPool
 from sandbox.executor import Executor, InlineExecutor, Profiler
 from sandbox.profile import NCU_MISSING, NO_COUNTERS
@@ -90,7 +91,7 @@ class SearchLoop:
         deadline = time.monotonic() + self.config.budget_minutes * 60
         # cheapest first (by the roofline floor): what a shape leaves of its share goes to the shapes after it, so
         # the time small shapes do not need goes to the costly ones, whose evaluations take longest
-        waiting = sorted(enumerate(problems), key=lambda item: item[1].floor_us())
+        waiting = sorted(enumerate(problems), key=lambda item: floor_us(item[1], self.device))
         active, summaries = [], {}
         while waiting or active:
             for s in [s for s in active if s.jobs == 0 and s.phase != "search"]:

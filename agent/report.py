@@ -14,7 +14,9 @@ from rich.text import Text
 
 from agent.proposers.patch import patch_text
 from agent.store import RunStore
+from core.device import DeviceFacts
 from core.records import EvalResult, Problem, ProposalFate, Status
+from core.roofline import floor_pct
 
 
 def fmt_us(t: float | None) -> str:
@@ -111,6 +113,7 @@ def show_run(store: RunStore) -> Group:
                 "cold ratio", "cold÷warm ours/cuBLAS", "% floor"):
         t.add_column(col)
     profiles = []
+    facts = DeviceFacts.from_dict(store.get_meta("device"))  # the H200 stand-in where none was recorded
     for p in store.problems():
         counts = store.failure_counts(p)
         fails = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k not in ("ok", "skipped")) or "-"
@@ -125,7 +128,7 @@ def show_run(store: RunStore) -> Group:
         cold_warm = f"{r.cold_over_warm:.2f}/{cub_cw:.2f}" if r.cold_over_warm and cub_cw else "-"
         if r.fresh:
             cold_warm += " (re-checked)"
-        floor = 100 * p.floor_us() / r.time_us
+        floor = floor_pct(p, facts, r.time_us)
         if (prof := store.profile(c.id)) is not None:
             text = prof.summary if prof.ok else f"profiling failed: {(prof.error.splitlines() or ['?'])[-1][:120]}"
             profiles.append(Text(f"profile {p.mnk} {p.b_layout} {c.id}: {text}"))  # Text: no markup in ncu's words
