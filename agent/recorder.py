@@ -100,7 +100,10 @@ class GemmRecorder(TorchFunctionMode):
         if self.skipped:
             head.append(f"# skipped {sum(self.skipped.values())} calls: "
                         + "; ".join(f"{n} {why}" for why, n in self.skipped.items()))
-        head.append("# search them: python -m agent run --shapes THIS_FILE")
+        if self.problems:
+            head.append("# search them: python -m agent run --shapes THIS_FILE")
+        else:
+            head.append("# nothing to search: no GEMM the kernels take (fp16 or bf16, a 2-D B) ran inside the recorder")
         return "\n".join(head + [f"{p.key}  # {n} call{'s' if n > 1 else ''}" for p, n in self.problems.items()]) + "\n"
 
 
