@@ -53,7 +53,8 @@ def build_parser() -> Parser:
                formatter_class=HelpFormatter)
     p.add_argument("--version", action="version", version=f"hgemm-agent {__version__}")
     common = Parser(add_help=False)
-    common.add_argument("--runs-dir", type=Path, default=Path(DEFAULT_RUNS_DIR), help="where runs live")
+    common.add_argument("--runs-dir", type=Path, metavar="DIR", default=Path(DEFAULT_RUNS_DIR),
+                        help="where runs live")
     sub = p.add_subparsers(dest="verb", required=True, parser_class=Parser)
     sub.add_parser = functools.partial(sub.add_parser, parents=[common], formatter_class=HelpFormatter)
 

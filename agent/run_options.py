@@ -38,8 +38,9 @@ class UsageError(Exception):
 
 
 def add_run_options(r: argparse.ArgumentParser, gpu_list) -> None:
-    r.add_argument("--mnk", help="M_N_K[,M_N_K...], e.g. 4096_4096_4096")
-    r.add_argument("--shapes", type=Path, help="file with one M_N_K[:layout[:dtype[:bias]]] a line, '#' comments")
+    r.add_argument("--mnk", metavar="M_N_K[,...]", help="one or more shapes, e.g. 4096_4096_4096")
+    r.add_argument("--shapes", type=Path, metavar="FILE",
+                   help="file with one M_N_K[:layout[:dtype[:bias]]] a line, '#' comments")
     r.add_argument("--b-layout", choices=B_LAYOUTS,
                    help="kn: B is K x N row-major (torch.matmul); nk: N x K row-major (nn.Linear weight) "
                         "(default kn; shapes-file lines may name their own)")
@@ -47,19 +48,22 @@ def add_run_options(r: argparse.ArgumentParser, gpu_list) -> None:
                    help="inputs and output (default fp16; shapes-file lines may name their own)")
     r.add_argument("--bias", action="store_true", default=None,
                    help="C = A B + bias[N] (a fused bias epilogue) for shapes that do not name their own")
-    r.add_argument("--budget-minutes", type=float,
+    r.add_argument("--budget-minutes", type=float, metavar="MIN",
                    help=f"time for the whole run (default {DEFAULTS.budget_minutes:g}; with --resume: the run's own)")
-    r.add_argument("--max-candidates", type=int, help=f"candidates per shape (default {DEFAULTS.max_candidates})")
+    r.add_argument("--max-candidates", type=int, metavar="N",
+                   help=f"candidates per shape (default {DEFAULTS.max_candidates})")
     r.add_argument("--proposer", choices=("builtin", "llm", "mixed"),
                    help=f"where candidates come from (default {DEFAULTS.proposer})")
     r.add_argument("--arch", choices=("sm_90a", "sm_80"), help="default: the GPU's (sm_90a when compiling only)")
     r.add_argument("--compile-only", action="store_true", default=None,
                    help="render and compile, no GPU needed (nothing is checked or timed)")
-    r.add_argument("--kernel-timeout", type=float, help="seconds beyond a phase's expected time before a hung kernel "
-                   f"is killed (default {DEFAULTS.kernel_timeout_s:g})")
-    r.add_argument("--gpus", type=gpu_list, help="local GPUs to evaluate on: all, or indices 0,1,... (default: 0)")
+    r.add_argument("--kernel-timeout", type=float, metavar="S",
+                   help="seconds beyond a phase's expected time before a hung kernel is killed "
+                        f"(default {DEFAULTS.kernel_timeout_s:g})")
+    r.add_argument("--gpus", type=gpu_list, metavar="all|0,1,...",
+                   help="local GPUs to evaluate on: all, or indices (default: 0)")
     r.add_argument("--cluster", metavar="tcp://HOST:PORT", help="evaluate on a Dask cluster (a GPU per worker)")
-    r.add_argument("--seed", type=int, help=f"seeds the bandit and the proposers (default {DEFAULTS.seed})")
+    r.add_argument("--seed", type=int, metavar="N", help=f"seeds the bandit and proposers (default {DEFAULTS.seed})")
     profile = r.add_mutually_exclusive_group()
     profile.add_argument("--profile", dest="profile", action="store_true", default=None,
                          help="profile each shape's leaders with Nsight Compute (ncu), charged to the shape's time "
@@ -68,15 +72,16 @@ def add_run_options(r: argparse.ArgumentParser, gpu_list) -> None:
                          help="never profile")
     r.add_argument("--resume", metavar="RUN", help="continue an interrupted or finished run: its shapes, proposer, "
                    "arch and seed; other options given change what they set")
-    r.add_argument("--db", type=Path, help="the tuning database to learn from and add to (default "
+    r.add_argument("--db", type=Path, metavar="PATH", help="the tuning database to learn from and add to (default "
                    f"$HGEMM_AGENT_TUNING_DB or {DEFAULT_DB_HINT})")
     r.add_argument("--no-db", action="store_true", help="neither learn from nor add to a tuning database")
-    r.add_argument("--llm-model", help=f"model name for --proposer llm/mixed (or OPENAI_MODEL; default "
-                   f"{DEFAULTS.llm.model})")
-    r.add_argument("--llm-base-url", help="OpenAI-compatible endpoint, an http(s) URL (or OPENAI_BASE_URL; default "
-                   "OpenAI's)")
-    r.add_argument("--llm-max-calls", type=int, help=f"most LLM calls in this run (default {DEFAULTS.llm.max_calls})")
-    r.add_argument("--llm-max-prompt-tokens", type=int,
+    r.add_argument("--llm-model", metavar="NAME",
+                   help=f"model name for --proposer llm/mixed (or OPENAI_MODEL; default {DEFAULTS.llm.model})")
+    r.add_argument("--llm-base-url", metavar="URL",
+                   help="OpenAI-compatible endpoint, an http(s) URL (or OPENAI_BASE_URL; default OpenAI's)")
+    r.add_argument("--llm-max-calls", type=int, metavar="N",
+                   help=f"most LLM calls in this run (default {DEFAULTS.llm.max_calls})")
+    r.add_argument("--llm-max-prompt-tokens", type=int, metavar="N",
                    help="most tokens a prompt may take, estimated at 4 characters a token (default "
                         f"{DEFAULTS.llm.max_prompt_tokens}: every family's template and the search so far); what "
                         "does not fit is left out, and the prompt says what")
