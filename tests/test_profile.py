@@ -343,10 +343,11 @@ def test_profiles_are_on_where_something_reads_them_or_where_asked():
 
 
 def test_a_profile_is_charged_to_its_shape_and_none_starts_past_its_share(tmp_path):
-    """Profiles of 3 s each (as the executor reports them) are kept out of the shape's share; a shape whose share is
-    spent is not profiled at all, so the shapes after it keep their time."""
+    """Profiles of about a second each are kept out of the shape's share (at least one leader is still to profile
+    when it stops proposing); a shape whose share is spent is not profiled at all, so the shapes after it keep their
+    time."""
     def slow_profile(*args):
-        time.sleep(0.3)
+        time.sleep(1.0)
         return ProfileResult(True, {}, "fake profile")
 
     store = RunStore(tmp_path / "r", create=True)
@@ -357,9 +358,8 @@ def test_a_profile_is_charged_to_its_shape_and_none_starts_past_its_share(tmp_pa
     loop.run([P])
     [cut] = [m for _, kind, m in store.events() if kind == "budget"]
     assert "kept for re-measurement and profiles" in cut
-    tried = len(store.results(P))
-    assert 2 <= tried < 50
-    assert float(cut.split("; ")[1].split(" s kept")[0]) >= 2.0  # two leaders' profiles at 1 s each, at least
+    assert 2 <= len(store.results(P)) < 50
+    assert float(cut.split("; ")[1].split(" s kept")[0]) >= 0.9  # a leader's profile, at about a second
     spent = RunStore(tmp_path / "r2", create=True)
     spent.add_problems([P])
     SearchLoop(spent, RunConfig(max_candidates=4, profile=True, budget_minutes=0.01), BuiltinProposer(), "sm_90a",
