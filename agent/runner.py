@@ -114,20 +114,23 @@ def prepare(config: RunConfig, problems: list[Problem], gpus: tuple[int, ...] | 
     except NvrtcUnavailable as e:
         raise SetupError(str(e)) from None
     if config.compile_only:
-        executor, facts = CompileOnly(), CompileOnly().facts
+        executor: Executor = CompileOnly()
+        facts = executor.facts
     else:
         executor, facts = start_pool(config.arch, gpus, cluster)
-        if why := too_big(problems, facts):
-            executor.close()
+    try:
+        if executor.measures and (why := too_big(problems, facts)):
             raise SetupError(why)
-    builder, ahead = build_pools(executor.slots, config.compile_only)
-    db, learner, tuning_note = open_tuning(config.tuning_db, facts, config.seed)
-    if not executor.measures:
-        notes = [("setup", stand_in_note(facts, tuning_note))]
-    else:
-        notes = [("tuning", tuning_note)] if tuning_note else []
+        builder, ahead = build_pools(executor.slots, config.compile_only)
+        db, learner, tuning_note = open_tuning(config.tuning_db, facts, config.seed)
+        notes = ([("setup", stand_in_note(facts, tuning_note))] if not executor.measures
+                 else [("tuning", tuning_note)] if tuning_note else [])
+        proposer = make_proposer(config, learner)
+    except BaseException:  # a failed set-up (or Ctrl-C in it) leaves no GPU worker behind
+        executor.close()
+        raise
     return Setup(config, problems, executor, facts, config.arch or facts.arch, builder, ahead, db, learner,
-                 make_proposer(config, learner), notes)
+                 proposer, notes)
 
 
 def stand_in_note(facts: DeviceFacts, tuning_note: str) -> str:
