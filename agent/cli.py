@@ -16,6 +16,7 @@ from rich.console import Console
 from agent import __version__
 from agent.run_options import (
     DEFAULT_DB_HINT,
+    EPILOGUE_HELP,
     UsageError,
     add_run_options,
     check_combinations,
@@ -25,6 +26,7 @@ from agent.run_options import (
 from agent.shapes import ShapeError, parse_shape_list, read_shapes_file
 from agent.store import DEFAULT_RUNS_DIR, RunStore, StoreError, list_runs, new_run_id
 from agent.tuning_db import default_path
+from core.epilogue import EPILOGUES
 from core.records import B_LAYOUTS
 
 console = Console() if sys.stdout.isatty() else Console(width=160)  # files and pipes get whole tables
@@ -81,6 +83,7 @@ def build_parser() -> Parser:
     bn.add_argument("--b-layout", choices=B_LAYOUTS, default="kn", help="layout for --shapes")
     bn.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="inputs and output, for --shapes")
     bn.add_argument("--bias", action="store_true", help="C = A B + bias[N], for --shapes")
+    bn.add_argument("--epilogue", choices=EPILOGUES, default="none", help=f"{EPILOGUE_HELP}, for --shapes")
     bn.add_argument("--mode", choices=("offline", "server"), default="offline",
                     help="offline: graph-timed kernels; server: single calls of the exported op at random intervals")
     bn.add_argument("--target-qps", type=float, default=200.0, help="server mode: mean calls per second")
@@ -160,9 +163,8 @@ def cmd_run(args) -> int:
     check_combinations(args)
     store = open_run(argparse.Namespace(run=args.resume, runs_dir=args.runs_dir)) if args.resume else None
     if store is None:
-        layout, dtype, bias = shapes_defaults(args)
-        problems = (parse_shape_list(args.mnk, layout, dtype, bias) if args.mnk
-                    else read_shapes_file(args.shapes, layout, dtype, bias))
+        defaults = shapes_defaults(args)
+        problems = (parse_shape_list(args.mnk, *defaults) if args.mnk else read_shapes_file(args.shapes, *defaults))
         config = run_config(args)
     else:
         problems = None
@@ -261,7 +263,7 @@ def cmd_bench(args) -> int:
         (stores[0].folder / "bench_server.json").write_text(json.dumps(report, indent=1))
         console.print(bench.server_table(report, args.target_qps))
         return 0
-    problems = (read_shapes_file(args.shapes, args.b_layout, args.dtype, args.bias) if args.shapes
+    problems = (read_shapes_file(args.shapes, args.b_layout, args.dtype, args.bias, args.epilogue) if args.shapes
                 else list(dict.fromkeys(p for s in stores for p in s.problems())))
     if not problems:
         raise UsageError("nothing to bench: give RUNs or --shapes FILE")

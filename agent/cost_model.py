@@ -11,6 +11,12 @@ and setting were measured before, the measurement is used, not the prediction.
 Too little data, and the family keeps its own order: the model is trained only with at least MIN_PROBLEMS
 problems measured on this GPU model, and it orders a family only where that family has at least MIN_FAMILY_ROWS
 usable rows over MIN_PROBLEMS problems.
+
+Where the learned order and the family's rules meet (`CostModel.order`, the one place; docs/decisions.md
+`learned-order`): the family's own order (sm90_wgmma: its rules table) is the prior, so a setting k places later must
+be predicted exp(k * RANK_WEIGHT) times faster to go ahead of one; the model may bring any setting forward but holds
+none back more than DEMOTE_MAX places behind its place in the family's order; a setting measured on the same problem
+is placed by its measurement and is free of that limit. Nothing else reorders a family's settings.
 """
 
 from __future__ import annotations
@@ -27,22 +33,20 @@ import numpy as np
 
 from agent import gbt
 from agent.tuning_db import TuningDB, TuningRow
+from core.plan import ceil_div
 from core.records import Problem, Status
 
 MIN_PROBLEMS = 4
 MIN_FAMILY_ROWS = 40
 FAILURE_PENALTY = math.log(2.0)
 # The family's own order as a prior: a setting k places later must be predicted exp(k * RANK_WEIGHT) times faster to
-# go ahead (10 places: 22%), so that where the trees cannot tell settings apart the hand-written rules decide. Default
+# go ahead (10 places: 22%), so that where the trees cannot tell settings apart the hand-written rules decide: default
 # runs measure only the first dozen or so of each shape's settings, so a database they filled knows little of the
-# kinds the rules place late (clusters, deep splits), and a weak prior let the trees bury those (on the H200 sweep
-# of 11 shapes with two 48-shape runs added: 7.4 candidates to within 2% at 0.003, 5.5 at 0.02; without the runs
-# 2.4 at both; BENCHMARKS.md, session 8).
+# kinds the rules place late (clusters, deep splits). docs/decisions.md `learned-order`.
 RANK_WEIGHT = 0.02
 # The model may bring any setting forward, but holds none back more than this many places behind the family's own
-# order: a run's model knows little of the kinds the rules place late (few candidates reach them), and on the H200
-# the learned order pushed winners found at the rules' 11th-16th places (split-K, multicast clusters) out of a
-# shape's 16 candidates (48-shape suite, nk: 71_3584_3584 1.25x -> 1.01x, 767_2608_1976 1.19x -> 1.04x).
+# order (unless measured on the problem): a run's model knows little of the kinds the rules place late (few
+# candidates reach them). docs/decisions.md `learned-order`.
 DEMOTE_MAX = 3
 PRIOR_TOP = 3  # a family's prior mean: the mean prediction of its first few settings in the model's order
 PRIOR_SD = 0.3  # as sure as one measurement (the bandit's noise): the first results of the arm soon outweigh it
@@ -72,7 +76,7 @@ def features(problem: Problem, family: str, params: dict[str, Any], sms: int) ->
     slots = sms * max(1, params.get("min_blocks", 1))
     waves = ctas / slots
     values += [math.log2(tiles), math.log2(ctas), waves, waves / math.ceil(waves), m * n / (tiles * bm * bn),
-               math.log2(max(1, -(-k // (bk * parts))))]
+               math.log2(max(1, ceil_div(k, bk * parts)))]
     return values
 
 

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from agent.config import LlmSettings, RunConfig
 from agent.tuning_db import default_path
+from core.epilogue import EPILOGUES
 from core.records import B_LAYOUTS
 from core.validation import validation_message
 
@@ -30,7 +31,11 @@ OPTION_NAMES = {"budget_minutes": "--budget-minutes", "max_candidates": "--max-c
                 "model": "--llm-model (or OPENAI_MODEL)", "base_url": "--llm-base-url (or OPENAI_BASE_URL)",
                 "max_calls": "--llm-max-calls", "max_prompt_tokens": "--llm-max-prompt-tokens"}
 FIXED = ("proposer", "arch", "compile_only", "seed")  # a resumed run keeps these
-SHAPE_OPTIONS = {"mnk": "--mnk", "shapes": "--shapes", "b_layout": "--b-layout", "dtype": "--dtype", "bias": "--bias"}
+SHAPE_OPTIONS = {"mnk": "--mnk", "shapes": "--shapes", "b_layout": "--b-layout", "dtype": "--dtype", "bias": "--bias",
+                 "epilogue": "--epilogue"}
+EPILOGUE_HELP = ("what the kernel applies to A B (+ bias) before storing C: an activation (relu, silu, gelu_tanh), a "
+                 "gated one on interleaved gate/up columns (silu_mul, gelu_mul: C has N/2 columns) or a residual add "
+                 "(residual: + R, an M x N tensor)")
 
 
 class UsageError(Exception):
@@ -48,6 +53,8 @@ def add_run_options(r: argparse.ArgumentParser, gpu_list) -> None:
                    help="inputs and output (default fp16; shapes-file lines may name their own)")
     r.add_argument("--bias", action="store_true", default=None,
                    help="C = A B + bias[N] (a fused bias epilogue) for shapes that do not name their own")
+    r.add_argument("--epilogue", choices=EPILOGUES,
+                   help=f"{EPILOGUE_HELP} (default none; shapes-file lines may name their own)")
     r.add_argument("--budget-minutes", type=float, metavar="MIN",
                    help=f"time for the whole run (default {DEFAULTS.budget_minutes:g}; with --resume: the run's own)")
     r.add_argument("--max-candidates", type=int, metavar="N",
@@ -142,6 +149,6 @@ def contradiction(run_id: str, field: str, was: Any, given: Any) -> str:
             "(drop it, or start a new run)")
 
 
-def shapes_defaults(args: argparse.Namespace) -> tuple[str, str, bool]:
-    """The layout, dtype and bias for --mnk shapes and shapes-file lines that do not name their own."""
-    return args.b_layout or "kn", args.dtype or "fp16", bool(args.bias)
+def shapes_defaults(args: argparse.Namespace) -> tuple[str, str, bool, str]:
+    """The layout, dtype, bias and epilogue for --mnk shapes and shapes-file lines that do not name their own."""
+    return args.b_layout or "kn", args.dtype or "fp16", bool(args.bias), args.epilogue or "none"

@@ -1,9 +1,10 @@
 """Parse GEMM shapes from the command line (`M_N_K[,M_N_K...]`) and from shape files (one a line, `#` comments).
 
-A shape is `M_N_K`, optionally followed by its B layout, its dtype and a bias, as the run tables print them:
-`M_N_K`, `M_N_K:nk`, `M_N_K:nk:bf16`, `M_N_K:nk:bf16:bias`. Fields a shape leaves out take the caller's defaults
-(the command line's --b-layout, --dtype, --bias); a shape that names its dtype also says whether it has a bias (a
-trailing `:bias`, or none).
+A shape is `M_N_K`, optionally followed by its B layout, its dtype, a bias and a fused epilogue, as the run tables
+print them: `M_N_K`, `M_N_K:nk`, `M_N_K:nk:bf16`, `M_N_K:nk:bf16:bias`, `M_N_K:nk:bf16:bias:silu_mul`,
+`M_N_K:nk:f16:residual`. Fields a shape leaves out take the caller's defaults (the command line's --b-layout, --dtype,
+--bias, --epilogue); a shape that names its dtype also says whether it has a bias and an epilogue (named after it,
+or none).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from core.epilogue import EPILOGUES
 from core.records import B_LAYOUTS, Problem
 
 _SHAPE = re.compile(r"^(\d+)_(\d+)_(\d+)$")
@@ -28,37 +30,44 @@ def parse_dtype(text: str) -> str:
         raise ShapeError(f"unknown dtype {text!r}: use one of {', '.join(DTYPE_NAMES)}") from None
 
 
-def parse_shape(text: str, b_layout: str = "kn", dtype: str = "f16", bias: bool = False) -> Problem:
+def parse_shape(text: str, b_layout: str = "kn", dtype: str = "f16", bias: bool = False,
+                epilogue: str = "none") -> Problem:
     text = text.strip()
     mnk, *fields = text.split(":")
     m = _SHAPE.match(mnk)
-    if not m or len(fields) > 3 or "" in fields:
-        raise ShapeError(f"malformed shape {text!r}: expected M_N_K[:layout[:dtype[:bias]]] with three positive "
-                         "integers, e.g. 4096_4096_4096 or 16_4096_4096:nk:bf16:bias")
+    if not m or len(fields) > 4 or "" in fields:
+        raise ShapeError(f"malformed shape {text!r}: expected M_N_K[:layout[:dtype[:bias][:epilogue]]] with three "
+                         "positive integers, e.g. 4096_4096_4096 or 16_28672_4096:nk:bf16:bias:silu_mul")
     if fields:
         if fields[0] not in B_LAYOUTS:
             raise ShapeError(f"shape {text!r}: unknown B layout {fields[0]!r}: use one of {', '.join(B_LAYOUTS)}")
         b_layout = fields[0]
     if len(fields) > 1:
-        dtype, bias = parse_dtype(fields[1]), False
-    if len(fields) > 2:
-        if fields[2] != "bias":
-            raise ShapeError(f"shape {text!r}: expected 'bias' after the dtype, got {fields[2]!r}")
-        bias = True
+        dtype, bias, epilogue = parse_dtype(fields[1]), False, "none"
+    rest = fields[2:]
+    if rest and rest[0] == "bias":
+        bias, rest = True, rest[1:]
+    if rest:
+        if len(rest) > 1 or rest[0] not in EPILOGUES:
+            raise ShapeError(f"shape {text!r}: expected 'bias' and/or an epilogue ({', '.join(EPILOGUES)}) after the "
+                             f"dtype, got {':'.join(rest)!r}")
+        epilogue = rest[0]
     try:
-        return Problem(int(m[1]), int(m[2]), int(m[3]), b_layout, DTYPE_NAMES.get(dtype, dtype), bias)
+        return Problem(int(m[1]), int(m[2]), int(m[3]), b_layout, DTYPE_NAMES.get(dtype, dtype), bias, epilogue)
     except ValueError as e:
         raise ShapeError(f"shape {text!r}: {e}") from None
 
 
-def parse_shape_list(text: str, b_layout: str = "kn", dtype: str = "f16", bias: bool = False) -> list[Problem]:
+def parse_shape_list(text: str, b_layout: str = "kn", dtype: str = "f16", bias: bool = False,
+                     epilogue: str = "none") -> list[Problem]:
     items = [s for s in text.split(",")]
     if not any(s.strip() for s in items):
         raise ShapeError("no shape given: expected M_N_K, e.g. 4096_4096_4096")
-    return _dedupe([parse_shape(s, b_layout, dtype, bias) for s in items])
+    return _dedupe([parse_shape(s, b_layout, dtype, bias, epilogue) for s in items])
 
 
-def read_shapes_file(path: Path, b_layout: str = "kn", dtype: str = "f16", bias: bool = False) -> list[Problem]:
+def read_shapes_file(path: Path, b_layout: str = "kn", dtype: str = "f16", bias: bool = False,
+                     epilogue: str = "none") -> list[Problem]:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
@@ -71,7 +80,7 @@ def read_shapes_file(path: Path, b_layout: str = "kn", dtype: str = "f16", bias:
         if not line:
             continue
         try:
-            problems.append(parse_shape(line, b_layout, dtype, bias))
+            problems.append(parse_shape(line, b_layout, dtype, bias, epilogue))
         except ShapeError as e:
             raise ShapeError(f"{path}:{number}: {e}") from None
     if not problems:

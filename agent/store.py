@@ -31,7 +31,7 @@ PROFILES_TABLE = """CREATE TABLE IF NOT EXISTS profiles (candidate_id TEXT PRIMA
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS problems (key TEXT PRIMARY KEY, m INT, n INT, k INT, b_layout TEXT, dtype TEXT,
-                                     position INT, bias INT DEFAULT 0);
+                                     position INT, bias INT DEFAULT 0, epilogue TEXT DEFAULT 'none');
 CREATE TABLE IF NOT EXISTS candidates (id TEXT PRIMARY KEY, seq INTEGER, problem_key TEXT, family TEXT,
     params TEXT, origin TEXT, rationale TEXT, template_override TEXT, created REAL, patch TEXT);
 CREATE TABLE IF NOT EXISTS builds (candidate_id TEXT PRIMARY KEY, arch TEXT, ok INT, source TEXT, cubin BLOB,
@@ -101,6 +101,8 @@ class RunStore:
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(problems)")}
         if "bias" not in columns:
             self.db.execute("ALTER TABLE problems ADD COLUMN bias INT DEFAULT 0")
+        if "epilogue" not in columns:
+            self.db.execute("ALTER TABLE problems ADD COLUMN epilogue TEXT DEFAULT 'none'")
         if "patch" not in {row[1] for row in self.db.execute("PRAGMA table_info(candidates)")}:
             self.db.execute("ALTER TABLE candidates ADD COLUMN patch TEXT")
         self.db.executescript(PROFILES_TABLE + WINNERS_TABLE + MODEL_CALLS_TABLE)
@@ -130,12 +132,13 @@ class RunStore:
 
     def add_problems(self, problems: list[Problem]) -> None:
         for i, p in enumerate(problems):
-            self.db.execute("INSERT OR IGNORE INTO problems VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                            (p.key, p.m, p.n, p.k, p.b_layout, p.dtype, i, int(p.bias)))
+            self.db.execute("INSERT OR IGNORE INTO problems VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            (p.key, p.m, p.n, p.k, p.b_layout, p.dtype, i, int(p.bias), p.epilogue))
 
     def problems(self) -> list[Problem]:
-        rows = self.db.execute("SELECT m, n, k, b_layout, dtype, bias FROM problems ORDER BY position").fetchall()
-        return [Problem(*r[:5], bool(r[5])) for r in rows]
+        rows = self.db.execute("SELECT m, n, k, b_layout, dtype, bias, epilogue FROM problems "
+                               "ORDER BY position").fetchall()
+        return [Problem(*r[:5], bool(r[5]), r[6]) for r in rows]
 
     # candidates and their records
     def add_candidate(self, c: Candidate) -> None:
@@ -177,13 +180,13 @@ class RunStore:
         self.db.execute("INSERT INTO events VALUES (?, ?, ?)", (time.time(), kind, message))
 
     def candidate(self, cid: str) -> Candidate:
-        row = self.db.execute("SELECT c.id, p.m, p.n, p.k, p.b_layout, p.dtype, p.bias, c.family, c.params, "
-                              "c.origin, c.rationale, c.template_override, c.patch FROM candidates c JOIN problems "
-                              "p ON c.problem_key = p.key WHERE c.id = ?", (cid,)).fetchone()
+        row = self.db.execute("SELECT c.id, p.m, p.n, p.k, p.b_layout, p.dtype, p.bias, p.epilogue, c.family, "
+                              "c.params, c.origin, c.rationale, c.template_override, c.patch FROM candidates c JOIN "
+                              "problems p ON c.problem_key = p.key WHERE c.id = ?", (cid,)).fetchone()
         if row is None:
             raise StoreError(f"no candidate {cid!r} in run {self.run_id}")
-        return Candidate(Problem(*row[1:6], bool(row[6])), row[7], json.loads(row[8]), row[9], row[10], row[11],
-                         Patch.from_json(row[12]) if row[12] else None)
+        return Candidate(Problem(*row[1:6], bool(row[6]), row[7]), row[8], json.loads(row[9]), row[10], row[11],
+                         row[12], Patch.from_json(row[13]) if row[13] else None)
 
     def candidates(self, problem: Problem | None = None) -> list[Candidate]:
         q = "SELECT id FROM candidates" + (" WHERE problem_key = ?" if problem else "") + " ORDER BY seq"

@@ -32,11 +32,12 @@ CREATE TABLE IF NOT EXISTS measured (
     m INT, n INT, k INT, b_layout TEXT, dtype TEXT, bias INT,
     family TEXT, origin TEXT, params TEXT, edited INT,
     status TEXT, reason TEXT, warm_us REAL, cold_us REAL, cublas_warm_us REAL, cublas_cold_us REAL,
-    speedup REAL, measurements INT,
+    speedup REAL, measurements INT, epilogue TEXT DEFAULT 'none',
     PRIMARY KEY (run_id, candidate_id));
 CREATE INDEX IF NOT EXISTS measured_device ON measured (device);
 """
-PROBLEM_SQL = "m || '_' || n || '_' || k || b_layout || dtype || bias"  # one problem, as a column expression
+# one problem, as a column expression
+PROBLEM_SQL = "m || '_' || n || '_' || k || b_layout || dtype || bias || epilogue"
 
 
 class TuningDbError(ValueError):
@@ -78,6 +79,8 @@ class TuningDB:
                 self.db.execute("INSERT INTO meta VALUES ('marker', ?)", (MARKER,))
             elif row[0] != MARKER:
                 raise TuningDbError(f"{self.path} is not a tuning database of this tool")
+            if "epilogue" not in {r[1] for r in self.db.execute("PRAGMA table_info(measured)")}:
+                self.db.execute("ALTER TABLE measured ADD COLUMN epilogue TEXT DEFAULT 'none'")
         except (sqlite3.Error, OSError) as e:
             raise TuningDbError(f"cannot open the tuning database {self.path}: {e}") from None
 
@@ -95,20 +98,20 @@ class TuningDB:
         speedup = statistics.median(speedups) if ok and speedups else r.speedup if ok else None
         with self.lock:
             self.db.execute(
-                "INSERT OR REPLACE INTO measured VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO measured VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (run_id, c.id, time.time(), device.name, device.sms, arch, p.m, p.n, p.k, p.b_layout, p.dtype,
                  int(p.bias), c.family, c.origin, json.dumps(c.params, sort_keys=True),
                  int(c.template_override is not None), r.status.value, r.reason[:300], _us(r.warm), _us(r.cold),
-                 _us(r.cublas_warm), _us(r.cublas_cold), speedup, len(speedups)))
+                 _us(r.cublas_warm), _us(r.cublas_cold), speedup, len(speedups), p.epilogue))
 
     def rows(self, device: str | None = None) -> list[TuningRow]:
-        q = ("SELECT device, sms, m, n, k, b_layout, dtype, bias, family, params, edited, status, speedup, run_id "
-             "FROM measured" + (" WHERE device = ?" if device else "") + " ORDER BY created")
+        q = ("SELECT device, sms, m, n, k, b_layout, dtype, bias, epilogue, family, params, edited, status, speedup, "
+             "run_id FROM measured" + (" WHERE device = ?" if device else "") + " ORDER BY created")
         with self.lock:  # a run reads (its cost model retrains) while it records
             found = self.db.execute(q, (device,) if device else ()).fetchall()
         out = []
-        for d, sms, m, n, k, layout, dtype, bias, family, params, edited, status, speedup, run in found:
-            out.append(TuningRow(d, sms, Problem(m, n, k, layout, dtype, bool(bias)), family, json.loads(params),
+        for d, sms, m, n, k, layout, dtype, bias, epi, family, params, edited, status, speedup, run in found:
+            out.append(TuningRow(d, sms, Problem(m, n, k, layout, dtype, bool(bias), epi), family, json.loads(params),
                                  bool(edited), Status(status), speedup, run))
         return out
 

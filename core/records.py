@@ -12,6 +12,9 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
 
+from core.epilogue import Epilogue
+from core.plan import ceil_div
+
 B_LAYOUTS = ("kn", "nk")  # kn: B is K x N row-major (torch.matmul); nk: N x K row-major (nn.Linear weight)
 DTYPES = ("f16", "bf16")  # inputs and output; accumulation is fp32 in both
 INT32_MAX = 2**31 - 1  # kernels take M, N, K as 32-bit ints, and so do their element offsets in places
@@ -19,7 +22,8 @@ INT32_MAX = 2**31 - 1  # kernels take M, N, K as 32-bit ints, and so do their el
 
 @dataclass(frozen=True)
 class Problem:
-    """C[M,N] = A[M,K] @ B (+ bias[N] when `bias`), 16-bit inputs and output (`dtype`), fp32 accumulation."""
+    """C = epilogue(A[M,K] @ B (+ bias[N] when `bias`)), 16-bit inputs and output (`dtype`), fp32 accumulation;
+    N is the GEMM's (B's columns); C has N columns, or N / 2 for a gated epilogue (core/epilogue.py)."""
 
     m: int
     n: int
@@ -27,6 +31,7 @@ class Problem:
     b_layout: str = "kn"
     dtype: str = "f16"
     bias: bool = False
+    epilogue: str = "none"
 
     def __post_init__(self) -> None:
         if min(self.m, self.n, self.k) < 1:
@@ -41,6 +46,18 @@ class Problem:
             raise ValueError(f"unknown B layout {self.b_layout!r}: use one of {', '.join(B_LAYOUTS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
+        if (why := Epilogue(self.epilogue).check_n(self.n)) is not None:
+            raise ValueError(why)
+
+    @property
+    def fused(self) -> Epilogue:
+        """The epilogue's definition (activation, gated, residual)."""
+        return Epilogue(self.epilogue)
+
+    @property
+    def out_n(self) -> int:
+        """Columns of C."""
+        return self.fused.out_cols(self.n)
 
     @property
     def mnk(self) -> str:
@@ -48,8 +65,10 @@ class Problem:
 
     @property
     def key(self) -> str:
-        """M_N_K:layout:dtype, and :bias where a bias is added: how shapes files and tables name a problem."""
-        return f"{self.mnk}:{self.b_layout}:{self.dtype}" + (":bias" if self.bias else "")
+        """M_N_K:layout:dtype, then :bias where a bias is added and :EPILOGUE where one is fused: how shapes files and
+        tables name a problem."""
+        return (f"{self.mnk}:{self.b_layout}:{self.dtype}" + (":bias" if self.bias else "")
+                + (f":{self.epilogue}" if self.epilogue != "none" else ""))
 
     @property
     def flops(self) -> float:
@@ -57,12 +76,13 @@ class Problem:
 
     @property
     def operand_bytes(self) -> int:
-        """A, B and C (and the bias), each element 2 bytes."""
-        return 2 * (self.m * self.k + self.k * self.n + self.m * self.n + (self.n if self.bias else 0))
+        """A, B and C (and the bias, and R of a residual epilogue), each element 2 bytes."""
+        residual = self.m * self.n if self.fused.residual else 0
+        return 2 * (self.m * self.k + self.k * self.n + self.m * self.out_n + (self.n if self.bias else 0) + residual)
 
     def tiles(self, block_m: int, block_n: int) -> int:
         """C tiles of block_m x block_n that cover the M x N output."""
-        return -(-self.m // block_m) * -(-self.n // block_n)
+        return ceil_div(self.m, block_m) * ceil_div(self.n, block_n)
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,19 @@ Every candidate, before it is timed, on the target shape and on edge shapes:
   caught;
 - bf16 only: inputs scaled so that the outputs lie far outside fp16's range: a kernel computing or rounding through
   fp16 overflows there;
+- an activation epilogue: inputs scaled so that the sums lie where the activation bends (a cheap approximation of it
+  shows there);
 - the output poisoned with NaN before each launch (unwritten elements stay NaN), guard regions around inputs and
   output (out-of-bounds writes), inputs compared bit for bit afterwards (a kernel must not write its inputs),
   shared memory filled with NaN before each launch (reads of uninitialised shared memory),
 - the same inputs launched twice must give identical bits unless the family declares itself nondeterministic.
 `verify_batch` checks several outputs at once the same way; the timing checks (sandbox/timed.py) use it on a random
 sample of rows of every output of every timed replay.
+
+A fused epilogue (core/epilogue.py) is checked against what the model would run instead: the GEMM by cuBLAS in the
+dtype, then PyTorch's elementwise ops in the dtype (`composition`); that composition's error from the fp64 result of the
+whole fused op sets the bound. The exact checks run where the result is exactly representable (no activation, or
+relu; the residual in quarters like the bias), and a residual epilogue is also run in place (R is C).
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
+from core.epilogue import Epilogue, compose
+from core.epilogue import reference as apply_epilogue
+from core.plan import ceil_div
 from core.records import Problem
 
 ERR_FACTOR = 2.0
@@ -39,8 +49,12 @@ TORCH_DTYPE = {"f16": torch.float16, "bf16": torch.bfloat16}
 MANTISSA_BITS = {"f16": 10, "bf16": 7}
 MIN_NORMAL_EXP = {"f16": -14, "bf16": -126}
 RANGE_SCALE = 2.0 ** 9  # bf16 range check: each input x 2^9, so |C| ~ 2^18 sqrt(K), above fp16's 65504
+# An activation's check: inputs scaled so the sums (and the bias) have this standard deviation, where the activations
+# bend (with unit inputs the sums grow as sqrt(K) and most land where an activation is linear or zero)
+ACT_STD = 2.0
 
-# launch(A, B, C, M, N, K, bias): bias is None where the problem has none
+NO_EPILOGUE = Epilogue()
+# launch(A, B, C, M, N, K, bias, residual): bias and residual are None where the problem has none
 Launch = Callable[..., None]
 DEVICE = "cuda"  # where the checks' tensors live: the worker's GPU (CPU tests of the checks' logic set "cpu")
 
@@ -96,11 +110,14 @@ def guarded(rows: int, cols: int, dtype: str = "f16") -> GuardedStack:
 
 
 def edge_shapes(problem: Problem) -> list[tuple[int, int, int]]:
-    """The target, a tiny ragged shape, and shapes just off the target's tile multiples."""
+    """The target, a tiny ragged shape, and shapes just off the target's tile multiples (N a multiple of 16 where a
+    gated epilogue needs it: the nearest above)."""
     m, n, k = problem.m, problem.n, problem.k
     shapes = [(m, n, k), (17, 24, 40), (1, 8, 8)]
     shapes.append((min(m, 300) + 13, min(n, 256) + 24, min(k, 512) + 8))
     shapes.append((max(1, m - 1), max(8, n - 8), max(8, k - 8)))
+    if problem.fused.gated:
+        shapes = [(sm, ceil_div(sn, 16) * 16, sk) for sm, sn, sk in shapes]
     return list(dict.fromkeys(shapes))
 
 
@@ -108,9 +125,11 @@ def b_as_kn(b: torch.Tensor, b_layout: str) -> torch.Tensor:
     return b if b_layout == "kn" else b.t()
 
 
-def reference(a: torch.Tensor, b_kn: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp64 products (plus bias) and cuBLAS's results in the inputs' dtype (bias fused, as F.linear does), as
-    fp64: a [S, M, K], b_kn [S or 1, K, N], bias [S or 1, N] or None."""
+def reference(a: torch.Tensor, b_kn: torch.Tensor, bias: torch.Tensor | None, epilogue: Epilogue = NO_EPILOGUE,
+              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp64 result of the whole op, and what the model computes instead in the inputs' dtype (cuBLAS, the bias
+    fused as F.linear does, then the epilogue's PyTorch ops), as fp64: a [S, M, K], b_kn [S or 1, K, N], bias
+    [S or 1, N] or None, residual [S, M, N] or None."""
     ref = a.double() @ b_kn.double()
     if bias is not None:
         ref += bias.double()[:, None, :]
@@ -120,39 +139,43 @@ def reference(a: torch.Tensor, b_kn: torch.Tensor, bias: torch.Tensor | None) ->
         cublas = a @ b_kn
     else:
         cublas = torch.baddbmm(bias[:, None, :].expand(a.shape[0], -1, -1), a, b_kn.expand(a.shape[0], -1, -1))
-    return ref, cublas.double()
+    return apply_epilogue(ref, epilogue, residual), compose(cublas, epilogue, residual).double()
 
 
 class Checker:
     def __init__(self, launch: Launch, problem: Problem, *, deterministic: bool = True,
                  scrub: Callable[[], None] | None = None, seed: int = 0):
         self.launch, self.problem, self.deterministic = launch, problem, deterministic
-        self.dtype = problem.dtype
+        self.dtype, self.epilogue = problem.dtype, problem.fused
         self.scrub = scrub or (lambda: None)
         self.gen = torch.Generator(device=DEVICE).manual_seed(seed)
         self.rel_err = self.cublas_rel_err = 0.0
 
-    def buffers(self, m: int, n: int, k: int) -> tuple[GuardedStack, GuardedStack, GuardedStack, GuardedStack | None]:
+    def buffers(self, m: int, n: int, k: int) -> tuple[GuardedStack, GuardedStack, GuardedStack, GuardedStack | None,
+                                                       GuardedStack | None]:
+        """A, B, C (the epilogue's columns), the bias and the residual (None where the problem has none)."""
         b = guarded(k, n, self.dtype) if self.problem.b_layout == "kn" else guarded(n, k, self.dtype)
         bias = guarded(1, n, self.dtype) if self.problem.bias else None
-        return guarded(m, k, self.dtype), b, guarded(m, n, self.dtype), bias
+        r = guarded(m, n, self.dtype) if self.epilogue.residual else None
+        return guarded(m, k, self.dtype), b, guarded(m, self.epilogue.out_cols(n), self.dtype), bias, r
 
     def b_as_kn(self, b: torch.Tensor) -> torch.Tensor:
         return b_as_kn(b, self.problem.b_layout)
 
     def run(self, a: GuardedStack, b: GuardedStack, c: GuardedStack, bias: GuardedStack | None = None,
-            garbage: bool = False) -> torch.Tensor:
+            r: GuardedStack | None = None, garbage: bool = False) -> torch.Tensor:
         """Poison (or fill with finite garbage), scrub, launch once; return the output after the memory checks.
 
         A kernel that writes only where C holds the poison passes a poisoned launch; the garbage fill catches it."""
-        inputs = [t for t in (a, b, bias) if t is not None]
+        inputs = [t for t in (a, b, bias, r) if t is not None]
         before = [t.tensor.clone() for t in inputs]
         if garbage:
             c.tensor.copy_(torch.rand(c.rows, c.cols, generator=self.gen, device=DEVICE) * 1000 - 500)
         else:
             c.poison()
         self.scrub()
-        self.launch(a.tensor, b.tensor, c.tensor, c.rows, c.cols, a.cols, None if bias is None else bias.tensor[0])
+        self.launch(a.tensor, b.tensor, c.tensor, c.rows, self.gemm_n(b), a.cols,
+                    None if bias is None else bias.tensor[0], None if r is None else r.tensor)
         synchronize()
         shape = self._shape(c, a)
         if not all(t.guards_intact() for t in (*inputs, c)):
@@ -167,37 +190,60 @@ class Checker:
             raise CheckFailed(f"NaN or Inf in the output ({shape})")
         return out
 
+    def gemm_n(self, b: GuardedStack) -> int:
+        """The GEMM's N (B's columns) of these buffers."""
+        return b.cols if self.problem.b_layout == "kn" else b.rows
+
     def randomise(self, *tensors: GuardedStack | None, scale: float = 1.0) -> None:
         for t in tensors:
             if t is not None:
                 t.tensor.copy_(torch.randn(t.rows, t.cols, generator=self.gen, device=DEVICE) * scale)
 
     def check_random(self, a: GuardedStack, b: GuardedStack, c: GuardedStack, bias: GuardedStack | None,
-                     scale: float = 1.0) -> torch.Tensor:
+                     r: GuardedStack | None = None, scale: float = 1.0) -> torch.Tensor:
         self.randomise(a, b, scale=scale)
-        # a bias of the products' size: dropping it, or adding it after rounding, is plain in the error
-        self.randomise(bias, scale=scale * scale * a.cols ** 0.5)
-        out = self.run(a, b, c, bias)
-        self.verify(out, a.tensor, b.tensor, None if bias is None else bias.tensor[0], self._shape(c, a))
-        rerun = self.run(a, b, c, bias, garbage=True)
+        # a bias and a residual of the products' size: dropping either, or adding it after rounding, is plain in the
+        # error
+        self.randomise(bias, r, scale=scale * scale * a.cols ** 0.5)
+        out = self.run(a, b, c, bias, r)
+        self.verify(out, a.tensor, b.tensor, _row(bias), self._shape(c, a), residual=_whole(r))
+        rerun = self.run(a, b, c, bias, r, garbage=True)
         if self.deterministic and not same_bits(rerun, out):
             raise CheckFailed(f"nondeterministic, or the output depends on what C held before the launch "
                               f"({self._shape(c, a)})")
         if not self.deterministic:
-            self.verify(rerun, a.tensor, b.tensor, None if bias is None else bias.tensor[0], self._shape(c, a))
+            self.verify(rerun, a.tensor, b.tensor, _row(bias), self._shape(c, a), residual=_whole(r))
         return out
 
+    def check_in_place(self, a: GuardedStack, b: GuardedStack, c: GuardedStack, bias: GuardedStack | None,
+                       r: GuardedStack) -> None:
+        """A residual epilogue with R the output itself (C += A B + bias, as a model's residual stream): C starts as
+        R's values and must end as the result on them."""
+        self.randomise(a, b)
+        self.randomise(bias, r, scale=a.cols ** 0.5)
+        c.tensor.copy_(r.tensor)
+        self.scrub()
+        self.launch(a.tensor, b.tensor, c.tensor, c.rows, self.gemm_n(b), a.cols, _row(bias), c.tensor)
+        synchronize()
+        if not c.guards_intact():
+            raise CheckFailed(f"out-of-bounds write: a guard region next to an operand changed (in place, "
+                              f"{self._shape(c, a)})")
+        self.verify(c.tensor.clone(), a.tensor, b.tensor, _row(bias), f"in place (R is C), {self._shape(c, a)}",
+                    residual=r.tensor)
+
     def verify(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: str,
-               what: str = "wrong result") -> None:
+               what: str = "wrong result", residual: torch.Tensor | None = None) -> None:
         """The error bounds against the fp64 reference, relative to cuBLAS's own error on the same inputs."""
-        self.verify_batch(out[None], a[None], b[None], None if bias is None else bias[None], shape, [what])
+        self.verify_batch(out[None], a[None], b[None], None if bias is None else bias[None], shape, [what],
+                          None if residual is None else residual[None])
 
     def verify_batch(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                     shape: str, what: list[str]) -> None:
-        """`verify` on S outputs at once, with one host synchronisation: out [S, M, N], a [S, M, K], b [S, K, N]
-        ([S, N, K] for nk) and bias [S, N] or None, where S may be 1 for b and bias (shared); what[i] names output
-        i in a finding. Each output passes or fails exactly as it would alone."""
-        ref, cublas = reference(a, b if self.problem.b_layout == "kn" else b.transpose(-1, -2), bias)
+                     shape: str, what: list[str], residual: torch.Tensor | None = None) -> None:
+        """`verify` on S outputs at once, with one host synchronisation: out [S, M, N'], a [S, M, K], b [S, K, N]
+        ([S, N, K] for nk), bias [S, N] or None and residual [S, M, N] or None, where S may be 1 for b and bias
+        (shared); what[i] names output i in a finding. Each output passes or fails exactly as it would alone."""
+        ref, cublas = reference(a, b if self.problem.b_layout == "kn" else b.transpose(-1, -2), bias,
+                                self.epilogue, residual)
         out = out.double()
         finite = torch.isfinite(out).flatten(1).all(1)
         err, cub_err = _rel_fro(out, ref), _rel_fro(cublas, ref)
@@ -219,33 +265,38 @@ class Checker:
         return torch.rand(outputs, m, generator=self.gen, device=DEVICE).argsort(dim=1)[:, :samples]
 
     def check_exact(self, a: GuardedStack, b: GuardedStack, c: GuardedStack, bias: GuardedStack | None,
-                    low: int) -> None:
-        """Integer inputs from {low..1} (and such a bias): every result the dtype holds exactly must come out exact."""
-        for t in (a, b, bias):
+                    r: GuardedStack | None, low: int) -> None:
+        """Integer inputs from {low..1} (and such a bias and residual): every result the dtype holds exactly must come
+        out exact."""
+        for t in (a, b, bias, r):
             if t is not None:
                 t.tensor.copy_(torch.randint(low, 2, (t.rows, t.cols), generator=self.gen, device=DEVICE))
-        out, ref = self._run_integers(a, b, c, bias)
+        out, ref = self._run_integers(a, b, c, bias, r)
         bad = (ref.abs() <= EXACT_LIMIT[self.dtype]) & (out != ref)
         self._name_first(bad, out, ref, f"wrong result on integer inputs {{{low}..1}}", c, a)
 
-    def check_rounding(self, a: GuardedStack, b: GuardedStack, c: GuardedStack, bias: GuardedStack | None) -> None:
-        """Integer inputs in [-8, 8] and a bias in quarters: every product and partial sum is exact in fp32, so each
-        output must be the exact result rounded once to the dtype, bit for bit. The sums reach past the dtype's exact
-        integers, so a sum rounded twice (before the bias is added, or through fp16 on the way to bf16) shows."""
+    def check_rounding(self, a: GuardedStack, b: GuardedStack, c: GuardedStack, bias: GuardedStack | None,
+                       r: GuardedStack | None) -> None:
+        """Integer inputs in [-8, 8] and a bias (and residual) in quarters: every product and partial sum is exact in
+        fp32, so each output must be the exact result rounded once to the dtype, bit for bit. The sums reach past the
+        dtype's exact integers, so a sum rounded twice (before the bias or residual is added, or through fp16 on the
+        way to bf16) shows."""
         for t in (a, b):
             t.tensor.copy_(torch.randint(-8, 9, (t.rows, t.cols), generator=self.gen, device=DEVICE))
-        if bias is not None:
-            bias.tensor.copy_(torch.randint(-256, 257, (1, bias.cols), generator=self.gen, device=DEVICE) / 4)
-        out, ref = self._run_integers(a, b, c, bias)
+        for t in (bias, r):
+            if t is not None:
+                t.tensor.copy_(torch.randint(-256, 257, (t.rows, t.cols), generator=self.gen, device=DEVICE) / 4)
+        out, ref = self._run_integers(a, b, c, bias, r)
         rounded = ref.to(TORCH_DTYPE[self.dtype]).double()
         self._name_first(out != rounded, out, rounded, "wrong result on integer inputs {-8..8}, rounded once", c, a)
 
-    def _run_integers(self, a, b, c, bias) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.run(a, b, c, bias).double()
+    def _run_integers(self, a, b, c, bias, r) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output on integer inputs, and its exact value (the epilogue's without activation, or relu)."""
+        out = self.run(a, b, c, bias, r).double()
         ref = a.tensor.double() @ self.b_as_kn(b.tensor).double()
         if bias is not None:
             ref += bias.tensor[0].double()
-        return out, ref
+        return out, apply_epilogue(ref, self.epilogue, _whole(r))
 
     def _name_first(self, bad: torch.Tensor, out: torch.Tensor, ref: torch.Tensor, what: str, c, a) -> None:
         if bad.any():
@@ -258,9 +309,14 @@ class Checker:
         for i, (m, n, k) in enumerate(edge_shapes(problem)):
             bufs = self.buffers(m, n, k)
             self.check_random(*bufs)
-            if i in (0, 1):  # exact checks on the target and the tiny ragged shape, in the same buffers
+            # exact checks on the target and the tiny ragged shape, in the same buffers, where exact results exist
+            if i in (0, 1) and self.epilogue.exact:
                 self.check_exact(*bufs, low=0)
                 self.check_rounding(*bufs)
+            if i in (0, 1) and self.epilogue.residual:
+                self.check_in_place(*bufs)
+            if i in (0, 1) and self.epilogue.activation != "none":  # sums of a few units: the activation's curve
+                self.check_random(*bufs, scale=(ACT_STD / k ** 0.5) ** 0.5)
             if i == 1 and self.dtype == "bf16":
                 self.check_random(*bufs, scale=RANGE_SCALE)
             del bufs
@@ -268,6 +324,15 @@ class Checker:
     @staticmethod
     def _shape(c: GuardedStack, a: GuardedStack) -> str:
         return f"M={c.rows} N={c.cols} K={a.cols}"
+
+
+def _row(t: GuardedStack | None) -> torch.Tensor | None:
+    """A one-row operand (the bias) as a vector."""
+    return None if t is None else t.tensor[0]
+
+
+def _whole(t: GuardedStack | None) -> torch.Tensor | None:
+    return None if t is None else t.tensor
 
 
 def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:

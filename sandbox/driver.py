@@ -157,16 +157,16 @@ def workspace(kind: str, nbytes: int, stream: int) -> int:
 def launch(function: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int, stream: int,
            pointers: tuple[int, int, int], sizes: tuple[int, int, int],
            tensor_maps: Iterable[tuple] = (),
-           workspace_bytes: int = 0, counters: int = 0, bias: int | None = None) -> None:
-    """cuLaunchKernel(function, ...) with (A, B, C, M, N, K[, bias], *maps[, scratch, counters]) on `stream` (a
-    CUstream handle); `bias` is the bias vector's address where the problem has one; each of `tensor_maps` is
+           workspace_bytes: int = 0, counters: int = 0, bias: int | None = None, residual: int | None = None) -> None:
+    """cuLaunchKernel(function, ...) with (A, B, C, M, N, K[, bias][, R], *maps[, scratch, counters]) on `stream` (a
+    CUstream handle); `bias` is the bias vector's address where the problem has one, `residual` R's where its
+    epilogue adds one; each of `tensor_maps` is
     (operand "A" | "B" | "C", dims, box, swizzle[, strides]), encoded (remembered) over that operand;
     workspace_bytes or counters > 0 append the context's scratch buffer of at least workspace_bytes and its zeroed
     buffer of at least `counters` 32-bit counters."""
     args: list[ctypes._SimpleCData | ctypes.Structure] = [ctypes.c_uint64(p) for p in pointers]
     args += [ctypes.c_int32(s) for s in sizes]
-    if bias is not None:
-        args.append(ctypes.c_uint64(bias))
+    args += [ctypes.c_uint64(p) for p in (bias, residual) if p is not None]
     args += [tensor_map(pointers[OPERANDS.index(operand)], tuple(dims), tuple(box), swizzle,
                         tuple(strides[0]) if strides else ())
              for operand, dims, box, swizzle, *strides in tensor_maps]

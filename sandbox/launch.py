@@ -30,7 +30,8 @@ LaunchRule = Callable[[int, int, int], LaunchSpec]
 
 
 class Kernel:
-    """A loaded kernel: call it with torch tensors A, B, C and the sizes M, N, K."""
+    """A loaded kernel: call it with torch tensors A, B, C, the sizes M, N, K (N the GEMM's), and the bias and the
+    residual where the problem has them."""
 
     def __init__(self, cubin: bytes, launch_rule: LaunchRule, name: str = "hgemm"):
         fd, path = tempfile.mkstemp(suffix=".cubin")
@@ -61,7 +62,7 @@ class Kernel:
         return cls(cubin, rule)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, m: int, n: int, k: int,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> None:
         spec = self.launch_rule(m, n, k)
         if spec.smem_bytes > self._smem_raised:
             self.function.max_dynamic_shared_size_bytes = spec.smem_bytes
@@ -69,7 +70,8 @@ class Kernel:
         driver.launch(self.function.kernel.ptr, spec.grid, spec.block, spec.smem_bytes,
                       torch.cuda.current_stream().cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()),
                       (m, n, k), [(t.operand, t.dims, t.box, t.swizzle, t.strides) for t in spec.tensor_maps],
-                      spec.workspace_bytes, spec.counters, None if bias is None else bias.data_ptr())
+                      spec.workspace_bytes, spec.counters, None if bias is None else bias.data_ptr(),
+                      None if residual is None else residual.data_ptr())
 
 
 SCRUB_SOURCE = r"""

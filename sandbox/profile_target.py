@@ -32,13 +32,14 @@ def main(argv: list[str]) -> int:
     a = torch.randn(p.m, p.k, device="cuda").to(dt)
     b = torch.randn(*((p.k, p.n) if p.b_layout == "kn" else (p.n, p.k)), device="cuda").to(dt)
     bias = torch.randn(p.n, device="cuda").to(dt) if p.bias else None
-    c = torch.empty(p.m, p.n, dtype=dt, device="cuda")
+    r = torch.randn(p.m, p.n, device="cuda").to(dt) if p.fused.residual else None
+    c = torch.empty(p.m, p.out_n, dtype=dt, device="cuda")
     for _ in range(LAUNCHES):
-        kernel(a, b, c, p.m, p.n, p.k, bias)
+        kernel(a, b, c, p.m, p.n, p.k, bias, r)
     if job.get("cublas"):
         ref, cublas = torch.empty_like(c), cublas_launch(p)
         for _ in range(LAUNCHES):
-            cublas(a, b, ref, p.m, p.n, p.k, bias)
+            cublas(a, b, ref, p.m, p.n, p.k, bias, r)
         err = (ref.float() - c.float()).abs().max().item()  # (waits for both)
         print(f"max |ours - cuBLAS| = {err:.3g}", file=sys.stderr)
     torch.cuda.synchronize()

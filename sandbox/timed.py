@@ -12,7 +12,9 @@ honestly in the correctness checks; these buffers make that show in the timing i
 Before each replay every output is poisoned; after it: no guard region touched, no input changed, no poison left,
 the first output of each set verified on sampled rows against an fp64 reference and cuBLAS's error, the other
 outputs of the set equal to it bit for bit (deterministic kernels) or verified likewise. cuBLAS is timed the same way
-on sets of its own with other values: no buffer holds the product the candidate is timed on.
+on sets of its own with other values: no buffer holds the product the candidate is timed on. Where the problem fuses
+an epilogue, "cuBLAS" is what the model runs instead (`Baseline`): the GEMM (two, for gate and up) and PyTorch's
+elementwise ops, all in the one graph.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
+from core.epilogue import split_gate_up
 from core.records import Problem, Timing
 from sandbox import check
 from sandbox.check import TORCH_DTYPE, Checker, CheckFailed, GuardedStack, same_bits
@@ -30,19 +34,51 @@ MEMORY_BUDGET = 6 << 30  # bytes of timing buffers per subject; beyond it launch
 FRESH_SLOTS = 64
 NONDETERMINISTIC_SAMPLE = 16
 VERIFY_BYTES = 1 << 30  # a verification batch's B, gathered and in fp64 (10 bytes an element), stays below this
-Launch = Callable[..., None]  # launch(A, B, C, M, N, K, bias)
+Launch = Callable[..., None]  # launch(A, B, C, M, N, K, bias, residual)
+ACT_IN_PLACE = {"relu": F.relu_, "silu": lambda x: F.silu(x, inplace=True),
+                "gelu_tanh": lambda x: torch.ops.aten.gelu_(x, approximate="tanh")}
 
 
-def cublas_launch(problem: Problem) -> Launch:
-    """cuBLAS as the user's code calls it: torch.matmul (or F.linear with the bias fused, as addmm)."""
-    def launch(a, b, c, m, n, k, bias=None):
-        b_kn = b if problem.b_layout == "kn" else b.t()
+class Baseline:
+    """What the user's model runs for the problem, into C: cuBLAS as the code calls it (torch.matmul, or F.linear
+    with the bias fused, as addmm), then the epilogue's PyTorch ops in the dtype: the activation (in place), the
+    residual add, or for a gated epilogue two GEMMs on the separate gate and up weights and act(gate) * up.
+    `prepare(t)` splits a gated B or bias into its gate and up halves once, outside the timed graphs."""
+
+    def __init__(self, problem: Problem):
+        self.p, self.epi = problem, problem.fused
+        self.halves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def prepare(self, t: torch.Tensor | None) -> None:
+        if self.epi.gated and t is not None and t.data_ptr() not in self.halves:
+            dim = 0 if self.p.b_layout == "nk" and t.dim() == 2 else -1  # an N x K weight's rows
+            self.halves[t.data_ptr()] = tuple(h.contiguous() for h in split_gate_up(t, dim))
+
+    def _gemm(self, a, b, bias, out=None):
+        b_kn = b if self.p.b_layout == "kn" else b.t()
         if bias is None:
-            torch.matmul(a, b_kn, out=c)
-        else:
-            torch.addmm(bias, a, b_kn, out=c)
+            return torch.matmul(a, b_kn, out=out)
+        return torch.addmm(bias, a, b_kn, out=out)
 
-    return launch
+    def __call__(self, a, b, c, m, n, k, bias=None, residual=None):
+        if self.epi.gated:
+            self.prepare(b)
+            self.prepare(bias)
+            bg, bu = self.halves[b.data_ptr()]
+            cg, cu = self.halves[bias.data_ptr()] if bias is not None else (None, None)
+            gate, up = self._gemm(a, bg, cg), self._gemm(a, bu, cu)
+            torch.mul(ACT_IN_PLACE[self.epi.activation](gate), up, out=c)
+        elif self.epi.residual:
+            torch.add(self._gemm(a, b, bias), residual, out=c)
+        else:
+            self._gemm(a, b, bias, out=c)
+            if self.epi.activation != "none":
+                ACT_IN_PLACE[self.epi.activation](c)
+
+
+def cublas_launch(problem: Problem) -> Baseline:
+    """The baseline a candidate is timed against: cuBLAS, and the epilogue's PyTorch ops where one is fused."""
+    return Baseline(problem)
 
 
 class TimedBuffers:
@@ -53,8 +89,9 @@ class TimedBuffers:
         self.p, self.launch_fn, self.launches, self.mode, self.checker = problem, launch, launches, mode, checker
         self.flush = flush
         p, dtype = problem, TORCH_DTYPE[problem.dtype]
-        set_bytes = 2 * (p.m * p.k + p.k * p.n + p.n)
-        out_bytes = 2 * p.m * p.n
+        residual = p.fused.residual
+        set_bytes = 2 * (p.m * p.k + p.k * p.n + p.n + (p.m * p.n if residual else 0))
+        out_bytes = 2 * p.m * p.out_n
         budget_sets = max(1, MEMORY_BUDGET // 2 // set_bytes)
         # warm: two sets, the least the rotation needs (more would push larger operands out of the L2); fresh: a
         # slot per launch up to FRESH_SLOTS (every launch refills its slot, so slots may repeat); cold: a set per launch
@@ -71,11 +108,16 @@ class TimedBuffers:
         self.a = GuardedStack(p.m, p.k, dtype, self.a_sets)
         self.b = GuardedStack(*b_shape, dtype, self.b_sets)
         self.bias = GuardedStack(1, p.n, dtype, self.a_sets) if p.bias else None
-        self.c = GuardedStack(p.m, p.n, dtype, self.outputs)
-        self.inputs = [t for t in (self.a, self.b, self.bias) if t is not None]
+        self.r = GuardedStack(p.m, p.n, dtype, self.a_sets) if residual else None  # R rotates with A
+        self.c = GuardedStack(p.m, p.out_n, dtype, self.outputs)
+        self.inputs = [t for t in (self.a, self.b, self.bias, self.r) if t is not None]
         self.snapshot: list[torch.Tensor] = []
         self.replays = 0
         self.randomise()
+        if isinstance(launch, Baseline):  # gated: the gate and up halves, split before any graph
+            for s in range(self.a_sets):
+                for t in self.inputs_of(s)[1:3]:
+                    launch.prepare(t)
 
     def randomise(self) -> None:
         for t in self.inputs:
@@ -83,23 +125,24 @@ class TimedBuffers:
         if self.checker is not None:  # what the inputs were: a kernel must not change them
             self.snapshot = [t.bits.clone() for t in self.inputs]
 
-    def inputs_of(self, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A, B and the bias (None without one) of operand set s (B is shared where it does not rotate)."""
-        return self.a[s], self.b[s % self.b_sets], None if self.bias is None else self.bias[s][0]
+    def inputs_of(self, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A, B, the bias and R (None without them) of operand set s (B is shared where it does not rotate)."""
+        return (self.a[s], self.b[s % self.b_sets], None if self.bias is None else self.bias[s][0],
+                None if self.r is None else self.r[s])
 
     def args(self, i: int) -> tuple:
-        a, b, bias = self.inputs_of(i % self.a_sets)
-        return a, b, self.c[i % self.outputs], self.p.m, self.p.n, self.p.k, bias
+        a, b, bias, r = self.inputs_of(i % self.a_sets)
+        return a, b, self.c[i % self.outputs], self.p.m, self.p.n, self.p.k, bias, r
 
     def subject(self) -> Subject:
         overhead = None
         if self.mode == "cold":
             overhead = self.flush
         elif self.mode == "fresh":
-            def overhead(i: int) -> None:  # new values for this launch's A (and bias), written just before it
-                self.a[i % self.a_sets].normal_()
-                if self.bias is not None:
-                    self.bias[i % self.a_sets].normal_()
+            def overhead(i: int) -> None:  # new values for this launch's A (bias, R), written just before it
+                for t in (self.a, self.bias, self.r):
+                    if t is not None:
+                        t[i % self.a_sets].normal_()
         return Subject(lambda i: self.launch_fn(*self.args(i)), self.launches, overhead, self.before_replay,
                        self.after_replay)
 
@@ -127,8 +170,8 @@ class TimedBuffers:
         if len(unwritten):
             o = int(unwritten[0])
             first = int(self.c.poisoned()[o])
-            raise CheckFailed(f"the timed launches left an output unwritten: output {o}, C[{first // self.p.n},"
-                              f"{first % self.p.n}] still holds the poison ({where})")
+            raise CheckFailed(f"the timed launches left an output unwritten: output {o}, C[{first // self.p.out_n},"
+                              f"{first % self.p.out_n}] still holds the poison ({where})")
         first_of: dict[int, int] = {}
         for o, s in enumerate(self.set_of):
             first_of.setdefault(s, o)
@@ -165,7 +208,8 @@ class TimedBuffers:
             self.checker.verify_batch(
                 self.c.all[out[:, None], rows], self.a.all[sets[:, None], rows], b, bias,
                 f"M={p.m} N={p.n} K={p.k}, {rows.shape[1]} sampled rows of each",
-                [f"the timed launches left a wrong result ({where}, output {o})" for o in part])
+                [f"the timed launches left a wrong result ({where}, output {o})" for o in part],
+                None if self.r is None else self.r.all[sets[:, None], rows])
 
 
 # A candidate's cold time may exceed its warm time by cuBLAS's own gap plus this much before its warm time is

@@ -9,9 +9,12 @@ part a proposer may edit. Every kernel takes the same arguments, whatever the fa
 A is M x K row-major; B is K x N row-major (layout "kn") or N x K row-major ("nk"); C is M x N row-major;
 elements are 16-bit patterns of the problem's dtype (fp16 or bf16), accumulated in fp32. Where the problem has a
 bias, `bias` (N elements of the same dtype) follows K and C = A B + bias, the bias added in fp32 before the one
-rounding to the output dtype. Tensor maps, then workspace and counters, come after these (the launch rule says
-which). M >= 1 is arbitrary, N and K are multiples of 8; A, B, C and the bias start 16-byte aligned (kernels
-move them in 16-byte chunks). Templates see the problem's `b_layout`, `dtype` and `bias`.
+rounding to the output dtype. Where it fuses an epilogue (core/epilogue.py), the kernel applies it in fp32 before
+that rounding: a residual epilogue takes `R` (M x N, the dtype's; it may be C itself) after the bias (or K), and a
+gated one writes C with N / 2 columns (row stride N / 2). Tensor maps, then workspace and counters, come after
+these (the launch rule says which). M >= 1 is arbitrary, N and K are multiples of 8; A, B, C, the bias and R start
+16-byte aligned (kernels move them in 16-byte chunks). Templates see the problem's `b_layout`, `dtype`, `bias` and
+its epilogue (Family.problem_variables).
 """
 
 from __future__ import annotations
@@ -26,13 +29,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from core.device import H200, DeviceFacts
+from core.epilogue import EPILOGUES, Epilogue, cuda_code
 from core.records import LaunchSpec, Problem
 from core.source import source_problem
 from core.validation import validation_message
-
-SMEM_PER_BLOCK_MAX = 227 * 1024  # sm_90 opt-in maximum of dynamic shared memory per block
-SMEM_PER_BLOCK_MAX_SM80 = 163 * 1024
-
 
 # a sandboxed environment: an edited template from an LLM is untrusted text, and must not reach Python
 _ENV = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
@@ -40,8 +40,8 @@ _ENV = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trai
 
 @functools.lru_cache(maxsize=32)
 def _compiled(text: str) -> jinja2.Template:
-    """A template's text compiled once: compiling took ~30 ms of a ~31 ms render (the family's 800-line template),
-    paid for every candidate and every compile started ahead, between the GPU's evaluations."""
+    """A template's text compiled once: compiling is nearly all of a render's time, which every candidate and every
+    compile started ahead would otherwise pay again, between the GPU's evaluations."""
     return _ENV.from_string(text)
 
 
@@ -87,6 +87,7 @@ class Family(ABC):
 
     supports: ClassVar[tuple[tuple[str, bool], ...]] = (("f16", False), ("f16", True), ("bf16", False),
                                                          ("bf16", True))  # (dtype, bias) the template handles
+    epilogues: ClassVar[tuple[str, ...]] = EPILOGUES  # the fused epilogues the template renders
 
     def check_for_problem(self, params: Params, problem: Problem) -> None:  # noqa: B027 - optional hook
         """Reject combinations that are fine in general but not for this problem."""
@@ -96,6 +97,8 @@ class Family(ABC):
         if (problem.dtype, problem.bias) not in self.supports:
             what = problem.dtype + (" with a bias" if problem.bias else "")
             raise ValueError(f"family {self.name} does not handle {what} yet")
+        if problem.epilogue not in self.epilogues:
+            raise ValueError(f"family {self.name} does not fuse the {problem.epilogue} epilogue")
 
     def render(self, params: dict[str, Any], problem: Problem, template: str | None = None) -> str:
         """The kernel source for these parameters and this problem, from the family's template or an edited one;
@@ -113,8 +116,13 @@ class Family(ABC):
 
     @staticmethod
     def problem_variables(problem: Problem) -> dict[str, Any]:
-        """What a template knows of the problem beyond its parameters (M, N, K are kernel arguments)."""
-        return {"b_layout": problem.b_layout, "dtype": problem.dtype, "bias": problem.bias}
+        """What a template knows of the problem beyond its parameters (M, N, K are kernel arguments): the layout, the
+        dtype, the bias and the fused epilogue (its activation, whether gated or residual, the device functions
+        act() / gate() that compute it, and C's definition for the source's header)."""
+        epi = Epilogue(problem.epilogue)
+        return {"b_layout": problem.b_layout, "dtype": problem.dtype, "bias": problem.bias,
+                "activation": epi.activation, "gated": epi.gated, "residual": epi.residual,
+                "epilogue_code": cuda_code(epi), "epilogue_formula": epi.formula(problem.bias)}
 
     def derived(self, params: Params) -> dict[str, Any]:
         """Extra template variables computed from the parameters (threads, warp counts, ...)."""

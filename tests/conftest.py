@@ -18,7 +18,7 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
-# other pytest processes on the same GPU (pytest -n) shift timings by more than the verdicts allow (BENCHMARKS.md)
+# other pytest processes on the same GPU (pytest -n) shift timings by more than the verdicts allow (docs/notebook.md)
 SHARED_GPU = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
 
 

@@ -13,6 +13,7 @@ from sandbox.check import Checker, CheckFailed
 def checker(layout: str, bias: bool) -> Checker:
     c = object.__new__(Checker)  # the bounds need only the problem: no GPU, no launch
     c.problem, c.dtype, c.rel_err, c.cublas_rel_err = Problem(8, 24, 64, layout, "f16", bias), "f16", 0.0, 0.0
+    c.epilogue = c.problem.fused
     return c
 
 
@@ -75,7 +76,7 @@ def cpu_gemm(fault=None):
     fault(call, c) may then spoil the output of the call-th launch."""
     calls = []
 
-    def launch(a, b, c, m, n, k, bias=None):
+    def launch(a, b, c, m, n, k, bias=None, residual=None):
         acc = a.float() @ (b.float() if P.b_layout == "kn" else b.float().t())
         c.copy_((acc + (0 if bias is None else bias.float())).half())
         if fault:

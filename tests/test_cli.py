@@ -328,6 +328,7 @@ def test_resume_refuses_what_contradicts_the_run_and_keeps_its_settings(tmp_path
                           (["--seed", "4"], "started with --seed 3"),
                           (["--dtype", "bf16"], "continues the run's own shapes: drop --dtype"),
                           (["--b-layout", "nk", "--bias"], "drop --b-layout, --bias"),
+                          (["--epilogue", "relu"], "drop --epilogue"),
                           (["--mnk", "8_8_8"], "drop --mnk")):
         code, _, err = run_cli(capsys, "run", "--resume", run, *argv, "--runs-dir", runs)
         assert code == 2 and message in err and err.count("\n") == 1

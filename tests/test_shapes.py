@@ -36,6 +36,10 @@ def test_unknown_layout():
     ("16_4096_4096:nk:f16", {"dtype": "bf16"}, Problem(16, 4096, 4096, "nk", "f16")),
     ("16_4096_4096", {"b_layout": "nk", "dtype": "fp16", "bias": True}, Problem(16, 4096, 4096, "nk", "f16", True)),
     ("16_4096_4096", {"dtype": "bf16"}, Problem(16, 4096, 4096, "kn", "bf16")),
+    ("16_28672_4096:nk:bf16:bias:silu_mul", {}, Problem(16, 28672, 4096, "nk", "bf16", True, "silu_mul")),
+    ("16_4096_4096:nk:f16:residual", {"bias": True}, Problem(16, 4096, 4096, "nk", "f16", False, "residual")),
+    ("16_4096_4096:nk:f16:bias", {"epilogue": "relu"}, Problem(16, 4096, 4096, "nk", "f16", True)),  # named: none
+    ("16_4096_4096:nk", {"epilogue": "gelu_tanh"}, Problem(16, 4096, 4096, "nk", "f16", False, "gelu_tanh")),
 ])
 def test_layout_dtype_and_bias_fields(text, defaults, problem):
     assert parse_shape(text, **defaults) == problem
@@ -44,7 +48,10 @@ def test_layout_dtype_and_bias_fields(text, defaults, problem):
 
 @pytest.mark.parametrize("text, match", [
     ("64_64_64:tn", "unknown B layout 'tn'"), ("64_64_64:nk:fp32", "unknown dtype 'fp32'"),
-    ("64_64_64:nk:bf16:relu", "expected 'bias'"), ("64_64_64:nk:bf16:bias:x", "malformed"),
+    ("64_64_64:nk:bf16:gelu", "expected 'bias' and/or an epilogue"),
+    ("64_64_64:nk:bf16:bias:x", "expected 'bias' and/or an epilogue"),
+    ("64_64_64:nk:bf16:relu:bias", "expected 'bias' and/or an epilogue"),
+    ("64_64_64:nk:bf16:bias:relu:relu", "malformed"), ("64_24_64:nk:f16:silu_mul", "multiple of 16"),
     ("64_64_64::bf16", "malformed"), ("64_64_64:", "malformed"),
 ])
 def test_bad_fields(text, match):

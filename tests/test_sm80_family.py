@@ -10,8 +10,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
+from core.device import ARCH_LIMITS
 from core.records import Problem
-from templates.family import SMEM_PER_BLOCK_MAX_SM80
 from templates.sm80_mma.space import Sm80Mma, Sm80MmaParams
 from tests.gpu_reference import PAIRS, cases, check_kernel
 
@@ -107,7 +107,7 @@ def test_bad_settings_are_rejected_with_a_message(params: dict, message: str) ->
 
 def test_shared_memory_budget_is_the_ampere_one() -> None:
     p = Sm80MmaParams(block_m=128, block_n=256, block_k=64, warps_m=2, warps_n=4, stages=3)
-    assert p.smem_bytes == 3 * (128 + 256) * 64 * 2 <= SMEM_PER_BLOCK_MAX_SM80
+    assert p.smem_bytes == 3 * (128 + 256) * 64 * 2 <= ARCH_LIMITS["sm_80"].smem_per_block
     assert FAMILY.derived(p) == {"threads": 256, "smem_bytes": p.smem_bytes}
 
 

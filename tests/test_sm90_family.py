@@ -13,12 +13,13 @@ from core.device import H200
 from core.records import Problem
 from sandbox import driver
 from sandbox.build import compile_cuda
-from templates.sm90_wgmma import costs, search, splits
+from templates.sm90_wgmma import costs, kinds, search, splits
 from templates.sm90_wgmma.params import Sm90WgmmaParams
 from templates.sm90_wgmma.space import Sm90Wgmma
 from tests.gpu_reference import PAIRS, cases, check_kernel
 
 FAMILY = Sm90Wgmma()
+AFTER = {rule.name: rule.after for rule in search.RULES}  # where each placed rule puts its settings
 PROBLEMS = [Problem(128, 256, 64, "kn"), Problem(1000, 3000, 2000, "nk"), Problem(4096, 4096, 4096, "kn")]
 # long K, few C tiles: space() proposes split-K (cluster + distributed shared memory) settings here
 LONG_K = [Problem(64, 1024, 16384, "kn"), Problem(64, 1024, 16384, "nk"), Problem(256, 128, 16384, "kn"),
@@ -317,7 +318,7 @@ def test_long_k_under_a_wave_gets_one_cluster_of_4_along_n_after_the_leaders(lay
     for problem, rows in ((Problem(414, 2472, 11744, layout), 144), (Problem(1607, 392, 11704, layout), 128)):
         space = FAMILY.space(problem)
         clustered = [i for i, p in enumerate(space) if p["cluster_n"] > 1]
-        assert clustered == [search.CLUSTER_N_RANK]
+        assert clustered == [AFTER["cluster-n"]]
         p = space[clustered[0]]
         assert (p["block_m"], p["block_n"], p["cluster_n"]) == (rows, 64, 4)
         assert 99 <= FAMILY.launch(p, problem).grid[0] <= 120  # one wave of clusters of 4
@@ -398,15 +399,15 @@ PAST_64_ROWS = [(Problem(205, 50304, 1024, "kn"), 208), (Problem(222, 32000, 409
 @pytest.mark.parametrize("problem,rows", PAST_64_ROWS, ids=lambda x: getattr(x, "key", x))
 def test_m_past_a_multiple_of_64_gets_swapped_tiles_of_its_rows(problem, rows):
     space = FAMILY.space(problem)
-    fitted = space[search.SWAP_FIT_RANK]
+    fitted = space[AFTER["swap-fit"]]
     assert fitted["swap_ab"] and fitted["block_m"] == rows and fitted["consumers"] == fitted["block_n"] // 64
-    assert not any(p["swap_ab"] for p in space[:search.SWAP_FIT_RANK])
+    assert not any(p["swap_ab"] for p in space[:AFTER["swap-fit"]])
     assert -(-problem.m // rows) * rows - problem.m < 16  # padded by less than 16 rows (64-row tiles: 51-111)
 
 
 def test_rows_off_128_byte_lines_weigh_by_the_rows_a_tile_loads_per_output():
     def factor(problem, **fields):
-        return costs.odd_rows_factor(Sm90WgmmaParams(**{"consumers": 2, "stages": 4, **fields}), problem, 132)
+        return costs.odd_rows_factor(Sm90WgmmaParams(**{"consumers": 2, "stages": 4, **fields}), problem, H200)
     odd_nk, odd_kn = Problem(657, 9984, 3144, "nk"), Problem(657, 9984, 3144, "kn")
     assert costs.odd_rows(odd_nk) == (True, True) and costs.odd_rows(odd_kn) == (True, False)
     assert costs.odd_rows(Problem(657, 9984, 3136, "nk")) == (False, False)
@@ -425,13 +426,13 @@ def test_rows_off_128_byte_lines_bring_wide_swapped_tiles_and_multicast_pairs(la
     # 657_9984_3144 (measured, session 12): kn 112 x 256 swapped 0.99x of cuBLAS (224 x 128: 0.86x); nk the same
     # tiles in multicast pairs 0.95x (the rules' first before: 0.78x)
     space = FAMILY.space(Problem(657, 9984, 3144, layout))
-    fitted = space[search.SWAP_FIT_RANK]
+    fitted = space[AFTER["swap-fit"]]
     assert fitted["swap_ab"] and (fitted["block_m"], fitted["block_n"]) == (112, 256)
     assert fitted["cluster_m"] == (2 if layout == "nk" else 1)  # kn: B's rows (N = 9984) are on lines
     assert (space[0]["cluster_m"] == 2) == (layout == "nk")  # the pair of the best tile leads where it saves rows
     # rows on lines: no pairs in the first dozen, the swapped tiles as before
     aligned = FAMILY.space(Problem(657, 9984, 3136, layout))
-    assert all(p["cluster_m"] == 1 for p in aligned[:search.MULTICAST_RANK])
+    assert all(p["cluster_m"] == 1 for p in aligned[:AFTER["multicast-late"]])
     swapped = [p for p in aligned if p["swap_ab"]]
     assert swapped and all(p["block_n"] < 256 for p in swapped)
 
@@ -454,12 +455,12 @@ def test_few_swapped_tiles_with_a_long_k_split_it_and_lead():
     # cluster along N among them (test_long_k_under_a_wave_gets_one_cluster_of_4_along_n_after_the_leaders)
     space = [p for p in FAMILY.space(Problem(414, 2472, 11744, "kn"))
              if not (p["cluster_m"] > 1 and p["k_groups"] > 1) and p["cluster_n"] == 1]
-    lead = space[search.SWAP_FIT_RANK]
+    lead = space[AFTER["swap-fit"]]
     assert lead["swap_ab"] and (lead["block_m"], lead["block_n"], lead["k_groups"]) == (208, 128, 3)
-    following = space[search.SWAP_FIT_RANK + 1]
+    following = space[AFTER["swap-fit"] + 1]
     assert following["swap_ab"] and following["split_k"] > 1  # then a cluster split
     unsplit = [i for i, p in enumerate(space) if p["swap_ab"] and p["split_k"] * p["k_groups"] == 1]
-    assert unsplit and min(unsplit) >= search.SWAP_ALTERNATE_RANK
+    assert unsplit and min(unsplit) >= AFTER["swap-fit-alternates"]
     # one tile of rows (M <= 256): the listed split-K settings, measured 1.2-1.4x there, keep their places
     for problem in (Problem(131, 400, 5632, "kn"), Problem(71, 3584, 3584, "nk")):
         assert not any(p["swap_ab"] and p["split_k"] * p["k_groups"] > 1 for p in FAMILY.space(problem))
@@ -469,8 +470,8 @@ def test_few_swapped_tiles_with_a_long_k_split_it_and_lead():
 def test_long_k_few_tiles_get_multicast_pairs_in_k_groups(layout):
     # 512_1024_8192: 64 x 128 pairs in 2 groups (64 k-tiles a CTA) measured 0.99-1.00x, the rules' first eight 0.94x
     space = FAMILY.space(Problem(512, 1024, 8192, layout))
-    pairs = [p for p in space[:search.PAIR_GROUP_RANK + 2] if p["cluster_m"] == 2 and p["k_groups"] > 1]
-    assert len(pairs) == 2 and space[search.PAIR_GROUP_RANK] == pairs[0]
+    pairs = [p for p in space[:AFTER["pair-groups"] + 2] if p["cluster_m"] == 2 and p["k_groups"] > 1]
+    assert len(pairs) == 2 and space[AFTER["pair-groups"]] == pairs[0]
     assert (pairs[0]["block_m"], pairs[0]["block_n"], pairs[0]["k_groups"]) == (64, 128, 2)
     for p in pairs:
         spec = FAMILY.launch(p, Problem(512, 1024, 8192, layout))
@@ -488,9 +489,9 @@ def test_swapped_tiles_beyond_a_wave_lead_persistent_with_tma_stores_where_the_r
         swapped = [(i, p) for i, p in enumerate(space) if p["swap_ab"] and p["block_m"] == rows]
         (i, lead), (j, alternate) = swapped[:2]
         # chunked TMA stores leave the ring 4-5 stages beside C (the smem epilogue's whole C tile: 3)
-        assert (i, lead["persistent"], lead["epilogue"]) == (search.SWAP_FIT_RANK, True, "tma")
+        assert (i, lead["persistent"], lead["epilogue"]) == (AFTER["swap-fit"], True, "tma")
         assert lead["stages"] >= 4
-        assert (j, alternate["persistent"], alternate["epilogue"]) == (search.SWAP_ALTERNATE_RANK, False, "smem")
+        assert (j, alternate["persistent"], alternate["epilogue"]) == (AFTER["swap-fit-alternates"], False, "smem")
 
 
 @pytest.mark.parametrize("layout", ["kn", "nk"])
@@ -498,7 +499,7 @@ def test_m_fitted_swapped_tiles_that_fill_whole_waves_lead_where_the_listed_leav
     # 4772_1600_6400: 247 tiles of 256 x 128 (1.9 waves of 132), 260 of 240 x 128 swapped (1.97) with 28 rows padded;
     # measured (session 16) 0.999x of cuBLAS against the persistent lead's 0.906x
     problem = Problem(4772, 1600, 6400, layout)
-    p = FAMILY.space(problem)[search.SWAP_FIT_RANK]
+    p = FAMILY.space(problem)[AFTER["swap-fit"]]
     assert (p["block_m"], p["block_n"], p["swap_ab"], p["persistent"], p["epilogue"]) == (240, 128, True, True, "tma")
     assert p["stages"] >= 4 and 2 * 132 - 4 <= problem.tiles(240, 128) <= 2 * 132 < problem.tiles(128, 256)
 
@@ -522,7 +523,7 @@ def test_narrow_n_few_tiles_lead_with_swapped_16_and_32_row_tiles_split_in_pairs
 @pytest.mark.parametrize("problem", [Problem(534, 32, 640, "nk"), Problem(534, 96, 1120, "nk"),
                                      Problem(4096, 32, 4096, "kn"), Problem(3204, 8, 24, "nk")], ids=lambda p: p.key)
 def test_no_narrow_splits_where_k_is_short_n_wide_or_16_row_tiles_fill_a_wave(problem):
-    assert not any(p["swap_ab"] and p["block_m"] in search.NARROW_ROWS and p["split_k"] > 1
+    assert not any(p["swap_ab"] and p["block_m"] in kinds.NARROW_ROWS and p["split_k"] > 1
                    for p in FAMILY.space(problem))
 
 
@@ -546,7 +547,7 @@ def test_no_ping_pong_where_k_is_longer_or_a_block_would_get_one_tile(problem):
 def _tall(problem):
     return [(i, p["block_m"]) for i, p in enumerate(FAMILY.space(problem))
             if p["swap_ab"] and p["block_n"] == 256 and p["persistent"] and p["epilogue"] == "tma"
-            and p["block_m"] in search.TALL_ROWS]
+            and p["block_m"] in kinds.TALL_ROWS]
 
 
 @pytest.mark.parametrize("layout", ["kn", "nk"])
@@ -554,9 +555,9 @@ def test_tall_swapped_persistent_tiles_enter_after_the_leads_where_they_beat_128
     # 4437 rows: 35 tiles of 128 (9 waves of 132 at 32 columns of tiles), 28 of 160 (7 waves), 24 of 192 (6)
     for problem in (Problem(4437, 8192, 8192, layout), Problem(7471, 4096, 4096, layout)):
         tall = _tall(problem)
-        assert [i for i, _ in tall] == [search.TALL_RANK, search.TALL_RANK + 1], problem.key
+        assert [i for i, _ in tall] == [AFTER["tall"], AFTER["tall"] + 1], problem.key
         assert {bm for _, bm in tall} == {160, 192}
-        for p in FAMILY.space(problem)[search.TALL_RANK:search.TALL_RANK + 2]:
+        for p in FAMILY.space(problem)[AFTER["tall"]:AFTER["tall"] + 2]:
             assert Sm90WgmmaParams(**p).stages >= 3
 
 
@@ -638,7 +639,7 @@ def test_some_tiles_get_split_k_after_the_best_unsplit_guesses():
     problem = Problem(2048, 256, 4096, "nk")  # 64 x 64 tiles fill 128 SMs unsplit; 128 x 128 tiles only 32
     space = FAMILY.space(problem)
     first_split = next(i for i, p in enumerate(space) if p["split_k"] > 1 or p["k_groups"] > 1)
-    assert first_split == search.SPLIT_RANK and all(p["split_k"] == 1 for p in space[:first_split])
+    assert first_split == AFTER["split-k-some"] and all(p["split_k"] == 1 for p in space[:first_split])
 
 
 def test_fitted_tiles_enter_where_listed_shapes_quantise_badly_and_nowhere_else():
@@ -646,7 +647,7 @@ def test_fitted_tiles_enter_where_listed_shapes_quantise_badly_and_nowhere_else(
     odd = FAMILY.space(Problem(4437, 512, 3584, "nk"))
     listed = {(bm, bn) for bm, bn, _ in costs.TILES}
     fitted = [p for p in odd if (p["block_m"], p["block_n"]) not in listed and not p["swap_ab"]]
-    assert fitted and odd.index(fitted[0]) == search.FITTED_RANK
+    assert fitted and odd.index(fitted[0]) == AFTER["fitted"]
     assert all(p["block_n"] % 16 == 0 for p in fitted)
     for problem in (Problem(414, 2472, 11744, "kn"), Problem(4437, 512, 3584, "kn")):  # kn: 64-column panels
         assert all(FAMILY.parse(p, problem) for p in FAMILY.space(problem))

@@ -240,7 +240,7 @@ def needed_gemm_speedup(share: float, target: float) -> float:
 
 
 def markdown(rows: list[Row]) -> str:
-    """The table BENCHMARKS.md keeps."""
+    """The table docs/notebook.md keeps."""
     lines = ["| phase | mode | unpatched ms | patched ms | speed-up | logits rel. diff |", "|---" * 6 + "|"]
     for r in rows:
         lines.append(f"| {r.phase} | {r.mode} | " + (f"{r.note} | | | |" if r.note else

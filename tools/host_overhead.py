@@ -77,7 +77,7 @@ def measure(fns: dict[str, callable], calls: int, rounds: int) -> dict[str, dict
 
 
 def markdown(rows: dict[str, dict[str, dict[str, float]]]) -> str:
-    """The table BENCHMARKS.md keeps: µs per call, issue clock for every way, call+sync for ours and torch."""
+    """The table docs/notebook.md keeps: µs per call, issue clock for every way, call+sync for ours and torch."""
     ways_ = ["compiled", "dispatcher", "python", "torch"]
     lines = ["| problem | " + " | ".join(f"{w} issue" for w in ways_) + " | compiled call+sync | torch call+sync | "
              "compiled - torch (issue) |", "|---" * 8 + "|"]

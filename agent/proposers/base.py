@@ -29,8 +29,7 @@ class SearchState:
 
 
 def arm_of(c: Candidate) -> str:
-    """The bandit arm a candidate belongs to: its proposer and family. (Arms per tile-shape region were tried too:
-    replayed on a measured sweep of three shapes they needed as many or more candidates; see BENCHMARKS.md.)"""
+    """The bandit arm a candidate belongs to: its proposer and family (docs/decisions.md `bandit-arms`)."""
     return c.arm
 
 

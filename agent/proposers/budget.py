@@ -18,13 +18,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from core.plan import ceil_div
+
 CHARS_PER_TOKEN = 4
 
 Cut = Callable[[], str]  # removes one part of the context, and says what it removed
 
 
 def estimate_tokens(text: str) -> int:
-    return -(-len(text) // CHARS_PER_TOKEN)
+    return ceil_div(len(text), CHARS_PER_TOKEN)
 
 
 def fit_prompt(context: dict[str, Any], render: Callable[[dict[str, Any]], str],

@@ -22,14 +22,10 @@ from templates import families_for_arch
 from templates.family import Family
 
 # The roofline prior: a launch's fixed cost, and how sure the prior is (as sure as one measurement: the arm's first
-# results soon outweigh it). Fitted on 131 problem-layouts measured with both families on the H200 (RMS error 0.30
-# in log speed-up; nowhere that sm80_mma came within 10% of sm90_wgmma did it predict under 0.7 of it).
+# results soon outweigh it; the roofline's own error in log speed-up). docs/decisions.md `tensor-share`.
 LAUNCH_US = 0.5
 ROOFLINE_SD = 0.3
-# How far above its roofline the learned model may rate a family: where the roofline has sm80_mma level it measured
-# up to log 1.27 ahead of sm90_wgmma (tiny problems), mostly 0.05-0.10; with 0.3 (the roofline's RMS error) the
-# model's prior still sent sm80_mma first on 4 large problems late in the H200's 48-shape kn run (by the priors, one
-# draw in ~7).
+# How far above its roofline the learned model may rate a family (docs/decisions.md `tensor-share`)
 ROOFLINE_SLACK = 0.1
 
 

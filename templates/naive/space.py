@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 from core.device import H200, DeviceFacts
+from core.plan import ceil_div
 from core.records import LaunchSpec, Problem
 from templates.family import Family, Params
 
@@ -24,7 +25,7 @@ class Naive(Family):
 
     def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
         p = self.parse(params, problem)
-        grid = (-(-problem.n // p.block_x), -(-problem.m // p.block_y), 1)
+        grid = (ceil_div(problem.out_n, p.block_x), ceil_div(problem.m, p.block_y), 1)
         return LaunchSpec(grid, (p.block_x, p.block_y, 1), 0)
 
     def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:

@@ -7,12 +7,12 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from core.device import H200, DeviceFacts
+from core.device import ARCH_LIMITS, H200, DeviceFacts
+from core.plan import LaunchPlan, ceil_div
 from core.records import LaunchSpec, Problem
-from templates.family import SMEM_PER_BLOCK_MAX_SM80, Family, Params
+from templates.family import Family, Params
 
-SMEM_PER_SM_SM80 = 164 * 1024
-REGS_PER_SM = 65536
+LIMITS = ARCH_LIMITS["sm_80"]  # what every setting must fit: the smaller of the two arches it runs on
 # Registers beyond accumulators, fragments and copy state (indices, loop state). With the 2-per-copied-chunk term
 # below it separated every spilling setting of a 912-setting ptxas sweep (NVRTC 13, sm_90a) from the rest.
 REG_OVERHEAD = 24
@@ -48,12 +48,12 @@ class Sm80MmaParams(Params):
     def register_estimate(self) -> int:
         mi, ni = self.block_m // self.warps_m // 16, self.block_n // self.warps_n // 8
         per_pass = 8 * self.threads  # elements one pass of 16-byte copies moves
-        chunks = -(-self.block_m * self.block_k // per_pass) - (-self.block_n * self.block_k // per_pass)
+        chunks = ceil_div(self.block_m * self.block_k, per_pass) + ceil_div(self.block_n * self.block_k, per_pass)
         return 4 * mi * ni + 4 * mi + 2 * ni + 2 * chunks + REG_OVERHEAD
 
     @property
     def register_cap(self) -> int:
-        return min(255, REGS_PER_SM // (self.threads * self.min_blocks) // 8 * 8)
+        return min(255, LIMITS.regs_per_sm // (self.threads * self.min_blocks) // 8 * 8)
 
     @model_validator(mode="after")
     def _feasible(self) -> Sm80MmaParams:
@@ -68,12 +68,12 @@ class Sm80MmaParams(Params):
                              f"among warps_k={self.warps_k} groups")
         if self.threads > 1024:
             raise ValueError(f"warps_m*warps_n*warps_k*32 = {self.threads} threads exceeds 1024 per block")
-        if self.smem_bytes > SMEM_PER_BLOCK_MAX_SM80:
+        if self.smem_bytes > LIMITS.smem_per_block:
             raise ValueError(f"shared memory {self.smem_bytes} B (stages*(block_m+block_n)*block_k*2, or the "
-                             f"warps_k partial tiles) exceeds the sm_80 limit of {SMEM_PER_BLOCK_MAX_SM80} B per block")
-        if self.min_blocks * (self.smem_bytes + 1024) > SMEM_PER_SM_SM80:
+                             f"warps_k partial tiles) exceeds the sm_80 limit of {LIMITS.smem_per_block} B per block")
+        if self.min_blocks * (self.smem_bytes + LIMITS.smem_reserved_per_block) > LIMITS.smem_per_sm:
             raise ValueError(f"min_blocks={self.min_blocks} blocks of {self.smem_bytes} B shared memory do not fit "
-                             f"one SM ({SMEM_PER_SM_SM80} B)")
+                             f"one SM ({LIMITS.smem_per_sm} B)")
         if self.register_estimate > self.register_cap:
             raise ValueError(f"about {self.register_estimate} registers per thread (warp tile {wm}x{wn}) exceed "
                              f"the cap of {self.register_cap} for {self.threads} threads x min_blocks="
@@ -88,23 +88,30 @@ TILES = [
     (64, 64, 2, 2), (64, 64, 1, 2), (32, 128, 1, 4), (128, 32, 4, 1), (32, 64, 1, 2), (64, 32, 2, 1),
     (32, 32, 1, 2), (16, 128, 1, 4), (16, 64, 1, 4), (16, 64, 1, 2), (16, 32, 1, 2), (32, 16, 2, 1),
 ]
-# (block_k, stages) in order of preference. On the H200, block_k=64 beat 32 on every shape timed (4096^3: 128x256
-# 347 vs 465 us; 128x4096x4096: 23 vs 29 us); deeper rings hide more latency where few warps are resident, and the
-# 2-stage ones are for K so short that a deeper ring holds nothing.
+# (block_k, stages) in order of preference: block_k 64 first (docs/decisions.md `sm80-pipelines`); deeper rings hide
+# more latency where few warps are resident, and the 2-stage ones are for K so short that a deeper ring holds nothing.
 PIPELINES = [(64, 3), (64, 4), (32, 4), (32, 5), (64, 6), (32, 3), (64, 2), (32, 2)]
 
 
-def _blocks_per_sm(p: Sm80MmaParams, device: DeviceFacts) -> int:
-    by_regs = REGS_PER_SM // (p.threads * min(p.register_cap, p.register_estimate + 16))
-    return max(1, min(by_regs, device.smem_per_sm // (p.smem_bytes + 1024), 2048 // p.threads))
+def launch_plan(p: Sm80MmaParams, problem: Problem, device: DeviceFacts) -> LaunchPlan:
+    """One CTA a C tile, no clusters."""
+    return LaunchPlan(tiles=problem.tiles(p.block_m, p.block_n), tile_ctas=1, cluster=1, min_blocks=p.min_blocks,
+                      persistent=False, smem_bytes=p.smem_bytes, threads=p.threads, device=device)
+
+
+def _blocks_per_sm(plan: LaunchPlan, p: Sm80MmaParams) -> int:
+    """Blocks an SM holds at once by shared memory, threads and the registers ptxas is expected to give a thread."""
+    by_regs = plan.device.limits.regs_per_sm // (p.threads * min(p.register_cap, p.register_estimate + 16))
+    return max(1, min(by_regs, plan.resident))
 
 
 def _cost(p: Sm80MmaParams, problem: Problem, device: DeviceFacts) -> float:
     """Relative time: waves of resident blocks times the work of a wave, inflated by the tile's memory traffic."""
-    tiles = problem.tiles(p.block_m, p.block_n)
-    resident = _blocks_per_sm(p, device)
-    waves = -(-tiles // (device.sms * resident))
-    per_sm = min(resident, -(-tiles // device.sms))
+    plan = launch_plan(p, problem, device)
+    tiles = plan.tiles
+    resident = _blocks_per_sm(plan, p)
+    waves = ceil_div(tiles, device.sms * resident)
+    per_sm = min(resident, ceil_div(tiles, device.sms))
     traffic = 1 + 48 / p.block_m + 48 / p.block_n
     # Few warps per SM cannot hide mma and shared-memory latency; K groups pay a reduction and thinner mma runs.
     latency = 1 + 4 / (per_sm * p.threads // 32)
@@ -116,8 +123,8 @@ class Sm80Mma(Family):
     name: ClassVar[str] = "sm80_mma"
     arches: ClassVar[tuple[str, ...]] = ("sm_90a", "sm_80")
     params_model: ClassVar[type[Params]] = Sm80MmaParams
-    # mma.sync on Hopper: its best settings measured 0.44-0.56x of sm90_wgmma's best on compute-bound H200 problems
-    # (sm_80: not measured, and no other family runs there, so no prior depends on it)
+    # mma.sync on Hopper reaches about half of sm90_wgmma on compute-bound problems (docs/decisions.md
+    # `tensor-share`); on sm_80 no other family runs, so no prior depends on its share there
     tensor_share: ClassVar[dict[str, float]] = {"sm_90a": 0.4, "sm_80": 0.85}
     description: ClassVar[str] = (
         "Ampere-style HGEMM: STAGES-deep cp.async ring into XOR-swizzled shared memory, ldmatrix fragments, "
@@ -133,15 +140,15 @@ class Sm80Mma(Family):
     def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
         p = self.parse(params, problem)
         assert isinstance(p, Sm80MmaParams)
-        tiles = problem.tiles(p.block_m, p.block_n)
-        return LaunchSpec(grid=(tiles, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes)
+        return LaunchSpec(grid=(launch_plan(p, problem, device).ctas, 1, 1), block=(p.threads, 1, 1),
+                          smem_bytes=p.smem_bytes)
 
     def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
         shapes: list[tuple[float, list[Sm80MmaParams]]] = []
         for (bm, bn, wm, wn), wk in itertools.product(TILES, (1, 2, 4)):
             variants = []
             for bk, stages in PIPELINES:
-                if stages > max(2, -(-problem.k // bk) + 1):
+                if stages > max(2, ceil_div(problem.k, bk) + 1):
                     continue  # a ring deeper than K only costs occupancy
                 params = _valid(block_m=bm, block_n=bn, block_k=bk, warps_m=wm, warps_n=wn, warps_k=wk, stages=stages)
                 if params:
@@ -152,7 +159,7 @@ class Sm80Mma(Family):
         # The best shapes get more pipeline variants; the rest keep the search broad.
         picked = [p for rank, (_, v) in enumerate(shapes[:10]) for p in v[: 3 if rank < 3 else 2 if rank < 6 else 1]]
         best = picked[0]
-        tiles_m, tiles_n = -(-problem.m // best.block_m), -(-problem.n // best.block_n)
+        tiles_m, tiles_n = ceil_div(problem.m, best.block_m), ceil_div(problem.n, best.block_n)
         # Group sizes only differ in effect below the number of tile-rows, and not at all in a single row or column.
         groups = {min(g, tiles_m) for g in (4, 16, 1)} - {min(best.raster_group, tiles_m)} if tiles_n > 1 else set()
         extra = [_valid(**{**best.model_dump(), "raster_group": g}) for g in sorted(groups, reverse=True)]

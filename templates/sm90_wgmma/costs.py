@@ -1,13 +1,15 @@
 """What the sm90_wgmma family's search order (`search.py`) ranks with: the tile shapes it lists, and two rough cost
 models, relative times of a setting on a problem: one for whole tiles (waves of resident blocks), one for split-K
-settings (streamed operands, cluster placement, workspace sums). Their constants come from measurements on the H200
-(BENCHMARKS.md).
+settings (streamed operands, cluster placement, workspace sums). Where their constants come from: docs/decisions.md,
+the entries named beside them.
 """
 
 from __future__ import annotations
 
+from core.device import DeviceFacts
+from core.plan import ceil_div
 from core.records import Problem
-from templates.sm90_wgmma.params import SMEM_RESERVED_PER_BLOCK, Sm90WgmmaParams, launched_tiles
+from templates.sm90_wgmma.params import Sm90WgmmaParams, launch_plan
 
 # (block_m, block_n, consumers), from the large-problem favourites down to small-problem shapes.
 TILES = [
@@ -19,12 +21,11 @@ TILES = [
 
 # Rows of an operand that start off 128-byte lines (A: K x 2 bytes not a multiple of 128; B: the same in nk, N x 2
 # bytes in kn): every 128-byte row a TMA copy brings spans two lines, and past a rate of such rows the L2 cannot keep
-# up. Measured on the H200 (session 12, 657_9984 at K = 3144 against 3136 and 3200, both layouts, ten settings): a
-# tile slows with u, such rows a k-tile per 1024 outputs of the tile (rows a multicast cluster shares counted once),
-# past ODD_ROWS_FREE: u = 4 +2-4%, u = 8 +16-22% (multicast pairs +6-8%), u = 12-13 +28-36%; cuBLAS +3% kn, +7% nk.
+# up. A tile slows with u, such rows a k-tile per 1024 outputs of the tile (rows a multicast cluster shares counted
+# once), by ODD_ROWS_SLOPE a unit past ODD_ROWS_FREE (decisions.md `odd-rows`).
 ODD_ROWS_FREE, ODD_ROWS_SLOPE = 4.0, 0.04
 ODD_ROWS_MIN_K_TILES = 8  # where K is shorter, a tile's loads weigh little against its fill and stores: not counted
-# A multicast pair where rows are on lines: measured 0.9-1.0x of the same tiles without (657_9984_3136 nk: 0.98x)
+# A multicast pair where rows are on lines, against the same tiles without (decisions.md `tile-cost`)
 MULTICAST_COST = 1.02
 
 
@@ -36,63 +37,54 @@ def odd_rows(problem: Problem) -> tuple[bool, bool]:
     return problem.k % 64 != 0, (problem.k if problem.b_layout == "nk" else problem.n) % 64 != 0
 
 
-def odd_rows_factor(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
+def odd_rows_factor(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -> float:
     """How much rows off 128-byte lines slow a tile: u (see ODD_ROWS_FREE) scaled by the share of SMs busy."""
     odd_a, odd_b = odd_rows(problem)
     rows = p.block_m // p.cluster_n * odd_a + p.block_n // p.cluster_m * odd_b
-    u = rows * 1024 / (p.block_m * p.block_n) * min(1.0, problem.tiles(p.block_m, p.block_n) / sms)
+    u = rows * 1024 / (p.block_m * p.block_n) * min(1.0, problem.tiles(p.block_m, p.block_n) / device.sms)
     return 1 + ODD_ROWS_SLOPE * max(0.0, u - ODD_ROWS_FREE)
 
 
-def tile_cost(p: Sm90WgmmaParams, problem: Problem, sms: int) -> float:
+def tile_cost(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -> float:
     """Relative time: waves of resident blocks times a tile's work, inflated by its traffic (rows off 128-byte lines
     included) and fixed costs. Multicast pairs launch whole pairs of row tiles."""
-    tiles = launched_tiles(p, problem)
-    waves = -(-tiles // (sms * p.min_blocks))
-    per_sm = min(p.min_blocks, -(-tiles // sms))
-    k_tiles = -(-problem.k // p.block_k)
+    plan = launch_plan(p, problem, device)
+    waves, per_sm = plan.waves, plan.blocks_per_busy_sm
+    k_tiles = ceil_div(problem.k, p.block_k)
     traffic = 1 + 40 / p.block_m + 40 / p.block_n
-    # Two consumer warpgroups per SM measured best on the H200 (three: 3-15% slower; one leaves gaps between wgmma
-    # groups).
+    # Two consumer warpgroups an SM are the reference; three and one issue slower (decisions.md `tile-cost`)
     issue = {2: 1.0, 3: 1.06}.get(per_sm * p.consumers, 1.1)
-    # kn with block_n = 192: B rows of 24 chunks leave producer threads idle; measured 5-20% slower on the H200.
+    # kn with block_n = 192: B rows of 24 chunks leave producer threads idle (decisions.md `tile-cost`)
     uneven = 1.15 if problem.b_layout == "kn" and 128 % (p.block_n // 8) else 1.0
     # the ring fills once per tile
     pair = MULTICAST_COST if p.cluster_m > 1 else 1.0
     # rows off 128-byte lines slow the k-tiles' loads, not the ring's fill or the stores
     return (waves * per_sm * p.block_m * p.block_n * traffic * issue * uneven * pair
-            * (k_tiles * odd_rows_factor(p, problem, sms) + 2 + 2 / p.stages))
+            * (k_tiles * odd_rows_factor(p, problem, device) + 2 + 2 / p.stages))
 
 
-# Clusters of 8, 4, 2 CTAs that run at once per CTA slot of an SM: clusters must fit inside one GPC, so the 132 SMs
-# hold fewer than 132 / size (64x64 tiles, split_k=8, 1 block per SM: 16 clusters measured clearly slower per CTA
-# than 8 or 11 on the H200; 32 clusters of 4 ran on 120 SMs, the last 2 clusters in a second wave).
 MIN_K_TILES = 16  # the fewest k-tiles a CTA of a split tile gets (its pipeline's fill and the sum amortised)
-CLUSTERS_PER_SLOT = {2: 66, 4: 30, 8: 14}
 
 
 # K groups sum through the workspace, which costs more than a cluster's sums through distributed shared memory: the
-# last CTA of a tile reads the other groups' fp32 partials. Measured on the H200 (session 11, 3 shapes of 16 k-tiles a
-# CTA): a tile's split pairs in 2 K groups 12-32% slower than one cluster of 4 where that fits a wave, i.e. 3-7
-# k-tiles' wgmma issue per group beyond the first.
+# last CTA of a tile reads the other groups' fp32 partials: WORKSPACE_SUM k-tiles' wgmma issue per group beyond the
+# first (decisions.md `workspace-sum`).
 WORKSPACE_SUM = 6
 
 
-def split_cost(p: Sm90WgmmaParams, problem: Problem, sms: int, smem_per_sm: int) -> float:
+def split_cost(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -> float:
     """Relative time of a split-K setting. These problems stream operands: a CTA's k-tile costs the slower of its
     wgmma issue (~bm*bn/16 clocks) and its cp.async loads (~4 clocks a 128-byte row of A or B: the rate measured
     per SM on the H200; the CTAs of a multicast cluster each load their share of the B tile, or of the A tile's rows,
     along N), CTAs sharing an SM share its load rate,
-    clusters beyond what fits run in a second wave, and K groups add their workspace sums. Calibrated on
-    64_1024_16384 and 256_128_16384 (both layouts): it ranks the measured best first."""
-    shared = p.cluster_m * p.cluster_n  # multicast CTAs a cluster
-    size = p.split_k * shared  # CTAs a cluster
-    slots = min(smem_per_sm // (p.smem_bytes + SMEM_RESERVED_PER_BLOCK), 2048 // p.threads)
-    clusters = launched_tiles(p, problem) // shared * p.k_groups
-    cap = CLUSTERS_PER_SLOT[size] if size > 1 else sms
-    waves = -(-clusters // (cap * slots))
-    sharing = min(slots, -(-clusters // cap))  # CTAs of one SM that load at once
-    k_share = -(-problem.k // (p.block_k * p.split_k * p.k_groups))
+    clusters beyond what fits (GPC placement: `DeviceFacts.clusters_at_once`) run in a second wave, and K groups add
+    their workspace sums. Calibrated on 64_1024_16384 and 256_128_16384 (both layouts): it ranks the measured best
+    first."""
+    plan = launch_plan(p, problem, device)
+    slots, clusters, cap = plan.resident, plan.clusters, plan.clusters_at_once
+    waves = ceil_div(clusters, cap * slots)
+    sharing = min(slots, ceil_div(clusters, cap))  # CTAs of one SM that load at once
+    k_share = ceil_div(problem.k, p.block_k * p.split_k * p.k_groups)
     per_k_tile = max(p.block_m * p.block_n / 16, 4 * (p.block_m / p.cluster_n + p.block_n / p.cluster_m) * sharing)
     sums = 1 + WORKSPACE_SUM * (p.k_groups - 1)
     return waves * ((k_share + 2) * per_k_tile + sums * p.block_m * p.block_n / 16)

@@ -13,12 +13,12 @@ from typing import Any, Literal
 
 from pydantic import Field, model_serializer, model_validator
 
+from core.device import ARCH_LIMITS, DeviceFacts
+from core.plan import LaunchPlan, ceil_div
 from core.records import Problem
-from templates.family import SMEM_PER_BLOCK_MAX, Params
+from templates.family import Params
 
-SMEM_PER_SM = 228 * 1024
-SMEM_RESERVED_PER_BLOCK = 1024  # the driver's own share of each block's shared memory on sm_90
-REGS_PER_SM = 65536
+LIMITS = ARCH_LIMITS["sm_90a"]  # what every setting must fit, on any sm_90 device
 # The cp.async producer needs few registers (72 leave the persistent kn 256-row loop without spills); setmaxnreg hands
 # the rest to the consumers, and the producer gives up more where the consumers need it.
 PRODUCER_REGS_MAX, PRODUCER_REGS_MIN = 80, 56
@@ -42,14 +42,14 @@ class Sm90WgmmaParams(Params):
                                           "(swap_ab: block_n/consumers columns)")
     raster_group: int = Field(8, ge=1, le=64, description="tile-rows a block group walks before moving across N")
     min_blocks: Literal[1, 2] = Field(1, description="blocks resident per SM (__launch_bounds__); caps registers")
-    # smem measured 3-10% faster than direct on the H200 (BENCHMARKS.md)
+    # smem by default (docs/decisions.md `default-epilogue-loader`)
     epilogue: Literal["direct", "smem", "tma"] = Field(
         "smem", description="smem: C staged in shared memory for 16-byte stores; direct: 4-byte stores from the "
         "accumulators; tma: C staged in 128-byte-swizzled panels and written by asynchronous TMA stores (block_n a "
         "multiple of 64), so a persistent block's next tile starts while the last one drains")
     persistent: bool = Field(False, description="one block per SM slot striding over the tiles; the producer "
                              "prefetches the next tile while the consumers store the last")
-    # tma measured 13-25% faster than cp_async on the H200 at 1024-8192 cubed (BENCHMARKS.md)
+    # tma by default (docs/decisions.md `default-epilogue-loader`)
     loader: Literal["cp_async", "tma"] = Field(
         "tma", description="how the producer fills the ring: tma = one thread issuing cp.async.bulk.tensor copies "
         "from host-encoded tensor maps (zero-filled past the edges); cp_async = 128 threads of 16-byte cp.async "
@@ -146,7 +146,7 @@ class Sm90WgmmaParams(Params):
     @property
     def entry_regs(self) -> int:
         """The per-thread register cap __launch_bounds__(threads, min_blocks) gives ptxas."""
-        regs = REGS_PER_SM // (self.threads * self.min_blocks)
+        regs = LIMITS.regs_per_sm // (self.threads * self.min_blocks)
         return 255 if regs >= 256 else regs // 8 * 8
 
     @property
@@ -161,7 +161,7 @@ class Sm90WgmmaParams(Params):
             return self.entry_regs
         if self.loader == "tma":
             return TMA_PRODUCER_REGS
-        need = -(-(self.accumulators + CONSUMER_OVERHEAD) // 8) * 8
+        need = ceil_div(self.accumulators + CONSUMER_OVERHEAD, 8) * 8
         spare = (self.threads * self.entry_regs - 128 * self.consumers * need) // 128 // 8 * 8
         return max(PRODUCER_REGS_MIN, min(PRODUCER_REGS_MAX, spare))
 
@@ -213,16 +213,16 @@ class Sm90WgmmaParams(Params):
         if self.reduces and self.persistent:
             raise ValueError(f"split_k={self.split_k}, k_groups={self.k_groups}: split-K needs one tile per CTA, so "
                              "persistent blocks are not supported with it")
-        if self.smem_bytes > SMEM_PER_BLOCK_MAX:
+        if self.smem_bytes > LIMITS.smem_per_block:
             c_note = " + C staging beside it (persistent)" if self.persistent and self.epilogue != "direct" else ""
             x_note = (f", or the split-K fp32 exchange tile of {self.exchange_bytes} B if larger"
                       if self.split_k > 1 else "")
             raise ValueError(f"shared memory {self.smem_bytes} B (ring of stages*(block_m+block_n)*128 B{c_note}"
-                             f"{x_note} + barriers + alignment) exceeds the sm_90 limit of {SMEM_PER_BLOCK_MAX} B "
+                             f"{x_note} + barriers + alignment) exceeds the sm_90 limit of {LIMITS.smem_per_block} B "
                              "per block")
-        if self.min_blocks * (self.smem_bytes + SMEM_RESERVED_PER_BLOCK) > SMEM_PER_SM:
+        if self.min_blocks * (self.smem_bytes + LIMITS.smem_reserved_per_block) > LIMITS.smem_per_sm:
             raise ValueError(f"min_blocks={self.min_blocks} blocks of {self.smem_bytes} B shared memory do not fit "
-                             f"one SM ({SMEM_PER_SM} B)")
+                             f"one SM ({LIMITS.smem_per_sm} B)")
         if self.wgmma_n // 2 + WGMMA_EXTRA > self.entry_regs:
             raise ValueError(f"one m64n{self.wgmma_n} wgmma needs {self.wgmma_n // 2 + WGMMA_EXTRA} registers within "
                              f"the entry cap of {self.entry_regs} ({self.threads} threads x min_blocks="
@@ -239,8 +239,16 @@ class Sm90WgmmaParams(Params):
 def launched_tiles(p: Sm90WgmmaParams, problem: Problem) -> int:
     """C tiles the launch covers: whole multicast clusters along M or N (a trailing CTA past M or N still loads its
     share of B or A for its peers)."""
-    return (-(-problem.m // (p.block_m * p.cluster_m)) * p.cluster_m
-            * -(-problem.n // (p.block_n * p.cluster_n)) * p.cluster_n)
+    return (ceil_div(problem.m, p.block_m * p.cluster_m) * p.cluster_m
+            * ceil_div(problem.n, p.block_n * p.cluster_n) * p.cluster_n)
+
+
+def launch_plan(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -> LaunchPlan:
+    """How p launches for the problem on the device: one tile a CTA, or its K split over split_k x k_groups CTAs
+    (split_k of them a cluster), whole multicast clusters; persistent: as many blocks as the SMs hold at once."""
+    return LaunchPlan(tiles=launched_tiles(p, problem), tile_ctas=p.split_k * p.k_groups,
+                      cluster=p.split_k * p.cluster_m * p.cluster_n, min_blocks=p.min_blocks,
+                      persistent=p.persistent, smem_bytes=p.smem_bytes, threads=p.threads, device=device)
 
 
 def deepest(fields: dict[str, Any], top: int = 8) -> Sm90WgmmaParams | None:

@@ -1,394 +1,206 @@
 """The search order of the sm90_wgmma family: which settings to try for a problem on a device, best guesses first.
 
-Rough cost models (`costs.py`) rank tile shapes by waves of resident blocks; split-K, K-group and swapped-role
-settings lead for the problem classes they serve. The rules and the slots where some kinds enter come from
-measurements on the H200 (BENCHMARKS.md); a learned model can reorder what this returns.
+The order is a table of named rules (`RULES`), applied top to bottom. Each rule yields the settings of one kind for
+the problem (none where its condition does not hold; `kinds.py` and `splits.py` make them, `costs.py` ranks them) and
+says where they go: rules without a place are appended in table order and build the base list (the listed tile
+shapes ranked by `tile_cost`, with what leads them); a rule with a place puts its settings after that many settings
+of the list as the rules above it left it (two at the same place: the later one's go first). A setting already in
+the list keeps its first place; the first MAX_SEEDS are tried. Each rule names the entry of docs/decisions.md that
+says why it is there and what it measured.
+
+The learned model (agent/cost_model.py) reorders the result on a device it has measured, under one policy stated
+there: this order is its prior, and it holds none of these settings back more than a few places.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from core.device import H200, DeviceFacts
+from core.plan import ceil_div
 from core.records import Problem
-from templates.sm90_wgmma.costs import CLUSTERS_PER_SLOT, MIN_K_TILES, TILES, odd_rows, tile_cost
-from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, with_update
+from templates.sm90_wgmma.costs import TILES
+from templates.sm90_wgmma.kinds import (
+    fitted_settings,
+    listed_settings,
+    listed_shapes,
+    narrow_settings,
+    pair_first,
+    persistent_leads,
+    ping_pong_settings,
+    raster_settings,
+    swap_fit_settings,
+    swap_split_settings,
+    swap_tiny_settings,
+    swapped_shapes,
+    tall_settings,
+)
+from templates.sm90_wgmma.params import Sm90WgmmaParams, with_update
 from templates.sm90_wgmma.splits import (
     cluster_n_settings,
-    cluster_size,
     group_settings,
-    k_parts,
     pair_group_settings,
     split_class,
     split_settings,
 )
 
-
-def _swap_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
-    """Swapped-role settings for tiny M (at most 48 rows: block_m = M rounded up to 16), block_n 64, 128, 256, the
-    deepest ring that fits (up to 12 stages: the tiles are small; two CTAs an SM where the tiles outnumber the SMs).
-    Where the tiles fill fewer than half the SMs and K is long, each tile's K is split over as many CTAs as one wave
-    holds (at most 8, and fewer where each would get under MIN_K_TILES k-tiles: decode's k/v projections, N = 1024
-    and K = 4096, split 4 ways rather than not at all): in one cluster where that many clusters run at once, in K
-    groups, and in pairs of K groups; none for other problems."""
-    if problem.m > 48:
-        return []
-    k_tiles = -(-problem.k // 64)
-    bm = -(-problem.m // 16) * 16
-    found = []
-    for bn in (64, 128, 256):
-        tiles = -(-problem.n // bn)
-        if bn > -(-problem.n // 64) * 64:
-            continue
-        parts = k_parts(tiles, sms, k_tiles, MIN_K_TILES)  # fewer parts where K is too short for a full wave
-        ways: list[dict[str, int]] = [{"min_blocks": 2}] if tiles > sms else [{}]  # two CTAs an SM: one wave
-        if tiles < sms // 2 and parts >= 2:
-            ways = [{"split_k": parts}] if tiles <= CLUSTERS_PER_SLOT.get(parts, 0) else []
-            ways += [{"k_groups": parts}] + ([{"split_k": 2, "k_groups": parts // 2}] if parts >= 4 else [])
-        elif tiles < sms // 2 and bn > 64:
-            continue  # few tiles and K too short to split: only the smallest tile, the most CTAs
-        for way in ways:
-            v = deepest({"block_m": bm, "block_n": bn, "consumers": 1, "swap_ab": True, **way}, top=12)
-            if v is not None:
-                found.append(v)
-    return found
-
-
-# Tile shapes beyond TILES: block_n in steps of 16 (nk; kn B panels are 64 columns) for rows of 64, 128, 192, 256.
-FITTED_ROWS = ((64, 1), (128, 2), (192, 3), (256, 2))
-FITTED_GAIN = 0.97  # a fitted shape enters where the cost model puts it at least 3% ahead of every listed shape
-
-
-def _fitted_settings(problem: Problem, sms: int, listed_best: float) -> list[Sm90WgmmaParams]:
-    """Tile shapes off the TILES list whose CTAs fill the waves of SMs better with less padding (DeepGEMM picks
-    block_n in steps of 16 for that), where `tile_cost` ranks them clearly ahead of the best listed shape; the two best,
-    each with its best ring. For odd sizes: 4437_512_3584 nk has 140 tiles of 128 x 128 (two waves, the second of
-    8), 35 x 3 = 105 of 128 x 176 (one)."""
-    step = 64 if problem.b_layout == "kn" else 16
-    shapes = [{"block_m": bm, "block_n": bn, "consumers": consumers}
-              for bm, consumers in FITTED_ROWS
-              for bn in range(max(step, 32), min(256, -(-problem.n // step) * step) + 1, step)
-              if (bm, bn, consumers) not in TILES and bm <= -(-problem.m // 64) * 64]
-    return _ahead(problem, sms, shapes, FITTED_GAIN * listed_best)
-
-
-# Swapped tiles of M just past a multiple of 64: the rows are wgmma's N (steps of 16), the B tile split among the
-# consumers in 64-row wgmmas. They enter where `tile_cost` puts them this far ahead of every listed shape (measured on
-# the H200, BENCHMARKS.md session 9: 4437_512_3584 0.84 -> 0.99x of cuBLAS, 205_50304_1024 0.87-0.89 -> 0.98-1.00x,
-# 222_32000_4096 0.92 -> 0.99x, 3072_2304_768 kn 1.01 -> 1.10x; unsplit, 657_9984_3144 and 414_2472_11744 not helped).
-# The bar was 8% with the smem epilogue; persistent with TMA stores they keep closer to their cost (session 16:
-# 4772_1600_6400, 260 tiles of 240 x 128 against 247 of 256 x 128, 6% ahead by cost: 0.999x against 0.906x).
-SWAP_FIT_GAIN = 0.95
-SWAP_FIT_COLS = ((128, 2), (192, 3), (64, 1))  # (block_n, consumers): one m64 wgmma row block per consumer
-# Where rows are off 128-byte lines, also 256 columns (fewer of A's rows a k-tile per output), and where B's are,
-# multicast pairs of the 128- and 256-column tiles (B's rows read once a pair). Measured on the H200 (session 12):
-# 657_9984_3144 kn 112 x 256 0.99x of cuBLAS (224 x 128: 0.86x), nk 112 x 256 in pairs 0.95x (the best before: 0.88x).
-ODD_ROWS_COLS = ((256, 2),)
-
-
-def _swap_fit_settings(problem: Problem, sms: int,
-                       listed_best: float) -> tuple[list[Sm90WgmmaParams], list[Sm90WgmmaParams]]:
-    """Swapped-role tiles for M > 48 whose rows, M split evenly over the fewest tiles of at most 256 rows and rounded
-    up to 16, pad M far less than 64-row multiples do (205 rows: one 208-row tile, not 256; 414: two of 208, not 512;
-    657: three of 224, not 768), where `tile_cost` ranks them well ahead of the best listed shape: the two best, each as
-    a lead and an alternate. Beyond one wave the lead is the persistent kind, with TMA stores in 16-row chunks, where
-    that keeps a ring of 4 stages (measured with the smem epilogue: 205_50304_1024 0.93 -> 0.98x, 7214_896_896 0.90 ->
-    0.96x; 222_32000_4096, 3 stages: 0.99 -> 0.96x. With TMA stores, session 15: 205_50304_1024 nk 208 x 128 s5 1.015x
-    against the smem kind's 0.988x, 222_32000_4096 nk 224 x 128 s4 0.995x, 657_9984_3144 nk 112 x 256 in pairs 0.967x
-    against the same one tile a CTA's 0.937x)."""
-    leads, alternates = [], []
-    for p in _ahead(problem, sms, _swapped_shapes(problem, odd=True), SWAP_FIT_GAIN * listed_best):
-        tiles = problem.tiles(p.block_m, p.block_n)
-        # TMA stores in 16-row chunks leave the ring what the smem epilogue's whole C tile took: up to 6 stages
-        persistent = (deepest({**p.model_dump(), "persistent": True, "epilogue": "tma"}, top=max(p.stages, 6))
-                      if tiles > sms * p.min_blocks else None)
-        if persistent is not None and persistent.stages >= 4:
-            leads.append(persistent)
-            alternates.append(p)
-        else:
-            leads.append(p)
-            alternates += [persistent] if persistent is not None else []
-    return leads, alternates
-
-
-def _swapped_shapes(problem: Problem, odd: bool = False) -> list[dict[str, Any]]:
-    """Swapped tiles of M's rows for M > 48: M split evenly over ceil(M / 256) to ceil(M / 64) tiles, rounded up
-    to 16, where that is not a multiple of 64 (those are listed shapes), with each of SWAP_FIT_COLS; with `odd`,
-    where rows are off 128-byte lines, also ODD_ROWS_COLS and multicast pairs."""
-    if problem.m <= 48:
-        return []  # tiny M: _swap_settings
-    odd_a, odd_b = odd_rows(problem) if odd else (False, False)
-    even = (-(-problem.m // tiles) for tiles in range(-(-problem.m // 256), -(-problem.m // 64) + 1))
-    rows = {-(-share // 16) * 16 for share in even}
-    cols = SWAP_FIT_COLS + (ODD_ROWS_COLS if odd_a or odd_b else ())
-    shapes = [{"block_m": bm, "block_n": bn, "consumers": consumers, "swap_ab": True, "epilogue": "smem"}
-              for bm in sorted(rows) if bm % 64 and bm > 64 for bn, consumers in cols
-              if bn <= -(-problem.n // 64) * 64]
-    return shapes + [{**s, "cluster_m": 2} for s in shapes if odd_b and s["block_n"] % 128 == 0]
-
-
-# Tall swapped tiles (rows as wgmma's N, 256 columns as four m64 wgmmas over two consumers) with persistent blocks
-# and TMA stores in 16-row chunks (C needs 16 KB beside the ring, not a whole tile): cuBLAS's tiling for large
-# problems. tile_cost puts them 3-13% ahead of 128 x 256 on some large problems; measured on the H200 (session 15),
-# about 5% less than that (8192 cubed kn: 3-4% ahead, measured 1-2% behind), so they enter only where they stay
-# ahead of the persistent lead (the same overlap of stores with the next tile) by TALL_COST. Measured against the
-# lead: 4437_8192_8192 1.009x of cuBLAS against 0.979x (nk), 1.002x against 0.976x (kn); 7471_4096_4096 1.016-1.018x
-# against 0.95-0.97x; 4096_6144_4096 nk 1.049x against 1.029x; not proposed at 4096 cubed (0.85x: 26 tiles of 160
-# rows make 3.2 waves), 6278_12800_1600 nk or 8192 cubed kn (0.96-0.99x, 1.005-1.012x against 1.00x, 1.03x).
-TALL_ROWS = (144, 160, 176, 192)
-TALL_COST = 1.05
-
-
-def _tall_settings(problem: Problem, sms: int, lead: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
-    """Persistent swapped tiles of TALL_ROWS x 256 with TMA stores, where there are tiles beyond a wave and
-    `tile_cost` puts them ahead of the first persistent lead by TALL_COST: the two best, each with its deepest ring
-    (at most 4 stages)."""
-    if problem.n < 256 or not lead:
-        return []
-    bar = tile_cost(lead[0], problem, sms)
-    ranked = []
-    for bm in TALL_ROWS:
-        v = deepest({"block_m": bm, "block_n": 256, "consumers": 2, "swap_ab": True, "epilogue": "tma",
-                     "persistent": True}, top=4)
-        if v is not None and v.stages >= 3 and problem.tiles(bm, 256) > sms:
-            ranked.append((tile_cost(v, problem, sms) * TALL_COST, bm, v))
-    return [v for cost, _, v in sorted(ranked) if cost < bar][:2]
-
-
-# Few C tiles because N is narrow (one m64 wgmma of columns at most) and M moderate: the listed tiles' 64 rows give
-# ceil(M / 64) x ceil(N / 16) CTAs (534_32_1120: 18; cuBLAS runs 68 of 8 rows). Swapped tiles of 16 and 32 of M's rows
-# (N padded to 64 wgmma rows) with K split over cluster pairs: measured on the H200 (session 16) 534_32_1120 nk
-# 0.97-1.00x of cuBLAS against the listed 0.87-0.89x, kn 1.02-1.03x against 0.83-0.85x, 310_40_928 nk 0.97-1.00x
-# against 0.90x, kn 0.95-0.96x against 0.80-0.81x; the same tiles unsplit 0.85-0.89x, in K groups (the workspace
-# sum) 0.76-0.82x.
-NARROW_N = 64
-NARROW_ROWS = (16, 32)
-NARROW_PART_K_TILES = 7  # the fewest k-tiles a CTA of the split gets (310_40_928: 15 k-tiles over 2)
-
-
-def _narrow_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
-    """Swapped tiles of NARROW_ROWS of M's rows by one 64-column wgmma, each tile's K split in one cluster over as
-    many CTAs as a wave holds (a power of two, at most 8, each at least NARROW_PART_K_TILES k-tiles), for M > 48
-    (tiny M: `_swap_settings`) and N <= NARROW_N; none where K is too short to split."""
-    if problem.m <= 48 or problem.n > NARROW_N:
-        return []
-    k_tiles = -(-problem.k // 64)
-    found = []
-    for bm in NARROW_ROWS:
-        tiles = -(-problem.m // bm)
-        parts = cluster_size(k_parts(tiles, sms, k_tiles, NARROW_PART_K_TILES))
-        if parts < 2 or tiles > CLUSTERS_PER_SLOT[parts]:
-            continue
-        v = deepest({"block_m": bm, "block_n": 64, "consumers": 1, "swap_ab": True, "split_k": parts})
-        found += [v] if v is not None else []
-    return found
-
-
-# Ping-pong consumers (each of two owns whole tiles, one storing while the other multiplies) where K is a k-tile or
-# two and every block gets two tiles or more. Measured on the H200 (session 18, warm ratio to cuBLAS, the rules' best
-# against the best of these): 933_6912_16 kn 1.081 -> 1.149, nk 1.092 -> 1.175; 16384_512_128 nk 1.077 -> 1.178;
-# 12288_1024_64 nk 1.185 -> 1.236, kn 1.185 -> 1.231; 16384_16384_64 nk 1.162 -> 1.206. At K = 768-896 they stayed
-# 1-5% behind the rules' best (4732_896_896, 3072_2304_768, 7214_896_896 nk), at K = 1600-4096 7% (6278_12800_1600,
-# 4096 cubed, nk).
-PING_PONG_K_TILES = 2
-PING_PONG_TILES = ((64, 256, "tma"), (128, 128, "tma"), (128, 128, "smem"))  # the order they won in
-
-
-def _ping_pong_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
-    if -(-problem.k // 64) > PING_PONG_K_TILES:
-        return []
-    found = (deepest({"block_m": bm, "block_n": bn, "consumers": 2, "persistent": True, "ping_pong": True,
-                      "epilogue": epilogue}, top=4)
-             for bm, bn, epilogue in PING_PONG_TILES if problem.tiles(bm, bn) >= 2 * sms)
-    return [v for v in found if v is not None]
-
-
-# Measured at M = 414 only (512 is a multiple of 128: not proposed); smaller M (71-149 rows: one tile of rows, where
-# the listed split-K and unsplit settings measured 1.2-1.4x of cuBLAS) keep today's order.
-SWAP_SPLIT_MIN_M = 256
-
-
-def _swapsplit_settings(problem: Problem, sms: int) -> list[Sm90WgmmaParams]:
-    """Swapped tiles of M's rows (two or three consumers, M > SWAP_SPLIT_MIN_M, fewer rows than the listed 128-,
-    192- and 256-row tiles pad M to) with each tile's K split, where they fill under half the SMs: over as many CTAs
-    as one wave holds (at most 8, each at least MIN_K_TILES k-tiles), in K groups, and in one cluster of the largest
-    power of two of them where that many clusters run at once. The two K-group settings and the one cluster split
-    with the least work a CTA (a tile's area over its parts, with `tile_cost`'s traffic term), in that order: group,
-    cluster, group. Measured on the H200 (BENCHMARKS.md session 9): 414_2472_11744 kn, 2 x 20 tiles of 208 x 128 in 3
-    K groups 1.014x of cuBLAS (every unsplit, split-K and stream-K setting before: 0.58-0.79x). Not proposed where M
-    is a multiple of 128 (512_1024_8192 kn: 176 x 128 split_k 4 0.920x against the listed split-K leader's 0.887x, but
-    4 K groups 0.789x)."""
-    if problem.m <= SWAP_SPLIT_MIN_M:
-        return []
-    k_tiles = -(-problem.k // 64)
-    groups, clusters = [], []
-    listed_rows = min(-(-problem.m // bm) * bm for bm in (128, 192, 256))
-    for fields in _swapped_shapes(problem):
-        bm, bn = fields["block_m"], fields["block_n"]
-        if fields["consumers"] < 2 or -(-problem.m // bm) * bm >= listed_rows:
-            continue  # one consumer warpgroup a CTA: too small a tile to split; or no rows saved
-        tiles = problem.tiles(bm, bn)
-        parts = k_parts(tiles, sms, k_tiles, MIN_K_TILES)
-        if tiles >= sms // 2 or parts < 2:
-            continue
-        traffic = 1 + 40 / bm + 40 / bn
-        if (v := deepest({**fields, "k_groups": parts})) is not None:
-            groups.append((bm * bn / parts * traffic, v))
-        split = cluster_size(parts)
-        if tiles <= CLUSTERS_PER_SLOT[split] and (v := deepest({**fields, "split_k": split})) is not None:
-            clusters.append((bm * bn / split * traffic, v))
-    groups.sort(key=lambda item: item[0])
-    clusters.sort(key=lambda item: item[0])
-    return [v for _, v in groups[:1] + clusters[:1] + groups[1:2]]
-
-
-def _ahead(problem: Problem, sms: int, shapes: list[dict[str, Any]], bar: float) -> list[Sm90WgmmaParams]:
-    """The two shapes of `shapes` that `tile_cost` puts below `bar`, cheapest first, each with its best ring and blocks
-    per SM."""
-    ranked = sorted((tile_cost(Sm90WgmmaParams.model_construct(**fields), problem, sms), i)
-                    for i, fields in enumerate(shapes))
-    found = []
-    for cost, i in ranked:
-        if cost >= bar or len(found) == 2:
-            break
-        variants = [v for v in (_valid(**shapes[i], stages=stages, min_blocks=blocks)
-                                for stages in (4, 3, 5, 6) for blocks in (1, 2)) if v is not None]
-        if variants:
-            found.append(min(variants, key=lambda v: tile_cost(v, problem, sms)))
-    return found
-
-
-def _valid(**fields: Any) -> Sm90WgmmaParams | None:
-    try:
-        return Sm90WgmmaParams(**fields)
-    except ValueError:
-        return None
-
-
-# Kinds of setting that enter the list at a fixed rank (the candidate number they are tried at), not by cost:
-PAIR_GROUP_RANK = 1  # multicast pairs in K groups (splits.pair_group_settings): right after the best guess
-SWAP_FIT_RANK = 2  # swapped tiles of M just past a multiple of 64: right after the two best listed guesses
-TALL_RANK = 2  # tall swapped persistent tiles (`_tall_settings`): after the two persistent leads
-SWAP_ALTERNATE_RANK = 7  # their other kind (persistent or not): after the fitted and split-K entries
-FITTED_RANK = 4  # tile shapes fitted to the problem's waves: after the best guesses of the measured shapes
-SPLIT_RANK = 6  # split-K where smaller tiles could fill the SMs without it (splits.split_class "some")
-CLUSTER_N_RANK = 3  # clusters of 4 along N sharing A's rows (splits.cluster_n_settings): after the leaders
-# The cp.async producer of the two best guesses where they have one consumer warpgroup or split K: it wins now and
-# then where TMA barely loses. Of larger tiles whole in K it never won on the H200: 151 measured over sessions 7-10,
-# 3 within 2% of the shape's best (all at K <= 64, where the producer hardly matters); of the others, 93 measured, 23
-# within 2%, 13 won (small-M tiles and split-K leaders: 131_400_5632, 16_4096_4096, 64_1024_16384, 512_1024_8192 nk).
-CP_ASYNC_RANK = 8
-# clusters of 2 sharing B by TMA multicast where B's rows are on 128-byte lines: measured 0.9-1.0x of the same tiles
-# without, so for longer searches (where they are off lines, pairs are shapes of their own that tile_cost ranks)
-MULTICAST_RANK = 12
 MAX_SEEDS = 30
 
 
-def _pair_first(picked: list[Sm90WgmmaParams], problem: Problem, sms: int, k_tiles: int) -> bool:
-    """Whether the best guess, a multicast pair (which has no persistent kind), goes before the persistent leads:
-    where `tile_cost` puts it further ahead of the best single tile than persistent blocks could gain by hiding a
-    tile's fixed costs (its ring's fill and stores, 2 of its k_tiles + 2)."""
-    best, plain = picked[0], next((p for p in picked if p.cluster_m == 1), None)
-    return best.cluster_m > 1 and (plain is None or tile_cost(best, problem, sms) < tile_cost(plain, problem, sms)
-                                   * k_tiles / (k_tiles + 2))
+@dataclass(frozen=True)
+class Search:
+    """What the rules read of one problem on one device; each part computed once, when a rule first asks."""
+
+    problem: Problem
+    device: DeviceFacts
+
+    @property
+    def sms(self) -> int:
+        return self.device.sms
+
+    @property
+    def k_tiles(self) -> int:
+        return ceil_div(self.problem.k, 64)
+
+    @cached_property
+    def shapes(self) -> list[tuple[float, list[Sm90WgmmaParams]]]:
+        return listed_shapes(self.problem, self.device)
+
+    @cached_property
+    def listed(self) -> list[Sm90WgmmaParams]:
+        """The best guesses of the listed shapes, then the best guess's raster groups."""
+        picked = listed_settings(self.shapes)
+        return picked + raster_settings(picked[0], self.problem)
+
+    @cached_property
+    def first(self) -> list[Sm90WgmmaParams]:
+        """The best guess, where it is a multicast pair that goes before the persistent leads."""
+        return self.listed[:1] if pair_first(self.listed, self.problem, self.device, self.k_tiles) else []
+
+    @cached_property
+    def leads(self) -> list[Sm90WgmmaParams]:
+        best = self.listed[0]
+        one_wave = self.problem.tiles(best.block_m, best.block_n) <= self.sms * best.min_blocks
+        return [] if one_wave else persistent_leads(self.listed[:10], self.k_tiles)
+
+    @cached_property
+    def other_epilogues(self) -> list[Sm90WgmmaParams]:
+        found = (with_update(p, u) for p in self.listed[:2] for u in ({"epilogue": "direct"}, {"epilogue": "tma"}))
+        return [v for v in found if v is not None]
+
+    @cached_property
+    def split_class(self) -> str | None:
+        return split_class(self.problem, self.sms)
+
+    @cached_property
+    def split(self) -> list[Sm90WgmmaParams]:
+        return split_settings(self.problem, self.device)
+
+    @cached_property
+    def swap_fit(self) -> tuple[list[Sm90WgmmaParams], list[Sm90WgmmaParams]]:
+        """The M-fitted swapped tiles: leads and their other kinds."""
+        return swap_fit_settings(self.problem, self.device, self.shapes[0][0])
+
+    @cached_property
+    def swap_split(self) -> list[Sm90WgmmaParams]:
+        return swap_split_settings(self.problem, self.device)
+
+    @cached_property
+    def tile_fields(self) -> list[dict[str, Any]]:
+        """The listed tiles and the swapped tiles of M's rows, as fields: the shapes the cluster rules try."""
+        return [{"block_m": bm, "block_n": bn, "consumers": c} for bm, bn, c in TILES] + swapped_shapes(self.problem)
+
+    @cached_property
+    def wide(self) -> list[Sm90WgmmaParams]:
+        """The first two one-tile-a-block settings of the base list whose columns are whole 128-column pairs."""
+        base = self.first + self.leads + self.listed[len(self.first):] + self.other_epilogues
+        return [p for p in base if not p.persistent and p.block_n % 128 == 0][:2]
 
 
-def _enter_at(ordered: list[Sm90WgmmaParams], rank: int, extra: list[Sm90WgmmaParams | None]) -> None:
-    """Insert the settings of `extra` that exist so that the first is tried at position `rank` (1-based count)."""
-    ordered[rank:rank] = [v for v in extra if v is not None]
+Settings = Callable[[Search, list[Sm90WgmmaParams]], list[Sm90WgmmaParams]]
 
 
-def _persistent_leads(picked: list[Sm90WgmmaParams], k_tiles: int) -> list[Sm90WgmmaParams]:
-    """The persistent kinds of the best guesses: up to three with TMA stores, then, where the best guess's columns
-    are no whole 64-column panels (nk's fitted widths: no TMA stores), its kind with the smem epilogue; each where
-    its ring keeps 3 stages or covers K. The smem one measured on the H200 (session 11): 3072_2304_768 nk 128 x 224,
-    two whole waves of 12 k-tiles a tile, 0.83x of cuBLAS one tile a block and 0.97x persistent, against the
-    TMA-store leads' 0.85-0.90x; level with them on 3072_4800_1600 nk, behind on 7214_896_896 nk (0.90x, 0.98x)."""
-    def found(update: dict[str, Any], fits: bool) -> list[Sm90WgmmaParams]:
-        variants = (with_update(p, update) for p in picked if (p.block_n % 64 == 0) == fits)
-        return list({v.model_dump_json(): v for v in variants
-                     if v is not None and (v.stages >= 3 or v.stages > k_tiles)}.values())
-    smem = found({"persistent": True, "epilogue": "smem"}, False)[:1] if picked[0].block_n % 64 else []
-    return found({"persistent": True, "epilogue": "tma"}, True)[:3] + smem
+@dataclass(frozen=True)
+class Rule:
+    """One rule of the order: its name, the docs/decisions.md entry that says why, its condition in words, the
+    settings it yields (from what the problem is and the list as the rules above left it), and where they go: after
+    `after` settings, or appended where None."""
+
+    name: str
+    decision: str
+    when: str
+    settings: Settings
+    after: int | None = None
+
+
+def _cp_async(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
+    found = (with_update(p, {"loader": "cp_async"}) for p in ordered[:2]
+             if p.consumers == 1 or p.split_k > 1 or p.k_groups > 1)
+    return [v for v in found if v is not None]
+
+
+FEW_TILES_LONG_K = "32+ k-tiles and K >= 8 max(M, N), or M > 64 and 64 x 64 tiles fill at most half the SMs"
+RULES: tuple[Rule, ...] = (
+    # the base list, appended in this order
+    Rule("swap-tiny", "swap-tiny", "M <= 48",
+         lambda s, _: swap_tiny_settings(s.problem, s.device)),
+    Rule("split-k-leaders", "split-k", FEW_TILES_LONG_K + ": the two best tilings",
+         lambda s, _: s.split[:2] if s.split_class in ("long", "few") else []),
+    Rule("k-groups-skinny", "k-groups-skinny", "M <= 64 and 64-row tiles fill at most half the SMs",
+         lambda s, _: group_settings(s.problem, s.device)),
+    Rule("split-k-rest", "split-k", FEW_TILES_LONG_K + ": the other split settings",
+         lambda s, _: s.split[2:] if s.split_class in ("long", "few") else []),
+    Rule("pair-first", "pair-first", "the best guess is a multicast pair well ahead of the best single tile",
+         lambda s, _: s.first),
+    Rule("persistent-leads", "persistent-leads", "the best guess gives a block more than one tile",
+         lambda s, _: s.leads),
+    Rule("listed", "tile-cost", "always", lambda s, _: s.listed[len(s.first):]),
+    Rule("other-epilogues", "other-epilogues", "always", lambda s, _: s.other_epilogues),
+    # then each rule's settings where it places them
+    Rule("split-k-some", "split-k", "32+ k-tiles, M > 64, 128 x 128 tiles fill at most a quarter of the SMs and "
+         "smaller tiles fill them", lambda s, _: s.split if s.split_class == "some" else [], after=6),
+    Rule("ping-pong", "ping-pong", "K <= 128 and two tiles a block or more",
+         lambda s, _: ping_pong_settings(s.problem, s.device), after=0),
+    Rule("narrow", "narrow", "M > 48, N <= 64 and K long enough to split in pairs",
+         lambda s, _: narrow_settings(s.problem, s.device), after=0),
+    Rule("swap-split", "swap-split", "M > 256, not a multiple of 128, swapped tiles fill under half the SMs",
+         lambda s, _: s.swap_split, after=2),
+    Rule("swap-fit", "swap-fit", "M > 48, swapped tiles of M's rows 5% ahead by tile_cost (unless swap-split)",
+         lambda s, _: [] if s.swap_split else s.swap_fit[0], after=2),
+    Rule("tall", "tall", "beyond a wave, tall swapped tiles ahead of the persistent lead by tile_cost x 1.05",
+         lambda s, _: tall_settings(s.problem, s.device, s.leads), after=2),
+    Rule("fitted", "fitted", "fitted tile shapes 3% ahead of every listed one by tile_cost",
+         lambda s, _: fitted_settings(s.problem, s.device, s.shapes[0][0]), after=4),
+    Rule("swap-fit-alternates", "swap-fit", "the swap-fit tiles' other kinds (all of them, where swap-split leads)",
+         lambda s, _: (s.swap_fit[0] if s.swap_split else []) + s.swap_fit[1], after=7),
+    Rule("cp-async", "cp-async", "the first two settings have one consumer warpgroup or split K", _cp_async, after=8),
+    Rule("pair-groups", "pair-groups", "M > 128, C tiles under half the SMs, 48+ k-tiles a CTA in pairs",
+         lambda s, _: pair_group_settings(s.problem, s.device, s.tile_fields)[:2], after=1),
+    Rule("cluster-n", "cluster-n", "160+ k-tiles, 64-column tiles whose clusters of 4 fill about one wave",
+         lambda s, _: cluster_n_settings(s.problem, s.device, s.tile_fields)[:1], after=3),
+    Rule("multicast-late", "multicast-late", "two one-tile-a-block guesses of 128-column multiples",
+         lambda s, _: [v for p in s.wide if (v := with_update(p, {"cluster_m": 2})) is not None], after=12),
+)
+
+
+def traced(problem: Problem, device: DeviceFacts = H200) -> list[tuple[str, Sm90WgmmaParams]]:
+    """The order with the rule that placed each setting: every rule's settings, placed as the table says, each
+    setting at its first place, the first MAX_SEEDS."""
+    s = Search(problem, device)
+    ordered: list[tuple[str, Sm90WgmmaParams]] = []
+    for rule in RULES:
+        found = [(rule.name, p) for p in rule.settings(s, [p for _, p in ordered])]
+        at = len(ordered) if rule.after is None else rule.after
+        ordered[at:at] = found
+    seen: dict[str, tuple[str, Sm90WgmmaParams]] = {}
+    for name, p in ordered:
+        seen.setdefault(p.model_dump_json(), (name, p))
+    return list(seen.values())[:MAX_SEEDS]
 
 
 def seeds(problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
-    """The settings worth trying for this problem on this device, best guesses first (at most 30)."""
-    sms = device.sms
-    k_tiles = -(-problem.k // 64)
-    shapes: list[tuple[float, list[Sm90WgmmaParams]]] = []
-    # Where B's rows are off 128-byte lines, each tile also as a multicast pair, a shape of its own that `tile_cost`
-    # ranks (it weighs the rows saved) and that brings one variant
-    for bm, bn, consumers in TILES:
-        if problem.b_layout == "kn" and bn % 64:
-            continue
-        for cluster_m in (1, 2) if odd_rows(problem)[1] else (1,):
-            variants = []
-            for stages in (4, 3, 5, 6, 8):  # preference order; the deepest ring that fits closes the list
-                if stages > k_tiles + 1 and stages != 4:
-                    continue  # a ring deeper than K only costs shared memory
-                for min_blocks in (1, 2):
-                    try:
-                        variants.append(Sm90WgmmaParams(block_m=bm, block_n=bn, consumers=consumers, stages=stages,
-                                                        min_blocks=min_blocks, cluster_m=cluster_m))
-                    except ValueError:
-                        continue
-            if variants:
-                ranked = sorted(variants, key=lambda v: tile_cost(v, problem, sms))
-                shapes.append((tile_cost(ranked[0], problem, sms), ranked))
-    shapes.sort(key=lambda item: item[0])
-    picked: list[Sm90WgmmaParams] = []
-    # The best shapes get more pipeline variants; the rest keep the search broad.
-    rank = 0  # of the single-tile shapes: the first ten, and the pairs ranked among them
-    for _, variants in shapes:
-        if rank == 10:
-            break
-        if variants[0].cluster_m > 1:
-            picked.append(variants[0])
-            continue
-        picked.extend(variants[: 3 if rank < 3 else 2 if rank < 6 else 1])
-        rank += 1
-    best = picked[0]
-    tiles_m = -(-problem.m // best.block_m)
-    for group in (16, 4, 1):
-        if group < tiles_m or group == 1:
-            picked.append(best.model_copy(update={"raster_group": group}))
-    # Persistent blocks with TMA stores lead where the best guess gives a block more than one tile: the next
-    # tile's loads and MMAs overlap the last one's stores (measured on the H200: 1.04-1.16x of cuBLAS at
-    # K <= 128, where the others reach 0.8x; 1.0x at 4096 cubed), unless the room C takes beside the ring leaves
-    # too shallow a ring for a long K. In one wave there is nothing to overlap (1024 cubed: 0.93x against 0.97x).
-    one_wave = problem.tiles(best.block_m, best.block_n) <= sms * best.min_blocks
-    lead = [] if one_wave else _persistent_leads(picked[:10], k_tiles)
-    # Other epilogues of the two best guesses (persistent with direct stores measured 0.3-0.97x: left out).
-    others = [with_update(p, u) for p in picked[:2] for u in ({"epilogue": "direct"}, {"epilogue": "tma"})]
-    first = picked[:1] if _pair_first(picked, problem, sms, k_tiles) else []
-    picked = first + lead + picked[len(first):] + [v for v in others if v is not None]
-    # Long-K problems with few tiles: split-K settings first, K groups after the two best (measured on par with
-    # them on 64_1024_16384); skinny problems with few tiles: K groups first. Every other list is unchanged.
-    split = split_settings(problem, sms, device.smem_per_sm)
-    if split_class(problem, sms) == "some":
-        ordered = list(picked)
-        _enter_at(ordered, SPLIT_RANK, split)
-    else:
-        ordered = _swap_settings(problem, sms) + split[:2] + group_settings(problem, sms) + split[2:] + picked
-    swap_leads, swap_alternates = _swap_fit_settings(problem, sms, shapes[0][0])
-    swap_split = _swapsplit_settings(problem, sms)
-    if swap_split:  # few tiles: split, they lead; unsplit, they fill under a wave as the listed shapes do
-        swap_leads, swap_alternates = swap_split, swap_leads + swap_alternates
-    _enter_at(ordered, 0, _narrow_settings(problem, sms) + _ping_pong_settings(problem, sms))
-    _enter_at(ordered, SWAP_FIT_RANK, swap_leads)
-    _enter_at(ordered, TALL_RANK, _tall_settings(problem, sms, lead))
-    _enter_at(ordered, FITTED_RANK, _fitted_settings(problem, sms, shapes[0][0]))
-    _enter_at(ordered, SWAP_ALTERNATE_RANK, swap_alternates)
-    _enter_at(ordered, CP_ASYNC_RANK, [with_update(p, {"loader": "cp_async"}) for p in ordered[:2]
-                                       if p.consumers == 1 or p.split_k > 1 or p.k_groups > 1])
-    # after the cp.async variants, which are of the two best guesses before them
-    tile_fields = [{"block_m": bm, "block_n": bn, "consumers": c} for bm, bn, c in TILES] + _swapped_shapes(problem)
-    _enter_at(ordered, PAIR_GROUP_RANK, pair_group_settings(problem, sms, device.smem_per_sm, tile_fields)[:2])
-    _enter_at(ordered, CLUSTER_N_RANK, cluster_n_settings(problem, sms, device.smem_per_sm, tile_fields)[:1])
-    wide = [p for p in picked if not p.persistent and p.block_n % 128 == 0][:2]
-    _enter_at(ordered, MULTICAST_RANK, [with_update(p, {"cluster_m": 2}) for p in wide])
-    seen: dict[str, dict[str, Any]] = {}
-    for p in ordered:
-        seen.setdefault(p.model_dump_json(), p.model_dump())
-    return list(seen.values())[:MAX_SEEDS]
+    """The settings worth trying for this problem on this device, best guesses first (at most MAX_SEEDS)."""
+    return [p.model_dump() for _, p in traced(problem, device)]

@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from core.device import H200, DeviceFacts
+from core.plan import ceil_div
 from core.records import LaunchSpec, Problem, TensorMapSpec
 from templates.family import Family, Params
-from templates.sm90_wgmma.params import SWAP_C_CHUNK, Sm90WgmmaParams, launched_tiles
+from templates.sm90_wgmma.params import SWAP_C_CHUNK, Sm90WgmmaParams, launch_plan, with_update
 from templates.sm90_wgmma.search import seeds
 
 
@@ -19,7 +20,7 @@ class Sm90Wgmma(Family):
     name: ClassVar[str] = "sm90_wgmma"
     arches: ClassVar[tuple[str, ...]] = ("sm_90a",)
     params_model: ClassVar[type[Params]] = Sm90WgmmaParams
-    # with sm80_mma's 0.4: their ratio is what the H200 measured on compute-bound problems (BENCHMARKS.md, session 10)
+    # with sm80_mma's 0.4 (docs/decisions.md `tensor-share`)
     tensor_share: ClassVar[dict[str, float]] = {"sm_90a": 0.85}
     description: ClassVar[str] = (
         "Hopper HGEMM: a producer warpgroup streams A/B tiles with TMA (host-encoded tensor maps) or cp.async "
@@ -45,18 +46,17 @@ class Sm90Wgmma(Family):
         if problem.b_layout == "kn" and params.block_n % 64:
             raise ValueError(f"block_n={params.block_n}: with B in kn layout (MN-major for wgmma) block_n must be "
                              "a multiple of 64, the width of a 128-byte swizzle panel")
+        if problem.fused.gated and (why := gated_problem(params)):
+            raise ValueError(f"a gated epilogue ({problem.epilogue}): {why}")
 
     def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
         p = self.parse(params, problem)
         assert isinstance(p, Sm90WgmmaParams)
         # split-K: the kernel's __cluster_dims__(split_k, 1, 1) groups consecutive blocks, one cluster per tile and K
         # group; k_groups > 1 adds the workspace (the groups' fp32 partial tiles) and one arrival counter per CTA of
-        # a tile's cluster
-        tiles = launched_tiles(p, problem)
-        # persistent: as many blocks as the SMs hold at once, in whole multicast clusters
-        cluster = p.cluster_m * p.cluster_n
-        slots = device.sms * p.min_blocks // cluster * cluster
-        grid = min(tiles, slots) if p.persistent else tiles * p.split_k * p.k_groups
+        # a tile's cluster; persistent: as many blocks as the SMs hold at once, in whole multicast clusters
+        plan = launch_plan(p, problem, device)
+        tiles = plan.tiles
         grouped = p.k_groups > 1
         maps: tuple[TensorMapSpec, ...] = ()
         if p.loader == "tma":  # boxes land as 128-byte rows (64 fp16), swizzled like the cp.async copies
@@ -70,14 +70,45 @@ class Sm90Wgmma(Family):
                 b_map = TensorMapSpec("B", (n, k), (64, p.block_k))
             # where M fits one tile, the A box is only M rounded up to 8 rows (the kernel's a_box_rows); with
             # multicast along N each CTA's share of the tile's rows
-            a_rows = p.block_m // p.cluster_n if p.cluster_n > 1 else min(p.block_m, -(-problem.m // 8) * 8)
+            a_rows = p.block_m // p.cluster_n if p.cluster_n > 1 else min(p.block_m, ceil_div(problem.m, 8) * 8)
             maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, a_rows)), b_map)
         if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels (swapped: 16-row chunks)
             c_rows = SWAP_C_CHUNK if p.swap_ab else p.block_m // p.row_owners
-            maps += (TensorMapSpec("C", (problem.n, problem.m), (64, c_rows)),)
-        return LaunchSpec(grid=(grid, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
+            maps += (TensorMapSpec("C", (problem.out_n, problem.m), (64, c_rows)),)
+        return LaunchSpec(grid=(plan.ctas, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
                           workspace_bytes=p.k_groups * tiles * p.block_m * p.block_n * 4 if grouped else 0,
                           counters=tiles * p.split_k if grouped else 0)
 
     def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
-        return seeds(problem, device)
+        settings = seeds(problem, device)
+        if not problem.fused.gated:
+            return settings
+        # gated: each setting as the nearest one whose tiles combine gate and up columns in place
+        out: dict[str, dict[str, Any]] = {}
+        for s in settings:
+            p = Sm90WgmmaParams(**s)
+            if gated_problem(p):
+                p = with_update(p, gated_update(p))
+            if p is not None and not gated_problem(p):
+                out.setdefault(repr(sorted(p.model_dump().items())), p.model_dump())
+        return list(out.values())
+
+
+def gated_problem(p: Sm90WgmmaParams) -> str | None:
+    """Why a setting cannot fuse a gated epilogue (each thread combines a gate value and the up value 8 columns on, in
+    a whole tile), or None."""
+    if p.reduces:
+        return f"split_k={p.split_k}, k_groups={p.k_groups}: the tile's sums must be whole in one CTA (no split-K)"
+    if p.epilogue == "tma" and (p.swap_ab or p.block_n % 128):
+        return ("epilogue=tma stores 64-column panels of C, which has block_n / 2 columns a tile: block_n a multiple "
+                "of 128, and not swapped (swapped tiles store gated C through the smem epilogue)")
+    return None
+
+
+def gated_update(p: Sm90WgmmaParams) -> dict[str, Any]:
+    """The change that makes a setting fit a gated epilogue: no split-K, and the smem epilogue where TMA stores
+    cannot take the half-width tile."""
+    update: dict[str, Any] = {"split_k": 1, "k_groups": 1} if p.reduces else {}
+    if p.epilogue == "tma" and (p.swap_ab or p.block_n % 128):
+        update["epilogue"] = "smem"
+    return update

@@ -5,8 +5,9 @@ Every `*.cu.j2` here is a template rendered by the naive family (block 16 x 16).
     // expect: wrong: <substring of the reason>[|<another accepted substring>...]
     // expect: timeout[: <substring>]      // expect: fault[: <substring>]      (controls/: // expect: ok)
 
-optionally followed by `// layouts: kn nk` (the B layouts to test, default kn), `// problem: bf16 bias` (the dtype,
-f16 by default, and whether the problem adds a bias) and `// known-hole: <why>` for a
+optionally followed by `// layouts: kn nk` (the B layouts to test, default kn), `// problem: bf16 bias silu_mul` (the
+dtype, f16 by default, whether the problem adds a bias, and its fused epilogue, none by default; a gated one takes N
+rounded up to a multiple of 16) and `// known-hole: <why>` for a
 cheat the sandbox does not catch yet: its GPU test is a strict xfail that expects exactly "the cheat was accepted"
 (it turns red once the hole is closed, so that the marker gets removed; any other outcome is a plain failure).
 
@@ -29,6 +30,8 @@ from agent.config import RunConfig
 from agent.loop import SearchLoop
 from agent.proposers.base import Proposer, SearchState
 from agent.store import RunStore
+from core.epilogue import EPILOGUES, Epilogue
+from core.plan import ceil_div
 from core.records import Candidate, EvalJob, Problem, Status
 from sandbox.build import ARCHES, compile_cuda
 from templates import get_family
@@ -54,9 +57,12 @@ class Fixture:
     hole: str  # non-empty: a cheat the sandbox does not catch yet, and why
     dtype: str = "f16"
     bias: bool = False
+    epilogue: str = "none"
 
     def problem(self, layout: str) -> Problem:
-        return Problem(*SHAPE, layout, self.dtype, self.bias)
+        m, n, k = SHAPE
+        n = ceil_div(n, 16) * 16 if Epilogue(self.epilogue).gated else n
+        return Problem(m, n, k, layout, self.dtype, self.bias, self.epilogue)
 
     def candidate(self, layout: str) -> Candidate:
         return Candidate(self.problem(layout), "naive", dict(PARAMS), origin="adversarial",
@@ -73,7 +79,7 @@ def parse(path: Path) -> Fixture:
     reasons = tuple(r.strip() for r in m.group(2).split("|")) if m.group(2) else ()
     if any(not r for r in reasons):
         raise ValueError(f"{path.name}: an empty alternative in the expected reason")
-    layouts, hole, dtype, bias = ("kn",), "", "f16", False
+    layouts, hole, dtype, bias, epilogue = ("kn",), "", "f16", False, "none"
     for line in lines[1:]:
         if not line.startswith("// "):
             break
@@ -83,12 +89,17 @@ def parse(path: Path) -> Fixture:
             hole = line.split(":", 1)[1].strip()
         elif line.startswith("// problem:"):
             words = line.split(":", 1)[1].split()
-            if not set(words) <= {"f16", "bf16", "bias"} or ("f16" in words and "bf16" in words):
-                raise ValueError(f"{path.name}: bad problem line {line!r}: a dtype (f16 or bf16) and/or 'bias'")
+            epilogues = [w for w in words if w in EPILOGUES]
+            if (not set(words) <= {"f16", "bf16", "bias", *EPILOGUES} or ("f16" in words and "bf16" in words)
+                    or len(epilogues) > 1):
+                raise ValueError(f"{path.name}: bad problem line {line!r}: a dtype (f16 or bf16), 'bias' and/or one "
+                                 "epilogue")
             dtype, bias = ("bf16" if "bf16" in words else "f16"), "bias" in words
+            epilogue = epilogues[0] if epilogues else "none"
     if not layouts or any(lay not in ("kn", "nk") for lay in layouts):
         raise ValueError(f"{path.name}: bad layouts {layouts}")
-    return Fixture(path.name.removesuffix(".cu.j2"), text, STATUSES[m.group(1)], reasons, layouts, hole, dtype, bias)
+    return Fixture(path.name.removesuffix(".cu.j2"), text, STATUSES[m.group(1)], reasons, layouts, hole, dtype, bias,
+                   epilogue)
 
 
 FIXTURES = [parse(p) for p in sorted(HERE.glob("*.cu.j2"))]
@@ -154,7 +165,8 @@ def test_fixtures_declare_a_verdict_the_sandbox_can_give():
 def test_parse_rejects_a_malformed_header(tmp_path):
     for bad in ("// expects: wrong: x\n", "// nothing\n// expect: wrong: x\n", "// expect: slow\n",
                 "// expect: wrong: a||b\n", "// expect: wrong: x\n// layouts: kn mn\n",
-                "// expect: wrong: x\n// problem: f16 bf16\n", "// expect: wrong: x\n// problem: fp8\n"):
+                "// expect: wrong: x\n// problem: f16 bf16\n", "// expect: wrong: x\n// problem: fp8\n",
+                "// expect: wrong: x\n// problem: silu relu\n"):
         (tmp_path / "bad.cu.j2").write_text(bad)
         with pytest.raises(ValueError):
             parse(tmp_path / "bad.cu.j2")
@@ -274,9 +286,10 @@ class FixtureProposer(Proposer):
 def test_search_loop_rejects_every_cheat_and_keeps_the_control(pool, tmp_path):
     problem = Problem(*SHAPE, "kn")
     # known holes would pass (and win); the others share one problem: fp16 without bias, kn
-    cheats = [f for f in FIXTURES if not f.hole and "kn" in f.layouts and (f.dtype, f.bias) == ("f16", False)]
+    cheats = [f for f in FIXTURES if not f.hole and "kn" in f.layouts
+              and (f.dtype, f.bias, f.epilogue) == ("f16", False, "none")]
     naive_control = Candidate(problem, "naive", dict(PARAMS), origin="control")
-    controls = [naive_control] + [c.candidate("kn") for c in CONTROLS]
+    controls = [naive_control] + [c.candidate("kn") for c in CONTROLS if c.problem("kn") == problem]
     # controls first and last: the worker must still judge correct kernels right after timeouts and faults
     candidates = [controls[0]] + [f.candidate("kn") for f in cheats] + controls[1:]
     expected = {f.candidate("kn").id: f for f in cheats}

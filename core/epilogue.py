@@ -1,0 +1,161 @@
+"""Fused epilogues: what a kernel applies to A·B (+ bias) in fp32 before its one rounding, defined once.
+
+- `none`: C = A·B (+ bias);
+- `relu`, `silu`, `gelu_tanh`: C = act(A·B + bias), act as PyTorch's F.relu, F.silu, F.gelu(approximate="tanh");
+- `silu_mul`, `gelu_mul` (gated: SwiGLU, GeGLU): B holds the gate and up projections of the same output columns,
+  interleaved in blocks of GATE_BLOCK columns (GEMM columns 16g..16g+7 are gate columns 8g..8g+7, 16g+8..16g+15 the
+  up columns 8g..8g+7; for an N x K weight, rows), so that one tile holds both; C has N / 2 columns,
+  C = act(gate + bias_gate) * (up + bias_up), and gate and up never reach memory;
+- `residual`: C = A·B + bias + R, R an M x N tensor of the output's dtype (R may be C itself: in place).
+
+The kernels compute this in fp32 and round once (the CUDA text below is what every family renders); the model it
+replaces runs a GEMM rounded to its dtype and then PyTorch's elementwise ops, each rounding again (`compose`): that
+composition is the baseline the sandbox times against, and its error from the fp64 result (`reference`) sets the
+bound a kernel must meet.
+
+Standalone on purpose (no project imports; torch only inside the functions that take tensors): an export ships it
+as `hgemm_epilogue.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EPILOGUES = ("none", "relu", "silu", "gelu_tanh", "silu_mul", "gelu_mul", "residual")
+ACTIVATIONS = ("relu", "silu", "gelu_tanh")
+GATED = {"silu_mul": "silu", "gelu_mul": "gelu_tanh"}  # gated epilogue -> the activation of its gate
+GATE_BLOCK = 8  # columns of gate, then of up, in each 16-column block of a gated B
+GELU_C = 0.7978845608028654  # sqrt(2 / pi)
+GELU_A = 0.044715
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    name: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.name not in EPILOGUES:
+            raise ValueError(f"unknown epilogue {self.name!r}: use one of {', '.join(EPILOGUES)}")
+
+    @property
+    def activation(self) -> str:
+        """The activation applied (to the gate, where gated): none, relu, silu or gelu_tanh."""
+        return GATED.get(self.name, self.name if self.name in ACTIVATIONS else "none")
+
+    @property
+    def gated(self) -> bool:
+        return self.name in GATED
+
+    @property
+    def residual(self) -> bool:
+        return self.name == "residual"
+
+    def out_cols(self, n: int) -> int:
+        """Columns of C for a GEMM of N columns."""
+        return n // 2 if self.gated else n
+
+    @property
+    def exact(self) -> bool:
+        """Integer inputs give results the dtype may hold exactly (no transcendental function in the way)."""
+        return self.activation in ("none", "relu")
+
+    def formula(self, bias: bool) -> str:
+        """C's definition in one line, as kernel sources and export headers state it."""
+        y = "A[M,K] * B" + (" + bias[N]" if bias else "")
+        if self.residual:
+            return f"{y} + R[M,N]"
+        if self.gated:
+            return f"{self.activation}(gate) * up of ({y}), gate and up interleaved in {GATE_BLOCK}-column blocks"
+        return f"{self.activation}({y})" if self.activation != "none" else y
+
+    def check_n(self, n: int) -> str | None:
+        """Why a GEMM of N columns cannot take this epilogue, or None."""
+        if self.gated and n % (2 * GATE_BLOCK):
+            return (f"a gated epilogue ({self.name}) needs N a multiple of {2 * GATE_BLOCK} (blocks of {GATE_BLOCK} "
+                    f"gate and {GATE_BLOCK} up columns), got N={n}")
+        return None
+
+
+# fp32 device code every family renders (after its own helpers): act(x) and, for gated epilogues, gate(g, u).
+_ACT_CUDA = {
+    "none": "return x;",
+    "relu": "return x > 0.f ? x : 0.f;",
+    "silu": "return x / (1.f + __expf(-x));",
+    # tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2|y|): exact to a few fp32 ulps over the whole range
+    "gelu_tanh": (f"const float y = {GELU_C}f * (x + {GELU_A}f * x * x * x);\n"
+                  "    const float e = __expf(-2.f * fabsf(y));\n"
+                  "    const float t = copysignf((1.f - e) / (1.f + e), y);\n"
+                  "    return 0.5f * x * (1.f + t);"),
+}
+
+
+def cuda_code(epilogue: Epilogue) -> str:
+    """The device functions a template calls on each fp32 sum (bias and residual already added): act(x), and
+    gate(g, u) = act(g) * u (called where gated)."""
+    return ("// The fused epilogue's activation on fp32 values, and a gated epilogue's gate value times its up value\n"
+            "// (core/epilogue.py defines them for every family).\n"
+            "__device__ __forceinline__ float act(float x) {\n    " + _ACT_CUDA[epilogue.activation] + "\n}\n"
+            "__device__ __forceinline__ float gate(float g, float u) { return act(g) * u; }\n")
+
+
+# ---- the same math on torch tensors (the checks, the baselines, the export's fallback) -----------------------------
+def _torch_act(x, name: str):
+    import torch.nn.functional as F
+
+    if name == "relu":
+        return F.relu(x)
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    return x
+
+
+def split_gate_up(y, dim: int = -1):
+    """(gate, up) of a gated GEMM's output (or of a merged weight along `dim`): views' copies, each half the size."""
+    dim = dim % y.dim()
+    size = y.shape[dim]
+    blocks = y.unflatten(dim, (size // (2 * GATE_BLOCK), 2, GATE_BLOCK))
+    gate, up = blocks.select(dim + 1, 0), blocks.select(dim + 1, 1)
+    return gate.flatten(dim, dim + 1), up.flatten(dim, dim + 1)
+
+
+def interleave_gate_up(gate, up, dim: int = -1):
+    """The gated B (or bias) of `gate` and `up` along `dim` (each N / 2 long there): blocks of GATE_BLOCK of each in
+    turn. For nn.Linear weights (N x K) dim=0; for a K x N B dim=-1."""
+    import torch
+
+    dim = dim % gate.dim()
+    size = gate.shape[dim]
+    if gate.shape != up.shape or size % GATE_BLOCK:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must match, {size} a multiple of "
+                         f"{GATE_BLOCK} along dim {dim}")
+    g = gate.unflatten(dim, (size // GATE_BLOCK, GATE_BLOCK))
+    u = up.unflatten(dim, (size // GATE_BLOCK, GATE_BLOCK))
+    return torch.stack((g, u), dim=dim + 1).flatten(dim, dim + 2)
+
+
+def reference(y, epilogue: Epilogue, residual=None):
+    """The epilogue applied to y = A·B + bias in y's precision (fp64 for the reference): C's values unrounded."""
+    if epilogue.residual:
+        return y + residual.to(y.dtype)
+    if epilogue.gated:
+        gate, up = split_gate_up(y)
+        return _torch_act(gate, epilogue.activation) * up
+    return _torch_act(y, epilogue.activation)
+
+
+def compose(y, epilogue: Epilogue, residual=None, out=None):
+    """What a model runs after an unfused GEMM whose output y is in the model's dtype: PyTorch's elementwise ops in
+    that dtype, each rounding (residual: y + R; gated: act(gate) * up of y's de-interleaved halves)."""
+    import torch
+
+    if epilogue.residual:
+        return torch.add(y, residual, out=out) if out is not None else y + residual
+    if epilogue.gated:
+        gate, up = split_gate_up(y)
+        return torch.mul(_torch_act(gate, epilogue.activation), up, out=out)
+    if epilogue.activation == "none":
+        return y if out is None else out.copy_(y)
+    result = _torch_act(y, epilogue.activation)
+    return result if out is None else out.copy_(result)
