@@ -72,7 +72,7 @@ def show_run(store: RunStore) -> Group:
         counts = store.failure_counts(p)
         fails = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k not in ("ok", "skipped")) or "-"
         win = store.winner(p)
-        dtype = p.dtype + (" +bias" if p.bias else "")
+        dtype = p.dtype + (" +bias" if p.bias else "") + (f" {p.epilogue}" if p.epilogue != "none" else "")
         if win is None:
             t.add_row(p.mnk, p.b_layout, dtype, str(sum(counts.values())), fails, *["-"] * 8)
             continue
@@ -87,7 +87,7 @@ def show_run(store: RunStore) -> Group:
             text = prof.summary if prof.ok else f"profiling failed: {(prof.error.splitlines() or ['?'])[-1][:120]}"
             profiles.append(Text(f"profile {p.mnk} {p.b_layout} {c.id}: {text}"))  # Text: no markup in ncu's words
         t.add_row(p.mnk, p.b_layout, dtype, str(sum(counts.values())), fails, c.id, c.family, fmt_us(r.time_us),
-                  fmt_us(r.cublas_warm.median_us), fmt_ratio(ratio), fmt_ratio(cold), cold_warm, f"{floor:.0f}%")
+                  fmt_us(r.ranked[1].median_us), fmt_ratio(ratio), fmt_ratio(cold), cold_warm, f"{floor:.0f}%")
     device = store.get_meta("device")
     parts = [t, *profiles, candidates_table(store)]
     if store.compile_only:

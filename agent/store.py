@@ -40,7 +40,7 @@ CREATE TABLE IF NOT EXISTS builds (candidate_id TEXT PRIMARY KEY, arch TEXT, ok 
 CREATE TABLE IF NOT EXISTS results (candidate_id TEXT PRIMARY KEY, status TEXT, time_us REAL, speedup REAL,
     record TEXT, created REAL);
 CREATE TABLE IF NOT EXISTS measurements (candidate_id TEXT, time_us REAL, cublas_us REAL, speedup REAL,
-    created REAL);
+    created REAL, honest INT DEFAULT 0);
 CREATE TABLE IF NOT EXISTS events (ts REAL, kind TEXT, message TEXT);
 """ + PROFILES_TABLE + WINNERS_TABLE + MODEL_CALLS_TABLE
 
@@ -103,6 +103,8 @@ class RunStore:
             self.db.execute("ALTER TABLE problems ADD COLUMN bias INT DEFAULT 0")
         if "epilogue" not in columns:
             self.db.execute("ALTER TABLE problems ADD COLUMN epilogue TEXT DEFAULT 'none'")
+        if "honest" not in {row[1] for row in self.db.execute("PRAGMA table_info(measurements)")}:
+            self.db.execute("ALTER TABLE measurements ADD COLUMN honest INT DEFAULT 0")
         if "patch" not in {row[1] for row in self.db.execute("PRAGMA table_info(candidates)")}:
             self.db.execute("ALTER TABLE candidates ADD COLUMN patch TEXT")
         self.db.executescript(PROFILES_TABLE + WINNERS_TABLE + MODEL_CALLS_TABLE)
@@ -162,8 +164,9 @@ class RunStore:
         self._notify(r.candidate_id)
 
     def add_measurement(self, r: EvalResult) -> None:
-        self.db.execute("INSERT INTO measurements VALUES (?, ?, ?, ?, ?)",
-                        (r.candidate_id, r.time_us, r.cublas_warm.median_us, r.speedup, time.time()))
+        self.db.execute("INSERT INTO measurements VALUES (?, ?, ?, ?, ?, ?)",
+                        (r.candidate_id, r.time_us, r.ranked[1].median_us, r.speedup, time.time(),
+                         int(r.honest is not None)))
         self._notify(r.candidate_id)
 
     def _notify(self, cid: str) -> None:
@@ -173,8 +176,11 @@ class RunStore:
                 listener(c, r, speedups)
 
     def speedups(self, cid: str) -> list[float]:
-        rows = self.db.execute("SELECT speedup FROM measurements WHERE candidate_id = ?", (cid,)).fetchall()
-        return [r[0] for r in rows]
+        """A candidate's speed-ups over cuBLAS: its honest measurements where it has any (re-measurements, past the
+        first screen), else every measurement."""
+        rows = self.db.execute("SELECT speedup, honest FROM measurements WHERE candidate_id = ?", (cid,)).fetchall()
+        honest = [r[0] for r in rows if r[1]]
+        return honest or [r[0] for r in rows]
 
     def event(self, kind: str, message: str) -> None:
         self.db.execute("INSERT INTO events VALUES (?, ?, ?)", (time.time(), kind, message))

@@ -74,7 +74,7 @@ class LiveView:
                 if r.status not in (Status.OK, Status.SKIPPED):
                     row.fail[r.status.value] += 1
                 if r.status is Status.OK and (row.best is None or r.time_us < row.best):
-                    row.best, row.ratio, row.cublas = r.time_us, r.speedup, r.cublas_warm.median_us
+                    row.best, row.ratio, row.cublas = r.time_us, r.speedup, r.ranked[1].median_us
                 self.last = f"{c.id} {c.family} {r.status.value} {r.reason[:80]}"
             case Profiling(candidate=c):
                 self.last = f"{c.id}: profiling with Nsight Compute"

@@ -8,7 +8,10 @@ honestly in the correctness checks; these buffers make that show in the timing i
 - cold: an L2 flush before each launch; each launch reads a set of its own (up to the budget), and every set gets new
   values before every replay, so nothing a kernel kept from an earlier launch matches: honest by construction;
 - fresh (the re-check of a suspect): each launch's A is refilled with new random values inside the graph just before
-  the launch (so it is in L2), B is shared; its time says what the warm time would be without any reuse.
+  the launch (so it is in L2), B is shared; its time says what the warm time would be without any reuse;
+- honest (the figure that ranks, past the first screen): every operand of each launch (A, B, the bias, R; for the
+  baseline of a gated epilogue, its separate gate and up weights) refilled with new random values inside the graph
+  just before it, so no launch can reuse an earlier one's work; the refills' own time is subtracted.
 Before each replay every output is poisoned; after it: no guard region touched, no input changed, no poison left,
 the first output of each set verified on sampled rows against an fp64 reference and cuBLAS's error, the other
 outputs of the set equal to it bit for bit (deterministic kernels) or verified likewise. cuBLAS is timed the same way
@@ -87,19 +90,22 @@ class TimedBuffers:
     def __init__(self, problem: Problem, launch: Launch, launches: int, mode: str,
                  checker: Checker | None = None, flush: L2Flush | None = None):
         self.p, self.launch_fn, self.launches, self.mode, self.checker = problem, launch, launches, mode, checker
+        self.std = check.input_std(problem)
         self.flush = flush
         p, dtype = problem, TORCH_DTYPE[problem.dtype]
         residual = p.fused.residual
         set_bytes = 2 * (p.m * p.k + p.k * p.n + p.n + (p.m * p.n if residual else 0))
         out_bytes = 2 * p.m * p.out_n
         budget_sets = max(1, MEMORY_BUDGET // 2 // set_bytes)
-        # warm: two sets, the least the rotation needs (more would push larger operands out of the L2); fresh: a
-        # slot per launch up to FRESH_SLOTS (every launch refills its slot, so slots may repeat); cold: a set per launch
-        sets = {"warm": 2, "fresh": min(launches, budget_sets, FRESH_SLOTS)}.get(mode, min(launches, budget_sets))
+        # warm: two sets, the least the rotation needs (more would push larger operands out of the L2); fresh and
+        # honest: a slot per launch up to FRESH_SLOTS (every launch refills its slot, so slots may repeat); cold: a
+        # set per launch
+        refills = mode in ("fresh", "honest")
+        sets = 2 if mode == "warm" else min(launches, budget_sets, FRESH_SLOTS) if refills else min(launches,
+                                                                                                    budget_sets)
         sets = max(2, sets)
-        # fresh: an output per set, so each output's last write follows its set's last refresh
-        self.outputs = sets if mode == "fresh" else max(min(sets, launches),
-                                                        min(launches, MEMORY_BUDGET // 2 // out_bytes))
+        # fresh, honest: an output per set, so each output's last write follows its set's last refill
+        self.outputs = sets if refills else max(min(sets, launches), min(launches, MEMORY_BUDGET // 2 // out_bytes))
         self.a_sets = sets
         self.b_sets = 1 if mode == "fresh" else sets
         # the operand set behind each output: that of the last launch writing it
@@ -121,7 +127,7 @@ class TimedBuffers:
 
     def randomise(self) -> None:
         for t in self.inputs:
-            t.all.normal_()
+            t.all.normal_(0.0, self.std if t is self.a or t is self.b else 1.0)
         if self.checker is not None:  # what the inputs were: a kernel must not change them
             self.snapshot = [t.bits.clone() for t in self.inputs]
 
@@ -138,13 +144,26 @@ class TimedBuffers:
         overhead = None
         if self.mode == "cold":
             overhead = self.flush
-        elif self.mode == "fresh":
-            def overhead(i: int) -> None:  # new values for this launch's A (bias, R), written just before it
-                for t in (self.a, self.bias, self.r):
-                    if t is not None:
-                        t[i % self.a_sets].normal_()
+        elif self.mode in ("fresh", "honest"):
+            def overhead(i: int) -> None:  # new values for this launch's operands, written just before it
+                for t, std in self.refilled(i % self.a_sets):
+                    t.normal_(0.0, std)
         return Subject(lambda i: self.launch_fn(*self.args(i)), self.launches, overhead, self.before_replay,
                        self.after_replay)
+
+    def refilled(self, s: int) -> list[tuple[torch.Tensor, float]]:
+        """What the fresh and honest modes refill before a launch on slot s, with each one's standard deviation:
+        fresh A, the bias and R; honest every operand the launch reads (the gate and up halves the baseline of a
+        gated epilogue reads in place of B and the bias)."""
+        a, b, bias, r = self.inputs_of(s)
+        if self.mode == "fresh":
+            b = None
+        elif isinstance(self.launch_fn, Baseline) and self.p.fused.gated:
+            halves = [*self.launch_fn.halves[b.data_ptr()], *(self.launch_fn.halves[bias.data_ptr()]
+                                                              if bias is not None else ())]
+            return [(a, self.std)] + [(h, self.std if h.dim() == 2 else 1.0) for h in halves] + \
+                ([(r, 1.0)] if r is not None else [])
+        return [(t, std) for t, std in ((a, self.std), (b, self.std), (bias, 1.0), (r, 1.0)) if t is not None]
 
     def before_replay(self) -> None:
         if self.mode == "cold" and self.replays:
@@ -163,8 +182,9 @@ class TimedBuffers:
         where = f"{self.mode} timing, replay {self.replays}"
         if not all(t.guards_intact() for t in (*self.inputs, self.c)):
             raise CheckFailed(f"out-of-bounds write during timing ({where})")
-        if self.mode != "fresh" and not all(same_bits(t.bits, s) for t, s in zip(self.inputs, self.snapshot,
-                                                                                   strict=True)):
+        if self.mode not in ("fresh", "honest") and not all(same_bits(t.bits, s) for t, s in zip(self.inputs,
+                                                                                                  self.snapshot,
+                                                                                                  strict=True)):
             raise CheckFailed(f"the kernel modified its inputs during timing ({where})")
         unwritten = (self.c.poisoned() >= 0).nonzero()
         if len(unwritten):
@@ -237,8 +257,14 @@ def time_subjects(problem: Problem, launches: dict[str, Launch], checker: Checke
     flush_us = graph_estimate_us(flush)
     out = {}
     for mode in modes:
-        extra = flush_us if mode == "cold" else 0.0
-        buffers = {name: TimedBuffers(problem, fn, launches_for(est[name] + extra), mode,
+        extra = dict.fromkeys(launches, flush_us if mode == "cold" else 0.0)
+        if mode == "honest":  # each launch's refills, timed alone (a probe of two slots)
+            for name, fn in launches.items():
+                probe = TimedBuffers(problem, fn, 2, mode)
+                refill = probe.subject().overhead
+                extra[name] = graph_estimate_us(lambda refill=refill: refill(0))
+                del probe, refill
+        buffers = {name: TimedBuffers(problem, fn, launches_for(est[name] + extra[name]), mode,
                                       checker if name == "candidate" else None, flush)
                    for name, fn in launches.items()}
         out[mode] = measure({name: b.subject() for name, b in buffers.items()}, cupti=mode == "warm")
@@ -246,14 +272,18 @@ def time_subjects(problem: Problem, launches: dict[str, Launch], checker: Checke
     return out
 
 
-def time_candidate(problem: Problem, kernel: Launch, checker: Checker, flush: L2Flush) -> dict[str, Timing | None]:
-    """Warm and cold timings of the candidate and cuBLAS; where the candidate's warm time is suspect, the fresh
-    re-check too, and CheckFailed if its speed-up does not hold on fresh inputs."""
+def time_candidate(problem: Problem, kernel: Launch, checker: Checker, flush: L2Flush,
+                   honest: bool = False) -> dict[str, Timing | None]:
+    """Warm and cold timings of the candidate and cuBLAS (and with `honest` the honest ones, which then rank it);
+    where the candidate's warm time is suspect, the fresh re-check too, and CheckFailed if its speed-up does not
+    hold on fresh inputs."""
     launches = {"candidate": kernel, "cublas": cublas_launch(problem)}
-    t = time_subjects(problem, launches, checker, flush)
+    t = time_subjects(problem, launches, checker, flush, ("warm", "cold", "honest") if honest else ("warm", "cold"))
     warm, cold = t["warm"], t["cold"]
     result = dict(warm=warm["candidate"], cold=cold["candidate"], cublas_warm=warm["cublas"],
                   cublas_cold=cold["cublas"], fresh=None, cublas_fresh=None)
+    if honest:
+        result.update(honest=t["honest"]["candidate"], cublas_honest=t["honest"]["cublas"])
     if suspect(warm["candidate"], cold["candidate"], warm["cublas"], cold["cublas"]):
         fresh = time_subjects(problem, launches, checker, flush, ("fresh",))["fresh"]
         result.update(fresh=fresh["candidate"], cublas_fresh=fresh["cublas"])

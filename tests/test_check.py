@@ -112,7 +112,7 @@ def replay(buffers, subject):
     buffers.after_replay()
 
 
-@pytest.mark.parametrize("mode", ["warm", "cold", "fresh"])
+@pytest.mark.parametrize("mode", ["warm", "cold", "fresh", "honest"])
 def test_every_timed_output_is_verified(on_cpu, mode):
     from sandbox.timed import TimedBuffers
 
@@ -142,3 +142,24 @@ def test_every_timed_output_is_verified(on_cpu, mode):
 
     with pytest.raises(CheckFailed, match="left an output unwritten: output 2"):
         timed(skip)
+
+
+def test_the_honest_mode_refills_every_operand_of_every_launch(on_cpu):
+    from sandbox.timed import Baseline, TimedBuffers
+
+    buffers = TimedBuffers(P, cpu_gemm(), 6, "honest", Checker(cpu_gemm(), P, seed=2))
+    assert buffers.b_sets == buffers.a_sets == buffers.outputs == 6  # a slot (and B) of its own a launch
+    before = [t.bits.clone() for t in buffers.inputs]
+    buffers.subject().overhead(4)
+    changed = [bool((t.bits != old).any(dim=1)[min(4, t.count - 1)]) for t, old in zip(buffers.inputs, before,
+                                                                                      strict=True)]
+    assert changed == [True, True, True]  # A, B and the bias of slot 4
+    fresh = TimedBuffers(P, cpu_gemm(), 6, "fresh", Checker(cpu_gemm(), P, seed=2))
+    assert fresh.b_sets == 1 and len(fresh.refilled(0)) == 2  # fresh: A and the bias only
+    gated = Problem(8, 32, 64, "nk", "f16", True, "silu_mul")
+    baseline = Baseline(gated)
+    buffers = TimedBuffers(gated, baseline, 4, "honest")
+    a, b, bias, _ = buffers.inputs_of(1)
+    refilled = [t.data_ptr() for t, _ in buffers.refilled(1)]
+    halves = [h.data_ptr() for h in (*baseline.halves[b.data_ptr()], *baseline.halves[bias.data_ptr()])]
+    assert refilled == [a.data_ptr(), *halves]  # the baseline reads the separate gate and up weights: those

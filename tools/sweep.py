@@ -59,10 +59,13 @@ class Row:
 
 
 def parse_shapes(text: str, default_layout: str) -> list[Problem]:
-    """Comma- or line-separated M_N_K[:kn|nk|both]; `#` starts a comment."""
+    """Comma- or line-separated M_N_K[:kn|nk|both], or whole problem keys (M_N_K:layout:dtype[:bias][:epilogue]);
+    `#` starts a comment."""
     problems = []
     for item in (s.split("#", 1)[0].strip() for line in text.splitlines() for s in line.split(",")):
-        if item:
+        if item.count(":") > 1:
+            problems.append(parse_shape(item))
+        elif item:
             mnk, _, layout = item.partition(":")
             layout = layout or default_layout
             if layout not in ("kn", "nk", "both"):

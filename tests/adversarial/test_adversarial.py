@@ -322,3 +322,39 @@ def test_search_loop_rejects_every_cheat_and_keeps_the_control(pool, tmp_path):
         assert sum(counts.values()) == len(candidates)
     finally:
         store.close()
+
+
+# ---------------------------------------------------------------- reuse that the first screen lets through
+
+REUSE = HERE / "reuse" / "partial_memo.cu.j2"
+
+
+def reuse_candidate() -> Candidate:
+    return Candidate(Problem(*SHAPE, "kn"), "naive", dict(PARAMS), origin="adversarial", rationale="partial_memo",
+                     template_override=REUSE.read_text())
+
+
+def test_reuse_fixture_renders_and_compiles(cache_dir):
+    c = reuse_candidate()
+    source = get_family("naive").render(c.params, c.problem, c.template_override)
+    for arch in ARCHES:
+        assert compile_cuda(source, arch, cache_dir=cache_dir).ok
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu_alone
+def test_reuse_under_the_line_is_accepted_and_ranked_on_honest_time(pool, gpu_cache):
+    """The memo fixture passes every check and the first screen, and its warm time is well ahead of its honest one;
+    the figure it is ranked on is the honest one. The plain naive kernel's two figures agree."""
+    gaps = {}
+    for cand in (reuse_candidate(), Candidate(Problem(*SHAPE, "kn"), "naive", dict(PARAMS))):
+        source = get_family("naive").render(cand.params, cand.problem, cand.template_override)
+        build = compile_cuda(source, pool.info["arch"], candidate_id=cand.id, cache_dir=gpu_cache)
+        result = pool.evaluate(EvalJob(cand.id, cand.problem, "naive", dict(PARAMS), build.cubin, timeout_s=3.0,
+                                       honest=True))
+        assert result.status is Status.OK, f"{cand.rationale or 'naive'}: {result.reason}"
+        assert result.time_us == result.honest.median_us
+        assert result.speedup == pytest.approx(result.cublas_honest.median_us / result.honest.median_us)
+        gaps[cand.rationale or "naive"] = result.honest.median_us / result.warm.median_us
+    assert gaps["partial_memo"] > 1.04, gaps  # about 8% of the work reused in the warm graphs
+    assert abs(gaps["naive"] - 1) < 0.03, gaps  # no reuse: first screen and honest figure agree
