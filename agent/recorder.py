@@ -13,6 +13,14 @@ B), matrix-vector products (a 1-D B), dtypes other than fp16 and bf16, mixed dty
 or scaling, strided B views and shapes the kernels do not take (N or K not a multiple of 8).
 
 Calls run exactly as they would without the recorder (a TorchFunctionMode only looks at them).
+
+    with agent.record_gemm_shapes("shapes.txt", model=model):   # the problems hgemm_ops.patch(model) will run
+        model(input_ids)
+
+With `model`, the model's decoder layers are fused for the recording as the export's patch fuses them
+(agent/export/runtime/hgemm_fuse.py: q/k/v as one GEMM, gate/up as one gated GEMM, o_proj and down_proj with the
+residual add), computing with PyTorch, and put back afterwards: the file names the merged problems with their
+epilogues (`M_N_K:nk:f16:silu_mul`, `...:residual`) instead of the separate projections.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
+from core.epilogue import Epilogue, compose
 from core.records import Problem
 
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -41,11 +50,26 @@ class GemmRecorder(TorchFunctionMode):
         super().__init__()
         self.problems: Counter[Problem] = Counter()
         self.skipped: Counter[str] = Counter()
+        self.paused = False  # inside a fused op: its own products are not the problem
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self._look(func, args, kwargs)
+        if not self.paused:
+            self._look(func, args, kwargs)
         return func(*args, **kwargs)
+
+    # the ops hgemm_fuse calls while recording: each call recorded as the problem it is, computed by PyTorch
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fused_linear(x, w, bias, "none", None)
+
+    def fused_linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, epilogue: str,
+                     residual: torch.Tensor | None) -> torch.Tensor:
+        self._add(x, w.t(), bias, epilogue)
+        self.paused = True
+        try:
+            return compose(torch.nn.functional.linear(x, w, bias), Epilogue(epilogue), residual)
+        finally:
+            self.paused = False
 
     def _look(self, func, args, kwargs) -> None:
         if func is torch.nn.functional.linear:
@@ -65,8 +89,8 @@ class GemmRecorder(TorchFunctionMode):
         elif func in BATCHED:
             self.skipped["bmm/baddbmm (a B per batch)"] += 1
 
-    def _add(self, a: torch.Tensor, b_kn: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """a @ b_kn (+ bias), b_kn the K x N view of B, whatever its storage."""
+    def _add(self, a: torch.Tensor, b_kn: torch.Tensor, bias: torch.Tensor | None, epilogue: str = "none") -> None:
+        """a @ b_kn (+ bias) (then the epilogue), b_kn the K x N view of B, whatever its storage."""
         if b_kn.dim() != 2:
             self.skipped["matmul with a batched B" if b_kn.dim() > 2 else "matrix-vector product"] += 1
             return
@@ -87,7 +111,7 @@ class GemmRecorder(TorchFunctionMode):
         k, n = b_kn.shape
         m = a.numel() // k if k else 0
         try:
-            self.problems[Problem(m, n, k, layout, DTYPES[dtype], bias is not None)] += 1
+            self.problems[Problem(m, n, k, layout, DTYPES[dtype], bias is not None, epilogue)] += 1
         except ValueError as e:
             self.skipped[f"not a kernel shape ({e})"] += 1
 
@@ -108,9 +132,18 @@ class GemmRecorder(TorchFunctionMode):
 
 
 @contextmanager
-def record_gemm_shapes(path: str | Path) -> Iterator[GemmRecorder]:
-    """Record the GEMMs run inside the block; on leaving it normally, write them to `path` (a shapes file)."""
+def record_gemm_shapes(path: str | Path, model: torch.nn.Module | None = None) -> Iterator[GemmRecorder]:
+    """Record the GEMMs run inside the block; on leaving it normally, write them to `path` (a shapes file). With
+    `model`, its decoder layers run fused inside the block, as hgemm_ops.patch will run them, and are put back."""
+    from agent.export.runtime import hgemm_fuse
+
     recorder = GemmRecorder()
-    with recorder:
-        yield recorder
+    if model is not None:
+        hgemm_fuse.fuse(model, recorder)
+    try:
+        with recorder:
+            yield recorder
+    finally:
+        if model is not None:
+            hgemm_fuse.unfuse(model)
     Path(path).write_text(recorder.text())
