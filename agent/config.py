@@ -19,9 +19,9 @@ class LlmSettings(BaseModel):
     base_url: str | None = None
     model: str = "gpt-4o-mini"
     max_calls: int = Field(20, ge=0)
-    max_tokens: int = Field(500_000, ge=0)  # 20 calls of a full prompt (~24k tokens) fit
+    max_tokens: int = Field(700_000, ge=0)  # 20 calls of a full prompt (~32k tokens) fit
     # a prompt's estimated size, all family templates included (sm90_wgmma's alone is ~11k); parts are cut to fit
-    max_prompt_tokens: int = Field(24_000, ge=2_000)
+    max_prompt_tokens: int = Field(32_000, ge=2_000)
     timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)
     retries: int = Field(2, ge=0)
 
