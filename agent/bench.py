@@ -20,7 +20,9 @@ from pathlib import Path
 
 from agent import buckets
 from agent.store import RunStore
+from core.device import H200, DeviceFacts
 from core.records import BaselineJob, EvalJob, EvalResult, Problem, Status
+from core.roofline import floor_pct
 
 
 @dataclass(frozen=True)
@@ -53,13 +55,13 @@ def best_across(stores: list[RunStore], problem: Problem) -> tuple[RunStore, str
     return top if top and top[2] > 1.0 else None
 
 
-def row_from(problem: Problem, kernel: str, r: EvalResult, note: str = "") -> BenchRow:
+def row_from(problem: Problem, kernel: str, r: EvalResult, note: str = "", device: DeviceFacts = H200) -> BenchRow:
     ours_w, ours_c = (r.warm, r.cold) if r.warm else (r.cublas_warm, r.cublas_cold)
     w, c = ours_w.median_us, ours_c.median_us
     cupti = (r.cublas_warm.cupti_us / ours_w.cupti_us) if r.cublas_warm.cupti_us and ours_w.cupti_us else None
     return BenchRow(problem.mnk, problem.b_layout, kernel, w, r.cublas_warm.median_us, c, r.cublas_cold.median_us,
                     r.cublas_warm.median_us / w, r.cublas_cold.median_us / c if c > 0 else float("nan"),
-                    problem.flops / w / 1e6, 100 * problem.floor_us() / w, cupti, note,
+                    problem.flops / w / 1e6, floor_pct(problem, device, w), cupti, note,
                     problem.dtype + ("+bias" if problem.bias else ""))
 
 
@@ -73,11 +75,13 @@ def dispatched(stores: list[RunStore], problem: Problem) -> tuple[RunStore, str,
     return None
 
 
-def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], progress=print) -> list[BenchRow]:
+def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], progress=print,
+                  device: DeviceFacts = H200) -> list[BenchRow]:
+    """Per problem a row: the best kernel of the runs re-checked and re-timed, or cuBLAS; `% floor` on `device`."""
     rows = []
     for p in problems:
         if (hit := dispatched(stores, p)) is not None:
-            rows += _bench_bucketed(evaluate, p, *hit, progress)
+            rows += _bench_bucketed(evaluate, p, *hit, progress, device)
             continue
         pick = best_across(stores, p)
         note = ""
@@ -86,7 +90,7 @@ def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], pro
             cand, build = store.candidate(cid), store.build(cid)
             r = evaluate(EvalJob(cid, p, cand.family, cand.params, build.cubin))
             if r.status is Status.OK and r.speedup and r.speedup > 1.0:
-                rows.append(row_from(p, f"{store.run_id}/{cid}", r))
+                rows.append(row_from(p, f"{store.run_id}/{cid}", r, device=device))
                 progress(f"{p.key}: {rows[-1].ratio_warm:.3f}x")
                 continue
             note = f"{cid} now {r.status.value} {r.speedup or ''}: cuBLAS kept".strip()
@@ -94,12 +98,13 @@ def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], pro
         if r.status is not Status.OK:
             progress(f"{p.key}: cuBLAS timing failed: {r.reason}")
             continue
-        rows.append(row_from(p, "cuBLAS", r, note))
+        rows.append(row_from(p, "cuBLAS", r, note, device))
         progress(f"{p.key}: cuBLAS")
     return rows
 
 
-def _bench_bucketed(evaluate, p: Problem, store: RunStore, cid: str, b: Problem, progress) -> list[BenchRow]:
+def _bench_bucketed(evaluate, p: Problem, store: RunStore, cid: str, b: Problem, progress,
+                    device: DeviceFacts) -> list[BenchRow]:
     """A problem inside a bucket, timed as the export dispatches it: the bucket's kernel however it compares now,
     or cuBLAS where the bucket goes to cuBLAS."""
     note = f"M={p.m} in bucket {b.mnk}"
@@ -108,14 +113,14 @@ def _bench_bucketed(evaluate, p: Problem, store: RunStore, cid: str, b: Problem,
         r = evaluate(EvalJob(cid, p, cand.family, cand.params, build.cubin))
         if r.status is Status.OK:
             progress(f"{p.key}: {r.speedup:.3f}x ({note})")
-            return [row_from(p, f"{store.run_id}/{cid}", r, note)]
+            return [row_from(p, f"{store.run_id}/{cid}", r, note, device)]
         note += f"; {cid} now {r.status.value}: cuBLAS"
     r = evaluate(BaselineJob(p))
     if r.status is not Status.OK:
         progress(f"{p.key}: cuBLAS timing failed: {r.reason}")
         return []
     progress(f"{p.key}: cuBLAS ({note})")
-    return [row_from(p, "cuBLAS", r, note)]
+    return [row_from(p, "cuBLAS", r, note, device)]
 
 
 def geomean(xs: list[float]) -> float:

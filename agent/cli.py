@@ -1,33 +1,37 @@
-"""Command-line verbs: run, runs, show, diff, export, bench, db. Bad input is one line on stderr and exit code 2."""
+"""Command-line verbs: run, runs, show, diff, export, bench, db. Bad input is one line on stderr and exit code 2;
+Ctrl-C is exit code 130, without a traceback."""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
-from pydantic import ValidationError
 from rich.console import Console
-from rich.live import Live
 
-from agent import buckets
-from agent.config import LlmSettings, RunConfig
+from agent import __version__, buckets
+from agent.run_options import (
+    DEFAULT_DB_HINT,
+    EPILOGUE_HELP,
+    UsageError,
+    add_run_options,
+    check_combinations,
+    run_config,
+    shapes_defaults,
+)
 from agent.shapes import ShapeError, parse_shape_list, read_shapes_file
-from agent.store import RunStore, StoreError, list_runs, new_run_id
+from agent.store import DEFAULT_RUNS_DIR, RunStore, StoreError, list_runs, new_run_id
 from agent.tuning_db import default_path
 from core.epilogue import EPILOGUES
 from core.records import B_LAYOUTS
-from core.validation import validation_message
 
 console = Console() if sys.stdout.isatty() else Console(width=160)  # files and pipes get whole tables
 EXIT_BAD_INPUT = 2
-DEFAULT_DB_HINT = "~/.cache/hgemm-agent/tuning.sqlite"
-
-
-class UsageError(Exception):
-    pass
+EXIT_INTERRUPTED = 130
 
 
 class Parser(argparse.ArgumentParser):
@@ -35,54 +39,40 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that ends each option's text with its default, where it has one worth saying and does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default in (None, True, False)
+                or action.default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default %(default)s)"
+
+
 def build_parser() -> Parser:
-    p = Parser(prog="python -m agent", description="Search fast HGEMM kernels for your shapes and GPU.")
+    p = Parser(prog="python -m agent", description="Search fast HGEMM kernels for your shapes and GPU.",
+               formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"hgemm-agent {__version__}")
     common = Parser(add_help=False)
-    common.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where runs live (default ./runs)")
+    common.add_argument("--runs-dir", type=Path, metavar="DIR", default=Path(DEFAULT_RUNS_DIR),
+                        help="where runs live")
     sub = p.add_subparsers(dest="verb", required=True, parser_class=Parser)
-    sub.add_parser = functools.partial(sub.add_parser, parents=[common])
+    sub.add_parser = functools.partial(sub.add_parser, parents=[common], formatter_class=HelpFormatter)
 
-    r = sub.add_parser("run", help="search kernels for one or more shapes")
-    r.add_argument("--mnk", help="M_N_K[,M_N_K...], e.g. 4096_4096_4096; M may be a range, 1-512_4096_4096")
-    r.add_argument("--shapes", type=Path, help="file with one M_N_K[:layout[:dtype[:bias]]] a line (M may be a "
-                   "range LO-HI), '#' comments")
-    r.add_argument("--b-layout", choices=B_LAYOUTS, default="kn",
-                   help="kn: B is K x N row-major (torch.matmul); nk: N x K row-major (nn.Linear weight)")
-    add_dtype_bias(r)
-    r.add_argument("--budget-minutes", type=float, default=5.0)
-    r.add_argument("--max-candidates", type=int, default=16, help="per shape")
-    r.add_argument("--proposer", choices=("builtin", "llm", "mixed"), default="builtin")
-    r.add_argument("--arch", choices=("sm_90a", "sm_80"), help="default: the GPU's (sm_90a when compiling only)")
-    r.add_argument("--compile-only", action="store_true", help="render and compile, no GPU needed")
-    r.add_argument("--kernel-timeout", type=float, default=5.0, help="seconds beyond a phase's expected time")
-    r.add_argument("--gpus", type=gpu_list, help="local GPUs to evaluate on: all, or indices 0,1,... (default: 0)")
-    r.add_argument("--cluster", metavar="tcp://HOST:PORT", help="evaluate on a Dask cluster (a GPU per worker)")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--no-profile", dest="profile", action="store_false",
-                   help="do not profile the top candidates with Nsight Compute (ncu)")
-    r.add_argument("--resume", metavar="RUN", help="continue an interrupted run")
-    r.add_argument("--db", type=Path, help="the tuning database to learn from and add to (default "
-                   f"$HGEMM_AGENT_TUNING_DB or {DEFAULT_DB_HINT})")
-    r.add_argument("--no-db", action="store_true", help="neither learn from nor add to a tuning database")
-    r.add_argument("--llm-model", help="model name for --proposer llm/mixed (or OPENAI_MODEL)")
-    r.add_argument("--llm-base-url", help="OpenAI-compatible endpoint (or OPENAI_BASE_URL)")
-    r.add_argument("--llm-max-calls", type=int, help="most LLM calls in this run")
-    r.add_argument("--llm-max-prompt-tokens", type=int,
-                   help="most tokens a prompt may take, estimated at 4 characters a token (default 24000: every "
-                        "family's template and the search so far); what does not fit is left out, and the prompt "
-                        "says what")
-
+    add_run_options(sub.add_parser("run", help="search kernels for one or more shapes"), gpu_list)
     sub.add_parser("runs", help="list runs")
-    s = sub.add_parser("show", help="summarise a run: best per shape, ratio to cuBLAS, failures")
+    s = sub.add_parser("show", help="summarise a run: best per shape, ratio to cuBLAS, failures, leading candidates")
     s.add_argument("run")
     s.add_argument("--llm", action="store_true",
                    help="list each LLM call: tokens, proposals, and what became of each")
     d = sub.add_parser("diff", help="diff two candidates' sources, parameters and measurements")
     d.add_argument("run")
-    d.add_argument("a", help="candidate id (or prefix), 'best' or 'baseline'")
-    d.add_argument("b")
+    d.add_argument("a", help="candidate id or a unique prefix of one (show lists each shape's leaders), 'best' or "
+                   "'baseline' (the first candidate tried)")
+    d.add_argument("b", help="the same, for the other side")
     d.add_argument("--shape", help="M_N_K for best/baseline when the run has several shapes")
-    d.add_argument("--b-layout", choices=B_LAYOUTS, default=None)
+    d.add_argument("--b-layout", choices=B_LAYOUTS, default=None, help="the layout of --shape, where the run has both")
     e = sub.add_parser("export", help="write the winners as .cu files and a PyTorch-callable module")
     e.add_argument("run")
     e.add_argument("--out", type=Path, help="default runs/<run>/export")
@@ -91,8 +81,11 @@ def build_parser() -> Parser:
     bn.add_argument("runs", nargs="*", metavar="RUN")
     bn.add_argument("--shapes", type=Path, help="shapes to bench (default: the runs' shapes)")
     bn.add_argument("--b-layout", choices=B_LAYOUTS, default="kn", help="layout for --shapes")
-    add_dtype_bias(bn)
-    bn.add_argument("--mode", choices=("offline", "server"), default="offline")
+    bn.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="inputs and output, for --shapes")
+    bn.add_argument("--bias", action="store_true", help="C = A B + bias[N], for --shapes")
+    bn.add_argument("--epilogue", choices=EPILOGUES, default="none", help=f"{EPILOGUE_HELP}, for --shapes")
+    bn.add_argument("--mode", choices=("offline", "server"), default="offline",
+                    help="offline: graph-timed kernels; server: single calls of the exported op at random intervals")
     bn.add_argument("--target-qps", type=float, default=200.0, help="server mode: mean calls per second")
     bn.add_argument("--seconds", type=float, default=20.0, help="server mode: total duration")
     bn.add_argument("--out", type=Path, help="where bench.json / bench.png go (default: the first run's folder)")
@@ -113,16 +106,6 @@ def gpu_list(text: str) -> str | tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
-def add_dtype_bias(parser: Parser) -> None:
-    """Defaults for --mnk shapes and for shapes-file lines that do not name their own dtype and bias."""
-    parser.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="inputs and output (default fp16)")
-    parser.add_argument("--bias", action="store_true", help="C = A B + bias[N] (a fused bias epilogue)")
-    parser.add_argument("--epilogue", choices=EPILOGUES, default="none",
-                        help="what the kernel applies to A B (+ bias) before storing C: an activation (relu, silu, "
-                        "gelu_tanh), a gated one on interleaved gate/up columns (silu_mul, gelu_mul: C has N/2 "
-                        "columns) or a residual add (residual: + R, an M x N tensor) (default none)")
-
-
 def _join_negative_values(argv: list[str]) -> list[str]:
     """`--mnk -1_64_64` would read as an unknown option; join it so the shape parser names the problem."""
     out: list[str] = []
@@ -137,17 +120,32 @@ def _join_negative_values(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
-        runs_dir(args.runs_dir)
+        runs_dir(args.runs_dir, writes=args.verb in ("run", "bench"))
         return VERBS[args.verb](args)
     except (UsageError, ShapeError, StoreError, ValueError) as e:  # SetupError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # before a run folder exists, or in a verb that writes nothing to resume
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
-def runs_dir(path: Path) -> Path:
-    """The folder runs live in; UsageError where it cannot be one (a file, say)."""
+def runs_dir(path: Path, writes: bool = False) -> Path:
+    """The folder runs live in; UsageError where it cannot be one (a file, a path through a file) or, for verbs that
+    write runs, where no folder can be made in it (a read-only or virtual file system). The check leaves nothing."""
     if path.exists() and not path.is_dir():
         raise UsageError(f"--runs-dir {path} is a file, not a folder")
+    if not writes:
+        return path
+    near = path
+    while not near.exists() and near != near.parent:
+        near = near.parent
+    if not near.is_dir():
+        raise UsageError(f"--runs-dir {path}: {near} is not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".hgemm-agent-", dir=near))
+    except OSError as e:
+        raise UsageError(f"--runs-dir {path}: cannot create folders in {near} ({e.strerror or e})") from None
     return path
 
 
@@ -158,40 +156,37 @@ def open_run(args) -> RunStore:
 
 
 def cmd_run(args) -> int:
-    from agent.runner import execute
+    from agent.report import next_steps, resume_command, show_run
+    from agent.runner import EXIT_DONE, EXIT_LOST, execute
+    from agent.view import progress_view
 
-    if args.resume and (args.mnk or args.shapes):
-        raise UsageError("--resume continues the run's own shapes: do not pass --mnk or --shapes with it")
-    if not args.resume and not (args.mnk or args.shapes):
-        raise UsageError("give the shapes: --mnk M_N_K[,...] or --shapes FILE")
-    if args.mnk and args.shapes:
-        raise UsageError("give --mnk or --shapes, not both")
-    if args.db and args.no_db:
-        raise UsageError("give --db PATH or --no-db, not both")
-    if args.gpus and args.cluster:
-        raise UsageError("--gpus picks local GPUs, --cluster a Dask cluster's: give one of them")
-    if args.compile_only and (args.gpus or args.cluster):
-        raise UsageError("--compile-only uses no GPU: drop --gpus / --cluster")
-    defaults = (args.b_layout, args.dtype, args.bias, args.epilogue)
-    problems = (parse_shape_list(args.mnk, *defaults) if args.mnk
-                else read_shapes_file(args.shapes, *defaults) if args.shapes else None)
-    problems = buckets.plan(problems) if problems else problems  # ranges of M -> buckets
-    try:
-        llm = LlmSettings.from_env(model=args.llm_model, base_url=args.llm_base_url, max_calls=args.llm_max_calls,
-                                   max_prompt_tokens=args.llm_max_prompt_tokens)
-        config = RunConfig(budget_minutes=args.budget_minutes, max_candidates=args.max_candidates,
-                           proposer=args.proposer, arch=args.arch, compile_only=args.compile_only,
-                           kernel_timeout_s=args.kernel_timeout, seed=args.seed, profile=args.profile,
-                           tuning_db=None if args.no_db else str(args.db or default_path()), llm=llm)
-    except ValidationError as e:
-        raise UsageError(validation_message(e)) from None
-    if config.proposer != "builtin" and (missing := llm.missing()):
-        raise UsageError(missing)
+    check_combinations(args)
     store = open_run(argparse.Namespace(run=args.resume, runs_dir=args.runs_dir)) if args.resume else None
+    if store is None:
+        defaults = shapes_defaults(args)
+        problems = (parse_shape_list(args.mnk, *defaults) if args.mnk else read_shapes_file(args.shapes, *defaults))
+        problems = buckets.plan(problems)  # ranges of M -> buckets
+        config = run_config(args)
+    else:
+        problems = None
+        config = run_config(args, store.get_meta("config") or {}, store.get_meta("arch"), store.run_id)
+    if config.proposer != "builtin" and (missing := config.llm.missing()):
+        raise UsageError(missing)
     if store is not None and store.get_meta("state") == "done":
-        console.print(f"run {store.run_id} had finished; continuing it with the new budget")
-    return execute(config, problems, store, lambda: RunStore(args.runs_dir / new_run_id(), create=True), console,
-                   Live if console.is_terminal else None, gpus=args.gpus, cluster=args.cluster)
+        console.print(f"run {store.run_id} had finished; " + (
+            f"continuing it with the new budget ({config.budget_minutes:g} minutes)" if args.budget_minutes
+            else f"continuing it for another {config.budget_minutes:g} minutes, its own budget "
+                 "(--budget-minutes gives another)"))
+    outcome = execute(config, problems, store, lambda: RunStore(args.runs_dir / new_run_id(), create=True),
+                      functools.partial(progress_view, console), gpus=args.gpus, cluster=args.cluster)
+    if outcome.code == EXIT_DONE:
+        console.print(show_run(outcome.store))
+        console.print(next_steps(outcome.store), soft_wrap=True)
+    elif outcome.code == EXIT_LOST:
+        console.print(f"stopped: {outcome.reason}; {resume_command(outcome.store)} continues it", soft_wrap=True)
+    else:
+        console.print(f"interrupted: {resume_command(outcome.store)} continues it", soft_wrap=True)
+    return outcome.code
 
 
 def cmd_runs(args) -> int:
@@ -232,10 +227,9 @@ def cmd_diff(args) -> int:
 
 def cmd_export(args) -> int:
     from agent.export import export_run, recheck
-    from agent.report import compile_only
 
     store = open_run(args)
-    if compile_only(store):
+    if store.compile_only:
         raise UsageError(f"run {store.run_id} is a compile-only run: nothing was checked or timed, so there is "
                          "nothing to export; run the shapes on a GPU")
     out = args.out or store.folder / "export"
@@ -255,13 +249,14 @@ def cmd_bench(args) -> int:
     from agent.export import export_run
     from agent.runner import start_pool
 
+    no_gpu = "bench re-times kernels on a GPU; run it on a machine with one"
     stores = [open_run(argparse.Namespace(run=r, runs_dir=args.runs_dir)) for r in args.runs]
     if args.target_qps <= 0 or args.seconds <= 0:
         raise UsageError("--target-qps and --seconds must be positive")
     if args.mode == "server":
         if len(stores) != 1:
             raise UsageError("--mode server benches one run's exported op: give exactly one RUN")
-        pool, _ = start_pool(None)  # no GPU: one line, before anything is written
+        pool, _ = start_pool(None, no_gpu=no_gpu)  # no GPU: one line, before anything is written
         pool.close()
         out = stores[0].folder / "export"
         export_run(stores[0], out)
@@ -277,9 +272,9 @@ def cmd_bench(args) -> int:
         raise UsageError(f"bench times shapes of one M, not the range {ranged.mnk}: list the M values to bench "
                          "(tools/range_bench.py writes such a file)")
     folder = args.out or (stores[0].folder / "bench" if stores else args.runs_dir / f"bench-{new_run_id()}")
-    pool, device = start_pool(None)
+    pool, device = start_pool(None, no_gpu=no_gpu)
     try:
-        rows = bench.bench_offline(pool.evaluate, stores, problems, progress=lambda s: console.print(s))
+        rows = bench.bench_offline(pool.evaluate, stores, problems, progress=lambda s: console.print(s), device=device)
     finally:
         pool.close()
     console.print(bench.rows_table(rows, f"bench on {device.name} (device time, same process)"))
@@ -312,9 +307,11 @@ def cmd_db(args) -> int:
         table = Table(title=f"tuning database {db.path}")
         for name in ("GPU", "family", "results", "passed", "problems"):
             table.add_column(name)
-        for row in db.summary():
+        rows = db.summary()
+        for row in rows:
             table.add_row(*map(str, row))
-        console.print(table)
+        console.print(table if rows else f"tuning database {db.path} is empty: runs on a GPU add to it, or "
+                      "db --import RUN")
     finally:
         db.close()
     return 0

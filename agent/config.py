@@ -19,21 +19,27 @@ class LlmSettings(BaseModel):
     base_url: str | None = None
     model: str = "gpt-4o-mini"
     max_calls: int = Field(20, ge=0)
-    max_tokens: int = Field(500_000, ge=0)  # 20 calls of a full prompt (~24k tokens) fit
+    max_tokens: int = Field(700_000, ge=0)  # 20 calls of a full prompt (~32k tokens) fit
     # a prompt's estimated size, all family templates included (sm90_wgmma's alone is ~11k); parts are cut to fit
-    max_prompt_tokens: int = Field(24_000, ge=2_000)
+    max_prompt_tokens: int = Field(32_000, ge=2_000)
     timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)
     retries: int = Field(2, ge=0)
 
     @field_validator("base_url")
     @classmethod
-    def _no_credentials(cls, url: str | None) -> str | None:
-        """user:password@ in the URL would be saved with the run: drop it (the key comes from the environment)."""
+    def _http_without_credentials(cls, url: str | None) -> str | None:
+        """An http(s) URL with a host, checked before a run starts; user:password@ in it would be saved with the
+        run, so it is dropped (the key comes from the environment)."""
         if url is None:
             return None
         parts = urlsplit(url)
-        host = parts.hostname or ""
-        netloc = host + (f":{parts.port}" if parts.port else "")
+        try:
+            host, _ = parts.hostname or "", parts.port  # a port that is not a number raises here
+        except ValueError as e:
+            raise ValueError(f"{url!r} is not a usable URL ({e})") from None
+        if parts.scheme not in ("http", "https") or not host:
+            raise ValueError(f"expected an http:// or https:// URL such as http://localhost:8000/v1, got {url!r}")
+        netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
         return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
     @classmethod
@@ -66,6 +72,13 @@ class RunConfig(BaseModel):
     kernel_timeout_s: float = Field(5.0, gt=0, allow_inf_nan=False, description="slack beyond a phase's expected time")
     compile_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
     seed: int = 0
-    profile: bool = True  # profile each shape's top candidates with Nsight Compute, where it is installed
+    # profile each shape's leaders with Nsight Compute (where it is installed); None: where a proposer reads them
+    profile: bool | None = None
     tuning_db: str | None = None  # the tuning database results are kept in and learned from; None: neither
     llm: LlmSettings = LlmSettings()
+
+    @property
+    def profiles(self) -> bool:
+        """Whether the run profiles: as asked (--profile, --no-profile), else only where something reads the
+        profiles, the LLM's prompt (--proposer llm or mixed); `show` prints them too."""
+        return self.profile if self.profile is not None else self.proposer != "builtin"

@@ -10,9 +10,12 @@ ready at once. Shapes take turns: the next shape starts proposing once the curre
 candidate, so idle GPUs take its candidates while the previous shape's last evaluations, its re-measurement
 (successive halving, round by round, a round's measurements at once) and its profiles finish. A shape's time
 budget is its share of what is left when it starts (shapes are searched cheapest first, so what the small ones leave
-goes to the costly ones); it stops proposing early enough for its re-measurement to fit in that share too.
-A bucket of M (agent/buckets.py) starts from its searched neighbour's leaders, with a smaller candidate budget, and
-after its re-measurement its leaders are re-timed at both ends of the bucket.
+goes to the costly ones); it stops proposing early enough for its re-measurement and its profiles to fit in that
+share too, and no profile starts once its share is spent. A bucket of M (agent/buckets.py) starts from its searched
+neighbour's leaders, with a smaller candidate budget, and after its re-measurement its leaders are re-timed at both
+ends of the bucket.
+
+What happens is told to an observer as typed events (agent/events.py) as it happens: the view draws them.
 """
 
 from __future__ import annotations
@@ -27,19 +30,30 @@ from dataclasses import dataclass, field
 from agent import buckets
 from agent.bandit import SuccessiveHalving, ThompsonBandit
 from agent.config import RunConfig
+from agent.events import (
+    BucketEndTimed,
+    CandidateDone,
+    Notice,
+    Observer,
+    Remeasured,
+    RunStarted,
+    ShapeCut,
+    ShapeDone,
+    ShapeStarted,
+)
+from agent.events import ignore as ignore_events
+from agent.profiles import PROFILE_TOP, LeaderProfiles
 from agent.proposers.base import Proposer, SearchState, arm_of
 from agent.store import RunStore, Winner
 from core.device import H200, DeviceFacts
-from core.records import BuildResult, Candidate, EvalJob, EvalResult, Problem, ProfileResult, Status
+from core.records import BuildResult, Candidate, EvalJob, EvalResult, Problem, Status
+from core.roofline import floor_us
 from sandbox.build_pool import BuildPool
 from sandbox.executor import Executor, InlineExecutor, Profiler
-from sandbox.profile import NCU_MISSING, NO_COUNTERS
 from templates import get_family
 
-Observer = Callable[[str, dict], None]
 Done = Callable[[BuildResult | None, EvalResult], None]
 REMEASURE_TOP = 4
-PROFILE_TOP = 2
 
 
 @dataclass
@@ -70,33 +84,37 @@ class _Shape:
 
 class SearchLoop:
     def __init__(self, store: RunStore, config: RunConfig, proposer: Proposer, arch: str,
-                 evaluate: Executor | Callable[[EvalJob], EvalResult] | None, observer: Observer | None = None,
+                 evaluate: Executor | Callable[[EvalJob], EvalResult], observer: Observer | None = None,
                  profiler: Profiler | None = None, device: DeviceFacts = H200, builder: BuildPool | None = None,
                  ahead: BuildPool | None = None):
         self.store, self.config, self.proposer, self.arch, self.device = store, config, proposer, arch, device
-        # None: compile only; a plain function is called in this thread, one job at a time
-        self.executor = evaluate if evaluate is None or isinstance(evaluate, Executor) else InlineExecutor(evaluate)
+        # a plain function is called in this thread, one job at a time; sandbox.executor.CompileOnly measures nothing
+        self.executor = evaluate if isinstance(evaluate, Executor) else InlineExecutor(evaluate)
+        measures = self.executor.measures
         self.builder = builder or BuildPool()
-        # compiles the proposer's likely next candidates while the GPUs evaluate (None: not at all, or compile only)
-        self.ahead = ahead if self.executor is not None else None
+        # compiles the proposer's likely next candidates while the GPUs evaluate (None: not at all; compile-only
+        # runs have no evaluation to overlap)
+        self.ahead = ahead if measures else None
         # candidate id -> its problem, source and build, started ahead
         self._ahead: dict[str, tuple[Problem, str, Future]] = {}
         self._ahead_busy: list[Future] = []  # builds started ahead and not finished (stale ones too)
         self._upcoming: tuple[int, SearchState] | None = None  # the next shape's state, made before it begins
-        self.observe = observer or (lambda kind, data: None)
-        # None, compile-only or --no-profile: no profiles; switched off for the run when ncu cannot profile
-        self.profiler = profiler if evaluate is not None and config.profile else None
-        self.profile_failures = 0  # in a row
+        self.observe = observer or ignore_events
+        # no profiles where not wanted (config.profiles) or compiling only; switched off when ncu cannot profile
+        self.profiles = LeaderProfiles(store, self.executor, profiler if measures and config.profiles else None,
+                                       self.observe)
         self.remeasure_top = REMEASURE_TOP
         self.pending: dict[Future, tuple[int, _Shape | None, Callable]] = {}
         self._seq = itertools.count()
 
     # scheduling
     def run(self, problems: list[Problem]) -> list[ShapeSummary]:
-        deadline = time.monotonic() + self.config.budget_minutes * 60
+        started = time.monotonic()
+        deadline = started + self.config.budget_minutes * 60
+        self.observe(RunStarted(len(problems), self.config.budget_minutes * 60, started))
         # cheapest first (by the roofline floor): what a shape leaves of its share goes to the shapes after it, so
         # the time small shapes do not need goes to the costly ones, whose evaluations take longest
-        waiting = sorted(enumerate(problems), key=lambda item: item[1].floor_us())
+        waiting = sorted(enumerate(problems), key=lambda item: floor_us(item[1], self.device))
         active, summaries = [], {}
         while waiting or active:
             for s in [s for s in active if s.jobs == 0 and s.phase != "search"]:
@@ -108,8 +126,8 @@ class SearchLoop:
             current = next((s for s in active if s.phase == "search"), None)
             if current is None and waiting and self._room():
                 index, problem = waiting.pop(0)
-                share = (deadline - time.monotonic()) / (len(waiting) + 1)
-                current = self._begin(index, problem, time.monotonic() + max(share, 0.0))
+                share = max((deadline - time.monotonic()) / (len(waiting) + 1), 0.0)
+                current = self._begin(index, problem, share)
                 active.append(current)
             if current is not None:
                 self._top_up(current)
@@ -123,7 +141,7 @@ class SearchLoop:
         return [summaries[i] for i in range(len(problems))]
 
     def _depth(self) -> int:
-        return 1 if self.executor is None else 2 * self.executor.slots - 1
+        return 2 * self.executor.slots - 1
 
     def _room(self) -> bool:
         return len(self.pending) < self._depth()
@@ -158,15 +176,15 @@ class SearchLoop:
             self._upcoming = index, self.restore(problem)
         return self._upcoming[1]
 
-    def _begin(self, index: int, problem: Problem, deadline: float) -> _Shape:
+    def _begin(self, index: int, problem: Problem, share_s: float) -> _Shape:
         # the last shape's builds started ahead and never proposed (still counted while busy) are forgotten
         self._ahead = {cid: v for cid, v in self._ahead.items() if v[0] == problem}
         state = self._next_state(index, problem)
         self._upcoming = None
-        self.observe("shape", {"problem": problem, "resumed": len(state.tried)})
+        self.observe(ShapeStarted(problem, len(state.tried), share_s))
         seeds = buckets.seeds(self.store, problem)
-        return _Shape(index, problem, state, deadline, limit=buckets.budget(self.config.max_candidates, bool(seeds)),
-                      seeds=seeds)
+        return _Shape(index, problem, state, time.monotonic() + share_s,
+                      limit=buckets.budget(self.config.max_candidates, bool(seeds)), seeds=seeds)
 
     def _top_up(self, s: _Shape) -> None:
         """Propose while there is room in flight, until the shape's budget or candidates run out."""
@@ -177,15 +195,20 @@ class SearchLoop:
                 if left > 0:  # where a shape's time went, for runs that give some shapes few candidates
                     self.store.event("budget", f"{s.problem.key}: time share spent after {len(s.state.tried)} "
                                      f"candidates ({len(s.state.pending)} in flight); {reserve:.1f} s kept for "
-                                     "re-measurement")
+                                     f"{self._follow_up_words()}")
+                    self._cut(s, f"its time share was spent ({reserve:.0f} s of it kept for "
+                                 f"{self._follow_up_words()})")
                 s.phase = "drain"
                 return
             n = min(left, self._depth() - len(self.pending))
             batch = [c for c in s.seeds if c.id not in s.state.tried_ids][:n] or self.proposer.propose(s.state, n=n)
             for call in self.proposer.take_calls():  # kept for `show --llm`, with what became of each proposal
                 self.store.add_model_call(call)
+                if call.error:
+                    self.observe(Notice("llm", f"LLM call ({call.purpose}): {call.error}", s.problem))
             if not batch:
                 self.store.event("search", f"{s.problem.key}: the proposer has nothing left to try")
+                self._cut(s, "the proposer had nothing left to try")
                 s.phase = "drain"
                 return
             self.store.set_meta("proposer_stats", self.proposer.stats())
@@ -215,30 +238,40 @@ class SearchLoop:
             if not build.done():
                 self._ahead_busy.append(build)
 
+    def _cut(self, s: _Shape, why: str) -> None:
+        got = len(s.state.tried) + len(s.state.pending)
+        if got < s.limit:
+            self.observe(ShapeCut(s.problem, got, s.limit, why))
+
+    def _follow_up_words(self) -> str:
+        return "re-measurement and profiles" if self.profiles.on else "re-measurement"
+
     def _follow_up_reserve(self, s: _Shape) -> float:
-        """Seconds to keep back from the shape's budget for its re-measurement: without it every shape overran its
-        share by its follow-up, and the last shapes of a long list got none (48 shapes in 5 minutes: the last ten
-        got 0-3 candidates). Successive halving over k leaders measures k + ceil(k / 2) times, at the shape's mean
-        evaluation time, spread over the GPUs."""
+        """Seconds to keep back from the shape's budget for its follow-up, so that it is charged to the shape and
+        not to the shapes after it. Successive halving over k leaders measures k + ceil(k / 2) times, at the shape's
+        mean evaluation time, spread over the GPUs; then its leaders are profiled, where profiles are on."""
         walls = [r.wall_s for _, _, r in s.state.tried if r.status is Status.OK and r.wall_s > 0]
-        if self.executor is None or len(walls) < 2:
+        if not walls:
             return 0.0
-        leaders = min(self.remeasure_top, len(walls))
-        return (leaders + (leaders + 1) // 2) * sum(walls) / len(walls) / self.executor.slots
+        reserve = self.profiles.reserve_s(s.problem)
+        if len(walls) >= 2:
+            leaders = min(self.remeasure_top, len(walls))
+            reserve += (leaders + (leaders + 1) // 2) * sum(walls) / len(walls) / self.executor.slots
+        return reserve
 
     def _searched(self, s: _Shape, cand: Candidate, build: BuildResult | None, result: EvalResult) -> None:
         s.state.pending.discard(cand.id)
         s.state.tried.append((cand, build, result))
         s.state.bandit.update(arm_of(cand), _reward(result))
-        self.observe("result", {"problem": s.problem, "candidate": cand, "build": build, "result": result})
-        if self.profiler and len(s.state.tried) == s.limit // 2 and time.monotonic() < s.deadline:
+        self.observe(CandidateDone(s.problem, cand, build, result))
+        if self.profiles.on and len(s.state.tried) == s.limit // 2:
             # so that the second half's prompts see the leader's profile
-            self._profile_next(s, [c for c, _ in self.store.leaders(s.problem)[:1]])
+            self.profiles.start(s, [c for c, _ in self.store.leaders(s.problem)[:1]], self._await)
 
     def _follow_up(self, s: _Shape) -> None:
         """Successive halving over the leaders, so that one lucky timing does not decide the winner; then profiles."""
         s.phase = "follow-up"
-        if self.executor is None or time.monotonic() >= s.deadline + 60:
+        if time.monotonic() >= s.deadline + 60:
             return
         s.leaders = {c.id: c for c, _ in self.store.leaders(s.problem)[:self.remeasure_top]}
         if len(s.leaders) < 2:
@@ -265,7 +298,7 @@ class SearchLoop:
             self._await(self.executor.submit(job), s, lambda r, cid=cid: self._remeasured(s, cid, r))
 
     def _remeasured(self, s: _Shape, cid: str, r: EvalResult) -> None:
-        self.observe("remeasure", {"problem": s.problem, "candidate": s.leaders[cid], "result": r})
+        self.observe(Remeasured(s.problem, s.leaders[cid], r))
         self._record_remeasurement(r)
         s.halving.record(cid, 1 / r.speedup if r.status is Status.OK else None)
         s.round_left -= 1
@@ -275,58 +308,26 @@ class SearchLoop:
     def _settle(self, s: _Shape) -> None:
         """After the re-measurement: a bucket's leaders re-timed at its ends (agent.buckets.EndChecks); then
         profiles."""
-        if s.problem.m_range is not None and s.ends is None:
+        if s.problem.m_range is not None and s.ends is None and self.executor.measures:
             s.ends = buckets.EndChecks(self.store, s.problem, self.config.kernel_timeout_s)
         jobs = s.ends.next_jobs() if s.ends is not None else []
         if not jobs:
-            self._profile_next(s, [c for c, _ in self.store.leaders(s.problem)[:PROFILE_TOP]])
+            self.profiles.start(s, [c for c, _ in self.store.leaders(s.problem)[:PROFILE_TOP]], self._await)
             return
         s.round_left = len(jobs)
         for job in jobs:
             self._await(self.executor.submit(job), s, lambda r, job=job: self._end_timed(s, job, r))
 
     def _end_timed(self, s: _Shape, job: EvalJob, r: EvalResult) -> None:
-        self.observe("bucket end", {"problem": s.problem, "candidate": self.store.candidate(job.candidate_id),
-                                    "m": job.problem.m, "result": r})
+        self.observe(BucketEndTimed(s.problem, self.store.candidate(job.candidate_id), job.problem.m, r))
         s.ends.record(job, r)
         s.round_left -= 1
         if s.round_left == 0:
             self._settle(s)
 
-    def _profile_next(self, s: _Shape, todo: list[Candidate]) -> None:
-        """Nsight Compute's view of the shape's leaders (by median speed-up), one after the other, kept for `show`
-        and the prompts."""
-        while todo and self.profiler is not None:
-            c = todo.pop(0)
-            if self.store.profile(c.id) is not None:
-                continue
-            self.observe("profile", {"problem": s.problem, "candidate": c})
-            job = EvalJob(c.id, s.problem, c.family, c.params, self.store.build(c.id).cubin)
-            self._await(self.executor.profile(self.profiler, job), s,
-                        lambda prof, c=c: self._profiled(s, c, prof, todo))
-            return
-
-    def _profiled(self, s: _Shape, c: Candidate, prof: ProfileResult, todo: list[Candidate]) -> None:
-        if self.profiler is None:  # switched off while this one ran
-            return
-        if not prof.ok and prof.error.startswith((NCU_MISSING, NO_COUNTERS)):
-            why = "ncu not found" if prof.error.startswith(NCU_MISSING) else prof.error
-            self.store.event("profile", f"profiling skipped: {why}")
-            self.profiler = None  # said once per run, not once per shape
-            return
-        self.store.add_profile(c.id, prof)
-        self.profile_failures = 0 if prof.ok else self.profile_failures + 1
-        if prof.ok:
-            s.state.profiles[c.id] = prof.summary
-        else:
-            self.store.event("profile", f"{c.id}: {prof.error[:300]}")
-            if self.profile_failures >= 2:  # a broken ncu costs its timeout every time: stop paying it
-                self.store.event("profile", "profiling skipped: two profiles in a row failed")
-                self.profiler = None
-        self._profile_next(s, todo)
-
     def _summary(self, s: _Shape) -> ShapeSummary:
         s.phase = "done"
+        self.observe(ShapeDone(s.problem, len(s.state.tried)))
         return ShapeSummary(s.problem, len(s.state.tried), self.store.failure_counts(s.problem),
                             self.store.winner(s.problem))
 
@@ -371,9 +372,6 @@ class SearchLoop:
             return
         if build.spill_bytes:
             self.store.event("build", f"{cand.id}: {build.spill_bytes} bytes of register spills")
-        if self.executor is None:
-            then(build, self._record(EvalResult(cand.id, Status.SKIPPED, "compile only")))
-            return
         job = EvalJob(cand.id, cand.problem, cand.family, cand.params, build.cubin,
                       timeout_s=self.config.kernel_timeout_s)
         self._await(self.executor.submit(job), s, lambda r: then(build, self._record(r)))

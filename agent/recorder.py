@@ -18,6 +18,14 @@ every M inside; `serve_m=(lo, hi)` widens every problem's range to hold lo-hi as
 will see, recorded or not).
 
 Calls run exactly as they would without the recorder (a TorchFunctionMode only looks at them).
+
+    with agent.record_gemm_shapes("shapes.txt", model=model):   # the problems hgemm_ops.patch(model) will run
+        model(input_ids)
+
+With `model`, the model's decoder layers are fused for the recording as the export's patch fuses them
+(agent/export/runtime/hgemm_fuse.py: q/k/v as one GEMM, gate/up as one gated GEMM, o_proj and down_proj with the
+residual add), computing with PyTorch, and put back afterwards: the file names the merged problems with their
+epilogues (`M_N_K:nk:f16:silu_mul`, `...:residual`) instead of the separate projections.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from agent.buckets import representative, series
+from core.epilogue import Epilogue, compose
 from core.records import Problem
 
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -51,11 +60,26 @@ class GemmRecorder(TorchFunctionMode):
         self.serve_m = serve_m
         self.problems: Counter[Problem] = Counter()
         self.skipped: Counter[str] = Counter()
+        self.paused = False  # inside a fused op: its own products are not the problem
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self._look(func, args, kwargs)
+        if not self.paused:
+            self._look(func, args, kwargs)
         return func(*args, **kwargs)
+
+    # the ops hgemm_fuse calls while recording: each call recorded as the problem it is, computed by PyTorch
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fused_linear(x, w, bias, "none", None)
+
+    def fused_linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, epilogue: str,
+                     residual: torch.Tensor | None) -> torch.Tensor:
+        self._add(x, w.t(), bias, epilogue)
+        self.paused = True
+        try:
+            return compose(torch.nn.functional.linear(x, w, bias), Epilogue(epilogue), residual)
+        finally:
+            self.paused = False
 
     def _look(self, func, args, kwargs) -> None:
         if func is torch.nn.functional.linear:
@@ -75,8 +99,8 @@ class GemmRecorder(TorchFunctionMode):
         elif func in BATCHED:
             self.skipped["bmm/baddbmm (a B per batch)"] += 1
 
-    def _add(self, a: torch.Tensor, b_kn: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """a @ b_kn (+ bias), b_kn the K x N view of B, whatever its storage."""
+    def _add(self, a: torch.Tensor, b_kn: torch.Tensor, bias: torch.Tensor | None, epilogue: str = "none") -> None:
+        """a @ b_kn (+ bias) (then the epilogue), b_kn the K x N view of B, whatever its storage."""
         if b_kn.dim() != 2:
             self.skipped["matmul with a batched B" if b_kn.dim() > 2 else "matrix-vector product"] += 1
             return
@@ -97,7 +121,7 @@ class GemmRecorder(TorchFunctionMode):
         k, n = b_kn.shape
         m = a.numel() // k if k else 0
         try:
-            self.problems[Problem(m, n, k, layout, DTYPES[dtype], bias is not None)] += 1
+            self.problems[Problem(m, n, k, layout, DTYPES[dtype], bias is not None, epilogue)] += 1
         except ValueError as e:
             self.skipped[f"not a kernel shape ({e})"] += 1
 
@@ -119,8 +143,8 @@ class GemmRecorder(TorchFunctionMode):
         return out
 
     def text(self) -> str:
-        """The shapes file: a comment header, then one M_N_K:layout:dtype[:bias] line per problem (LO-HI_N_K:... where
-        it ran at several M, or serve_m widens it), first seen first."""
+        """The shapes file: a comment header, then one M_N_K:layout:dtype[:bias][:epilogue] line per problem
+        (LO-HI_N_K:... where it ran at several M, or serve_m widens it), first seen first."""
         calls = sum(self.problems.values())
         head = [f"# GEMM shapes recorded by hgemm-agent (agent.record_gemm_shapes): {calls} calls, "
                 f"{len(self.problems)} distinct problems" + (f", every M widened to hold {self.serve_m[0]}-"
@@ -128,7 +152,10 @@ class GemmRecorder(TorchFunctionMode):
         if self.skipped:
             head.append(f"# skipped {sum(self.skipped.values())} calls: "
                         + "; ".join(f"{n} {why}" for why, n in self.skipped.items()))
-        head.append("# search them: python -m agent run --shapes THIS_FILE")
+        if self.problems:
+            head.append("# search them: python -m agent run --shapes THIS_FILE")
+        else:
+            head.append("# nothing to search: no GEMM the kernels take (fp16 or bf16, a 2-D B) ran inside the recorder")
         lines = [f"{p.key}  # {n} call{'s' if n > 1 else ''}" + (f" at M = {_listed(ms)}" if p.m_range else "")
                  for p, (ms, n) in self.ranges().items()]
         return "\n".join(head + lines) + "\n"
@@ -140,10 +167,20 @@ def _listed(ms: tuple[int, ...], most: int = 8) -> str:
 
 
 @contextmanager
-def record_gemm_shapes(path: str | Path, serve_m: tuple[int, int] | None = None) -> Iterator[GemmRecorder]:
+def record_gemm_shapes(path: str | Path, model: torch.nn.Module | None = None,
+                       serve_m: tuple[int, int] | None = None) -> Iterator[GemmRecorder]:
     """Record the GEMMs run inside the block; on leaving it normally, write them to `path` (a shapes file), each
-    problem seen at several M as a range of M, every range widened to hold serve_m=(lo, hi) where given."""
+    problem seen at several M as a range of M, every range widened to hold serve_m=(lo, hi) where given. With
+    `model`, its decoder layers run fused inside the block, as hgemm_ops.patch will run them, and are put back."""
+    from agent.export.runtime import hgemm_fuse
+
     recorder = GemmRecorder(serve_m)
-    with recorder:
-        yield recorder
+    if model is not None:
+        hgemm_fuse.fuse(model, recorder)
+    try:
+        with recorder:
+            yield recorder
+    finally:
+        if model is not None:
+            hgemm_fuse.unfuse(model)
     Path(path).write_text(recorder.text())

@@ -1,11 +1,12 @@
-"""What the user reads: the live progress view, run lists, run summaries, the model's calls and candidate diffs
-(rich renderables)."""
+"""What the user reads after a run: run lists, run summaries, the model's calls and candidate diffs (rich
+renderables). The live progress view is agent/view.py."""
 
 from __future__ import annotations
 
 import difflib
 import json
-from collections import Counter
+import shlex
+from pathlib import Path
 
 from rich.console import Group
 from rich.syntax import Syntax
@@ -14,73 +15,11 @@ from rich.text import Text
 
 from agent import buckets
 from agent.proposers.patch import patch_text
-from agent.store import RunStore
-from core.records import EvalResult, Problem, ProposalFate, Status
-
-
-def fmt_us(t: float | None) -> str:
-    return "-" if t is None or t != t or t == float("inf") else f"{t:,.2f}"
-
-
-def fmt_ratio(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}x"
-
-
-class LiveView:
-    """Progress of a run: per shape, candidates tried, failures by kind, best time and its ratio to cuBLAS."""
-
-    def __init__(self, title: str):
-        self.title = title
-        self.rows: dict[str, dict] = {}
-        self.last = ""
-
-    def __call__(self, kind: str, data: dict) -> None:
-        p: Problem = data["problem"]
-        row = self.rows.setdefault(p.key, {"tried": 0, "fail": Counter(), "best": None, "ratio": None,
-                                           "cublas": None})
-        if kind == "shape":
-            row["tried"] = data["resumed"]
-        elif kind == "result":
-            r: EvalResult = data["result"]
-            row["tried"] += 1
-            if r.status not in (Status.OK, Status.SKIPPED):
-                row["fail"][r.status.value] += 1
-            if r.status is Status.OK and (row["best"] is None or r.time_us < row["best"]):
-                row["best"], row["ratio"], row["cublas"] = r.time_us, r.speedup, r.ranked[1].median_us
-            self.last = f"{data['candidate'].id} {data['candidate'].family} {r.status.value} {r.reason[:80]}"
-        elif kind == "profile":
-            self.last = f"{data['candidate'].id}: profiling with Nsight Compute"
-        elif kind == "bucket end":
-            r = data["result"]
-            self.last = (f"{data['candidate'].id} at the bucket's end M={data['m']}: {r.status.value} "
-                         f"{fmt_ratio(r.speedup)} {r.reason[:80]}")
-
-    def __rich__(self) -> Table:
-        t = Table(title=self.title, caption=self.last or None)
-        for col in ("shape", "tried", "failures", "best µs", "cuBLAS µs", "ratio"):
-            t.add_column(col)
-        for key, r in self.rows.items():
-            fails = ", ".join(f"{k} {v}" for k, v in sorted(r["fail"].items())) or "-"
-            t.add_row(key, str(r["tried"]), fails, fmt_us(r["best"]), fmt_us(r["cublas"]), fmt_ratio(r["ratio"]))
-        return t
-
-
-class LineView(LiveView):
-    """The same progress as whole lines, one a candidate, for pipes and files (no redrawn table)."""
-
-    def __init__(self, title: str, console):
-        super().__init__(title)
-        self.console = console
-        console.print(title, soft_wrap=True)
-
-    def __call__(self, kind: str, data: dict) -> None:
-        super().__call__(kind, data)
-        if kind in ("result", "profile", "bucket end"):
-            self.console.print(f"{data['problem'].key}: {self.last}", soft_wrap=True, markup=False)
-
-
-def compile_only(store: RunStore) -> bool:
-    return bool((store.get_meta("config") or {}).get("compile_only"))
+from agent.store import DEFAULT_RUNS_DIR, RunStore
+from agent.view import fmt_ratio, fmt_us
+from core.device import DeviceFacts
+from core.records import Problem, ProposalFate, Status
+from core.roofline import floor_pct
 
 
 def runs_table(stores: list[RunStore]) -> Table:
@@ -89,23 +28,36 @@ def runs_table(stores: list[RunStore]) -> Table:
         t.add_column(col)
     for s in stores:
         counts = s.failure_counts()
-        passed = f"- (compile only: {counts.get('skipped', 0)} compiled)" if compile_only(s) else \
+        passed = f"- (compile only: {counts.get('skipped', 0)} compiled)" if s.compile_only else \
             str(counts.get("ok", 0))
         t.add_row(s.run_id, str(len(s.problems())), str(sum(counts.values())), passed,
                   str(s.get_meta("arch", "?")), str(s.get_meta("state", "?")))
     return t
 
 
+LEADERS_SHOWN = 3  # candidates `show` lists per shape
+
+
+def runs_dir_option(store: RunStore) -> str:
+    """` --runs-dir DIR` where the run is not under the default folder, else nothing: commands for it need it."""
+    parent = store.folder.parent
+    return "" if parent == Path(DEFAULT_RUNS_DIR) else f" --runs-dir {shlex.quote(str(parent))}"
+
+
+def resume_command(store: RunStore) -> str:
+    return f"python -m agent run --resume {store.run_id}{runs_dir_option(store)}"
+
+
 def next_steps(store: RunStore) -> str:
     """The commands that work for this run next."""
-    r = store.run_id
-    if compile_only(store):
+    r, opt = store.run_id, runs_dir_option(store)
+    if store.compile_only:
         return (f"run {r} compiled its candidates and ran nothing: no kernel was checked or timed. "
-                f"python -m agent show {r} | diff {r} A B (candidate ids from show); on a GPU machine, "
+                f"python -m agent show {r}{opt} | diff {r} A B{opt} (candidate ids from show); on a GPU machine, "
                 "run the shapes without --compile-only")
     if not any(store.winner(p) for p in store.problems()):
-        return f"run {r}: no candidate passed the checks. python -m agent show {r} (failures by kind)"
-    return f"run {r}: python -m agent show {r} | diff {r} baseline best | export {r}"
+        return f"run {r}: no candidate passed the checks. python -m agent show {r}{opt} (failures by kind)"
+    return f"run {r}: python -m agent show {r}{opt} | diff {r} baseline best{opt} | export {r}{opt}"
 
 
 def show_run(store: RunStore) -> Group:
@@ -116,6 +68,7 @@ def show_run(store: RunStore) -> Group:
                 "cold ratio", "cold÷warm ours/cuBLAS", "% floor"):
         t.add_column(col)
     profiles = []
+    facts = DeviceFacts.from_dict(store.get_meta("device"))  # the H200 stand-in where none was recorded
     for p in store.problems():
         counts = store.failure_counts(p)
         fails = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k not in ("ok", "skipped")) or "-"
@@ -130,19 +83,25 @@ def show_run(store: RunStore) -> Group:
         cold_warm = f"{r.cold_over_warm:.2f}/{cub_cw:.2f}" if r.cold_over_warm and cub_cw else "-"
         if r.fresh:
             cold_warm += " (re-checked)"
-        floor = 100 * p.floor_us() / r.time_us
+        floor = floor_pct(p, facts, r.time_us)
         if (prof := store.profile(c.id)) is not None:
             text = prof.summary if prof.ok else f"profiling failed: {(prof.error.splitlines() or ['?'])[-1][:120]}"
             profiles.append(Text(f"profile {p.mnk} {p.b_layout} {c.id}: {text}"))  # Text: no markup in ncu's words
         t.add_row(p.mnk, p.b_layout, dtype, str(sum(counts.values())), fails, c.id, c.family, fmt_us(r.time_us),
                   fmt_us(r.ranked[1].median_us), fmt_ratio(ratio), fmt_ratio(cold), cold_warm, f"{floor:.0f}%")
     device = store.get_meta("device")
-    parts = [t, *bucket_lines(store), *profiles]
-    if compile_only(store):
+    parts = [t, *bucket_lines(store), *profiles, candidates_table(store)]
+    if store.compile_only:
         parts.append("compile-only run: candidates were rendered and compiled, not run; nothing was checked or timed")
     stats = store.get_meta("proposer_stats") or {}
     if stats:
         parts.append("proposer: " + ", ".join(f"{k} {json.dumps(v)}" for k, v in stats.items() if v not in ({}, None)))
+    if calls := store.model_calls():
+        failed = sum(bool(c.error) for c in calls)
+        parts.append(f"LLM: {len(calls)} call{'s' * (len(calls) != 1)}" + (f" ({failed} failed)" if failed else "")
+                     + f", {sum(c.prompt_tokens for c in calls):,} prompt and "
+                     f"{sum(c.completion_tokens for c in calls):,} completion tokens; python -m agent show "
+                     f"{store.run_id} --llm{runs_dir_option(store)} lists them")
     if device:
         sw = device.get("software", device)  # runs from before DeviceFacts kept versions at the top level
         parts.append(f"device: {device.get('name')} (driver {sw.get('driver', '?')}, torch {sw.get('torch')}"
@@ -155,12 +114,27 @@ def bucket_lines(store: RunStore) -> list[Text]:
     cuBLAS."""
     lines = []
     for p in store.problems():
-        if p.m_range is None or store.winner(p) is None or compile_only(store):
+        if p.m_range is None or store.winner(p) is None or store.compile_only:
             continue
         served = buckets.served(store, p)
         lines.append(Text(f"bucket {p.mnk} {p.b_layout}: " + (f"kernel {served.note(p)}" if served else "cuBLAS (no "
                           "leader at least as fast as cuBLAS at both ends)")))
     return lines
+
+
+def candidates_table(store: RunStore) -> Table:
+    """Each shape's leading candidates (by median speed-up; in a compile-only run, the first compiled), with the ids
+    `diff` takes."""
+    t = Table(title="leading candidates per shape (the ids diff takes)")
+    for col in ("shape", "candidate", "family", "origin", "status", "µs", "ratio (median)"):
+        t.add_column(col)
+    for p in store.problems():
+        shown = store.leaders(p)[:LEADERS_SHOWN] or store.results(p)[:LEADERS_SHOWN]
+        for c, r in shown:
+            ok = r.status is Status.OK
+            t.add_row(p.key, c.id, c.family, c.origin, r.status.value, fmt_us(r.time_us) if ok else "-",
+                      fmt_ratio(store.median_speedup(c.id)) if ok else "-")
+    return t
 
 
 def model_calls_view(store: RunStore) -> Group:
@@ -183,7 +157,8 @@ def model_calls_view(store: RunStore) -> Group:
             t.add_row(*(head if j == 0 else [""] * len(head)), *row)
         notes += [Text(f"call {i} left out: {what}") for what in call.left_out]
     total_in, total_out = sum(c.prompt_tokens for c in calls), sum(c.completion_tokens for c in calls)
-    summary = Text(f"{len(calls)} calls, {total_in:,} prompt and {total_out:,} completion tokens")
+    summary = Text(f"{len(calls)} call{'s' * (len(calls) != 1)}, {total_in:,} prompt and {total_out:,} completion "
+                   "tokens")
     return Group(t, summary, *notes)
 
 
@@ -209,7 +184,7 @@ def _status_cell(store: RunStore, f: ProposalFate) -> Text:
 def resolve_candidate(store: RunStore, ref: str, problem: Problem | None = None) -> str:
     """A candidate id from an id (or unique prefix), 'best' or 'baseline' (the first one tried)."""
     problems = [problem] if problem else store.problems()
-    if ref == "best" and compile_only(store):
+    if ref == "best" and store.compile_only:
         raise ValueError(f"run {store.run_id} is compile-only: nothing was checked, so there is no best; name "
                          "candidate ids (python -m agent show lists them)")
     if ref in ("best", "baseline"):

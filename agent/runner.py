@@ -1,7 +1,12 @@
-"""Set up and drive one run: pick the arch, start the GPU workers, open the store, show progress, stop cleanly.
+"""Set up and drive one run, in three steps read top to bottom:
 
-Everything that can fail on bad input, a missing GPU or an unreachable cluster fails here, before the run folder
-is created.
+1. `prepare`: everything that can fail on bad input, a missing GPU or an unreachable cluster fails here, before the
+   run folder exists: NVRTC probed, the executor started (GPU workers, a Dask cluster, or compile-only), the problems
+   checked against the GPU's memory, the tuning database and the proposer opened.
+2. `begin`: the run store created (or the resumed one continued) and what the run is, recorded in it.
+3. `search`: the loop, its progress told to the view, and how it ended.
+
+`execute` runs the three and releases what set-up holds. The command line picks the view and prints the summary.
 """
 
 from __future__ import annotations
@@ -9,30 +14,130 @@ from __future__ import annotations
 import os
 import sqlite3
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 from agent.config import RunConfig
 from agent.cost_model import Learner
+from agent.events import Notice, Observer
 from agent.loop import SearchLoop
 from agent.proposers import make_proposer
-from agent.report import LineView, LiveView, next_steps, show_run
+from agent.proposers.base import Proposer
 from agent.store import RunStore
 from agent.tuning_db import TuningDB, TuningDbError, TuningRecorder
-from core.device import H200, DeviceFacts
+from core.device import DeviceFacts
 from core.records import Problem
 from sandbox.build import NvrtcUnavailable, nvrtc_version
 from sandbox.build_pool import BuildPool
-from sandbox.executor import Executor, WorkerUnavailable
+from sandbox.executor import CompileOnly, Executor, WorkerUnavailable
 from sandbox.profile import profile_candidate
 
-EXIT_INTERRUPTED = 130
+EXIT_DONE, EXIT_LOST, EXIT_INTERRUPTED = 0, 1, 130
 TIMING_COPIES = 8  # operand footprints a problem needs at once: check buffers, two timed sets a subject, references
-EXIT_LOST = 1
 AHEAD_PROCESSES = 4  # NVRTC processes compiling the proposer's likely next candidates (at most)
 NO_GPU = "--compile-only renders and compiles without one"
+
+View = Callable[[str], AbstractContextManager[Observer]]  # a title -> a context holding the observer
 
 
 class SetupError(ValueError):
     pass
+
+
+@dataclass
+class Setup:
+    """What a run holds while it runs, made before its folder exists."""
+
+    config: RunConfig
+    problems: list[Problem]
+    executor: Executor
+    facts: DeviceFacts  # the GPU's, or the H200 stand-in's when compiling only
+    arch: str
+    builder: BuildPool
+    ahead: BuildPool | None
+    db: TuningDB | None
+    learner: Learner | None
+    proposer: Proposer
+    notes: list[tuple[str, str]]  # (topic, line) set-up has to say: the stand-in device, the tuning database
+
+    @property
+    def measured(self) -> bool:
+        return self.executor.measures
+
+    def title(self, run_id: str) -> str:
+        slots = self.executor.slots
+        where = (f"{self.facts.name}" + (f" x{slots}" if slots > 1 else "") if self.measured
+                 else f"compile only (settings ordered for the {self.facts.name} stand-in)")
+        return f"run {run_id}: {self.config.proposer} proposer, {self.arch}, {where}"
+
+    def close(self) -> None:
+        for part in (self.proposer, self.builder, self.ahead, self.db, self.executor):
+            if part is not None:
+                part.close()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a run ended: its exit code, its store, and why it stopped where it did not finish."""
+
+    code: int
+    store: RunStore
+    reason: str = ""
+
+
+def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore | None,
+            make_store: Callable[[], RunStore], view: View, gpus: tuple[int, ...] | str | None = None,
+            cluster: str | None = None) -> Outcome:
+    """A new run of `problems` (store None: `make_store` makes its store once set-up succeeded), or the resumed run
+    `store` with its own problems."""
+    setup = prepare(config, store.problems() if store is not None else problems, gpus, cluster)
+    try:
+        store = begin(setup, store, make_store)
+        with view(setup.title(store.run_id)) as observe:
+            return search(setup, store, observe)
+    except KeyboardInterrupt:
+        if store is None:
+            raise
+        store.set_meta("state", "interrupted")
+        return Outcome(EXIT_INTERRUPTED, store)
+    finally:
+        if store is not None and setup.measured:
+            store.set_meta("executor", setup.executor.describe())
+        setup.close()
+
+
+# 1. set-up
+def prepare(config: RunConfig, problems: list[Problem], gpus: tuple[int, ...] | str | None = None,
+            cluster: str | None = None) -> Setup:
+    try:
+        nvrtc_version()
+    except NvrtcUnavailable as e:
+        raise SetupError(str(e)) from None
+    if config.compile_only:
+        executor: Executor = CompileOnly()
+        facts = executor.facts
+    else:
+        executor, facts = start_pool(config.arch, gpus, cluster)
+    try:
+        if executor.measures and (why := too_big(problems, facts)):
+            raise SetupError(why)
+        builder, ahead = build_pools(executor.slots, config.compile_only)
+        db, learner, tuning_note = open_tuning(config.tuning_db, facts, config.seed)
+        notes = ([("setup", stand_in_note(facts, tuning_note))] if not executor.measures
+                 else [("tuning", tuning_note)] if tuning_note else [])
+        proposer = make_proposer(config, learner)
+    except BaseException:  # a failed set-up (or Ctrl-C in it) leaves no GPU worker behind
+        executor.close()
+        raise
+    return Setup(config, problems, executor, facts, config.arch or facts.arch, builder, ahead, db, learner,
+                 proposer, notes)
+
+
+def stand_in_note(facts: DeviceFacts, tuning_note: str) -> str:
+    """What a compile-only run orders its settings by: the stand-in's facts, and what the tuning database holds of
+    that GPU model, not a GPU of this machine."""
+    return (f"compile only, no GPU: nothing is checked or timed; settings are ordered for the {facts.name} stand-in "
+            f"(its facts" + (f"; {tuning_note}" if tuning_note else "") + ")")
 
 
 def gpu_indices(gpus: tuple[int, ...] | str | None) -> tuple[int, ...]:
@@ -51,10 +156,10 @@ def gpu_indices(gpus: tuple[int, ...] | str | None) -> tuple[int, ...]:
     return tuple(gpus)
 
 
-def start_pool(arch: str | None, gpus: tuple[int, ...] | str | None = None,
-               cluster: str | None = None) -> tuple[Executor, DeviceFacts]:
+def start_pool(arch: str | None, gpus: tuple[int, ...] | str | None = None, cluster: str | None = None,
+               no_gpu: str = NO_GPU) -> tuple[Executor, DeviceFacts]:
     """Started GPU workers (one per chosen local GPU, or one per Dask worker of a cluster) and their DeviceFacts,
-    or a SetupError saying why there are none."""
+    or a SetupError saying why there are none (`no_gpu`: what the user can do instead)."""
     from sandbox.pool import MixedDevices, WorkerPool
 
     if cluster:
@@ -69,7 +174,7 @@ def start_pool(arch: str | None, gpus: tuple[int, ...] | str | None = None,
         executor.start()
     except WorkerUnavailable as e:
         executor.close()
-        raise SetupError(str(e) if cluster else f"no usable GPU ({e}); {NO_GPU}") from None
+        raise SetupError(str(e) if cluster else f"no usable GPU ({e}); {no_gpu}") from None
     except MixedDevices as e:
         raise SetupError(str(e)) from None
     facts = executor.facts
@@ -77,6 +182,17 @@ def start_pool(arch: str | None, gpus: tuple[int, ...] | str | None = None,
         executor.close()
         raise SetupError(f"--arch {arch} does not match the GPU ({facts.name}, {facts.arch})")
     return executor, facts
+
+
+def too_big(problems: list[Problem], device: DeviceFacts) -> str | None:
+    """Why a problem cannot be checked and timed on this GPU (its operands, the checks' copies and the timing sets
+    would not fit in its memory), or None."""
+    for p in problems:
+        need = TIMING_COPIES * p.operand_bytes
+        if need > device.memory_bytes:
+            return (f"{p.mnk} needs about {need / 2**30:.0f} GiB of GPU memory for its operands, the checks' copies "
+                    f"and the timing sets; {device.name} has {device.memory_bytes / 2**30:.0f} GiB")
+    return None
 
 
 def build_pools(slots: int, compile_only: bool) -> tuple[BuildPool, BuildPool | None]:
@@ -102,94 +218,42 @@ def open_tuning(path: str | None, device: DeviceFacts, seed: int) -> tuple[Tunin
     return db, learner, f"tuning database {db.path}; {learner.note}"
 
 
-def execute(config: RunConfig, problems: list[Problem] | None, store: RunStore | None,
-            make_store: Callable[[], RunStore], console, live_cls, gpus: tuple[int, ...] | str | None = None,
-            cluster: str | None = None) -> int:
-    if store is not None:  # resume: the run's own shapes, its proposer, its arch
-        problems = store.problems()
-        saved = RunConfig(**store.get_meta("config"))
-        config = config.model_copy(update={"proposer": saved.proposer, "arch": store.get_meta("arch"),
-                                           "compile_only": saved.compile_only, "seed": saved.seed})
-    try:
-        nvrtc_version()
-    except NvrtcUnavailable as e:
-        raise SetupError(str(e)) from None
-    pool, device = (None, None) if config.compile_only else start_pool(config.arch, gpus, cluster)
-    if device is not None and (why := too_big(problems, device)):
-        pool.close()
-        raise SetupError(why)
-    arch = config.arch or (device.arch if device else "sm_90a")
-    facts = device or H200  # compile only: the search orders settings for the GPU we measure on
-    slots = pool.slots if pool else 1
-    builder, ahead = build_pools(slots, config.compile_only)
-    db, model, tuning_note = open_tuning(config.tuning_db, facts, config.seed)
-    proposer = make_proposer(config, model)
-    try:
-        if store is None:
-            store = make_store()
-            store.add_problems(problems)
-            store.set_meta("config", config.model_dump(mode="json"))
-        store.set_meta("arch", arch)
-        if device:
-            store.set_meta("device", device.to_dict())
-            store.set_meta("executor", pool.describe())
-        store.set_meta("state", "running")
-        if tuning_note:
-            store.event("tuning", tuning_note)
-            console.print(tuning_note)
-        if model is not None:
-            model.notify = lambda note: store.event("tuning", note)
-        if db is not None and device is not None:  # compile-only results are not measurements
+# 2. the run store
+def begin(setup: Setup, store: RunStore | None, make_store: Callable[[], RunStore]) -> RunStore:
+    """The run's store, new or resumed, with the run's configuration, arch and device recorded."""
+    if store is None:
+        store = make_store()
+        store.add_problems(setup.problems)
+    store.set_meta("config", setup.config.model_dump(mode="json"))
+    store.set_meta("arch", setup.arch)
+    if setup.measured:
+        store.set_meta("device", setup.facts.to_dict())
+        store.set_meta("executor", setup.executor.describe())
+    store.set_meta("state", "running")
+    return store
 
-            def tuning_failed(message: str) -> None:
-                store.event("tuning", message)
-                console.print(message)
 
-            store.listeners.append(TuningRecorder(db, store.run_id, device, arch, tuning_failed))
-        where = "compile only" if config.compile_only else f"{facts.name}" + (f" x{slots}" if slots > 1 else "")
-        title = f"run {store.run_id}: {config.proposer} proposer, {arch}, {where}"
-        view = LiveView(title) if live_cls else LineView(title, console)
-        loop = SearchLoop(store, config, proposer, arch, pool, view, profile_candidate, device=facts,
-                          builder=builder, ahead=ahead)
-        if live_cls:
-            with live_cls(view, console=console, refresh_per_second=4, transient=False):
-                loop.run(problems)
-        else:  # pipes and files: whole lines as the run goes, no redrawn table
-            loop.run(problems)
-        store.set_meta("state", "done")
-    except KeyboardInterrupt:
-        if store is not None:
-            store.set_meta("state", "interrupted")
-            console.print(f"interrupted: python -m agent run --resume {store.run_id} continues it")
-        return EXIT_INTERRUPTED
+# 3. the search
+def search(setup: Setup, store: RunStore, observe: Observer) -> Outcome:
+    """The loop over the run's problems, what it does told to `observe`; Ctrl-C reaches the caller."""
+
+    def say(topic: str, message: str) -> None:
+        store.event(topic, message)
+        observe(Notice(topic, message))
+
+    for topic, note in setup.notes:
+        say(topic, note)
+    if setup.learner is not None:
+        setup.learner.notify = lambda note: store.event("tuning", note)
+    if setup.db is not None and setup.measured:  # compile-only results are not measurements
+        store.listeners.append(TuningRecorder(setup.db, store.run_id, setup.facts, setup.arch,
+                                              lambda message: say("tuning", message)))
+    loop = SearchLoop(store, setup.config, setup.proposer, setup.arch, setup.executor, observe, profile_candidate,
+                      device=setup.facts, builder=setup.builder, ahead=setup.ahead)
+    try:
+        loop.run(setup.problems)
     except WorkerUnavailable as e:  # every GPU worker gone mid-run (a cluster that lost all its workers)
-        if store is None:
-            raise
         store.set_meta("state", "interrupted")
-        console.print(f"stopped: {e}; python -m agent run --resume {store.run_id} continues it")
-        return EXIT_LOST
-    finally:
-        proposer.close()
-        builder.close()
-        if ahead is not None:
-            ahead.close()
-        if db is not None:
-            db.close()
-        if pool is not None:
-            if store is not None:
-                store.set_meta("executor", pool.describe())
-            pool.close()
-    console.print(show_run(store))
-    console.print(next_steps(store), soft_wrap=True)
-    return 0
-
-
-def too_big(problems: list[Problem], device: DeviceFacts) -> str | None:
-    """Why a problem cannot be checked and timed on this GPU (its operands, the checks' copies and the timing sets
-    would not fit in its memory), or None."""
-    for p in problems:
-        need = TIMING_COPIES * p.operand_bytes
-        if need > device.memory_bytes:
-            return (f"{p.mnk} needs about {need / 2**30:.0f} GiB of GPU memory for its operands, the checks' copies "
-                    f"and the timing sets; {device.name} has {device.memory_bytes / 2**30:.0f} GiB")
-    return None
+        return Outcome(EXIT_LOST, store, str(e))
+    store.set_meta("state", "done")
+    return Outcome(EXIT_DONE, store)

@@ -21,6 +21,7 @@ from core.records import BuildResult, Candidate, EvalResult, ModelCall, Patch, P
 
 MARKER = "hgemm-agent run store v1"
 DB_NAME = "run.sqlite"
+DEFAULT_RUNS_DIR = "runs"  # where runs live unless --runs-dir says otherwise
 
 WINNERS_TABLE = "CREATE TABLE IF NOT EXISTS winners (problem_key TEXT PRIMARY KEY, candidate_id TEXT);"
 MODEL_CALLS_TABLE = """CREATE TABLE IF NOT EXISTS model_calls (seq INTEGER PRIMARY KEY, problem_key TEXT, ts REAL,
@@ -76,7 +77,10 @@ class RunStore:
         self.listeners: list[Listener] = []
         db = self.folder / DB_NAME
         if create:
-            self.folder.mkdir(parents=True, exist_ok=False)
+            try:
+                self.folder.mkdir(parents=True, exist_ok=False)
+            except OSError as e:
+                raise StoreError(f"cannot create the run folder {self.folder} ({e.strerror or e})") from None
         elif not self.folder.is_dir():
             raise StoreError(f"no run {self.folder.name!r} in {self.folder.parent}")
         elif not db.is_file():
@@ -114,6 +118,11 @@ class RunStore:
     @property
     def run_id(self) -> str:
         return self.folder.name
+
+    @property
+    def compile_only(self) -> bool:
+        """A run that rendered and compiled its candidates and ran none (nothing checked or timed)."""
+        return bool((self.get_meta("config") or {}).get("compile_only"))
 
     def close(self) -> None:
         self.db.close()

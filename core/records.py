@@ -105,10 +105,6 @@ class Problem:
         """C tiles of block_m x block_n that cover the M x N output."""
         return ceil_div(self.m, block_m) * ceil_div(self.n, block_n)
 
-    def floor_us(self, peak_tflops: float = 800.0, peak_tbps: float = 4.3) -> float:
-        """Roofline floor: the larger of the arithmetic and memory times, launch latency excluded."""
-        return max(self.flops / (peak_tflops * 1e6), self.operand_bytes / (peak_tbps * 1e6))
-
 
 @dataclass(frozen=True)
 class TextEdit:

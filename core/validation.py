@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pydantic import ValidationError
 
 
-def validation_message(e: ValidationError) -> str:
-    """The first problem pydantic found, as one line: `field: message`."""
+def validation_message(e: ValidationError, names: Mapping[str, str] | None = None) -> str:
+    """The first problem pydantic found, as one line: `field: message`, the field named as `names` maps it (a
+    command-line option, say) where it has an entry."""
     err = e.errors()[0]
     where = ".".join(str(x) for x in err["loc"]) or "value"
-    return f"{where}: {err['msg']}"
+    message = err["msg"].removeprefix("Value error, ")
+    return f"{(names or {}).get(where, where)}: {message}"

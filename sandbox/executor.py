@@ -1,10 +1,11 @@
 """Evaluation behind one interface: jobs go in, futures of their results come back, whoever runs them.
 
-Three kinds: `InlineExecutor` (a function called in the caller's thread: tests, replays), `WorkerPool` (one
-sandboxed GPU worker process per local GPU, sandbox/pool.py) and `DaskExecutor` (one per Dask worker, each owning a
-GPU, sandbox/cluster.py). The search loop, the bandit and the store see only this interface. Every GPU kind keeps
-GpuWorker's per-phase deadlines and replacement, runs one job at a time per GPU (timings never overlap on a GPU),
-and retries once, on any worker, a job whose worker process died under it; a second death is recorded as a fault.
+Four kinds: `InlineExecutor` (a function called in the caller's thread: tests, replays), `CompileOnly` (no GPU:
+every job comes back skipped), `WorkerPool` (one sandboxed GPU worker process per local GPU, sandbox/pool.py) and
+`DaskExecutor` (one per Dask worker, each owning a GPU, sandbox/cluster.py). The search loop, the bandit and the
+store see only this interface. Every GPU kind keeps GpuWorker's per-phase deadlines and replacement, runs one job at
+a time per GPU (timings never overlap on a GPU), and retries once, on any worker, a job whose worker process died
+under it; a second death is recorded as a fault.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from core.device import H200, DeviceFacts
-from core.records import BaselineJob, EvalJob, EvalResult, ProfileResult
+from core.records import BaselineJob, EvalJob, EvalResult, ProfileResult, Status
 
 # sandbox.profile.profile_candidate: (cubin, family, params, problem) -> ProfileResult; GPU executors also pass
 # device= (the index, in this process's view, of the GPU to profile on)
@@ -41,6 +42,8 @@ def done(value: Any) -> Future:
 
 class Executor(ABC):
     """Runs EvalJobs (and BaselineJobs) on GPUs; one job per GPU at a time."""
+
+    measures = True  # its results are measurements of a GPU (False: compile-only, nothing ran)
 
     @property
     @abstractmethod
@@ -101,3 +104,27 @@ class InlineExecutor(Executor):
     def profile(self, profiler: Profiler, job: EvalJob) -> Future:
         return done(profiler(job.cubin, job.family, job.params, job.problem))
 
+
+
+COMPILE_ONLY = "compile only"
+
+
+class CompileOnly(Executor):
+    """No GPU: every job comes back SKIPPED ("compile only") at once and nothing is profiled; the H200 stand-in's
+    facts are what the search orders settings by."""
+
+    measures = False
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return H200.to_dict()
+
+    @property
+    def slots(self) -> int:
+        return 1
+
+    def submit(self, job: Job) -> Future:
+        return done(EvalResult(job.candidate_id, Status.SKIPPED, COMPILE_ONLY))
+
+    def profile(self, profiler: Profiler, job: EvalJob) -> Future:
+        return done(ProfileResult(False, error=COMPILE_ONLY))

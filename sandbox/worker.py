@@ -14,6 +14,7 @@ from typing import Any
 
 from core.device import TENSOR_FLOPS_PER_CLOCK, DeviceFacts
 from core.records import BaselineJob, EvalJob, EvalResult, Status
+from core.roofline import compute_us, floor_us
 
 TIMING_DEADLINE_S = 30.0  # the timing phase's own work (captures, replays, checks), beyond the kernels' time
 
@@ -83,7 +84,7 @@ class GpuContext:
 
         family, p = get_family(job.family), job.problem
         kernel = Kernel.for_family(job.cubin, job.family, job.params, p, self.facts)
-        expected_us = max(p.flops / (self.facts.tensor_tflops * 1e6), p.operand_bytes / (self.facts.hbm_tbps * 1e6))
+        expected_us = floor_us(p, self.facts)
         say(job.timeout_s + 2.0 + 400 * expected_us * 1e-6)
         seed = job.seed if job.seed is not None else secrets.randbits(48)  # inputs a kernel cannot predict
         checker = Checker(kernel, p, deterministic=family.deterministic, scrub=self.scrub, seed=seed)
@@ -96,7 +97,7 @@ class GpuContext:
         say(job.timeout_s + TIMING_DEADLINE_S + 2000 * expected_us * 1e-6)
         timings = time_candidate(p, kernel, checker, self.flush, honest=job.honest)
         warm = timings["warm"]
-        if warm.median_us < p.flops / (self.facts.tensor_tflops * 1e6):
+        if warm.median_us < compute_us(p, self.facts):
             raise CheckFailed(f"timed faster than the GPU's peak arithmetic rate ({warm.median_us:.2f} "
                               f"us for {p.flops:.3g} flop): the timed launches cannot be doing the work")
         return dict(extra, **timings)

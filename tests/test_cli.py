@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from agent.cli import main
+from agent.store import RunStore
 from tests.conftest import HAS_GPU
 from tests.helpers import populated_run, sometimes_wrong
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(capsys, *argv):
@@ -25,7 +33,7 @@ def run_cli(capsys, *argv):
     (["run", "--mnk", "64_64_64", "--dtype", "fp32", "--compile-only"], "invalid choice: 'fp32'"),
     (["run", "--mnk", "64_64_64:nk:fp8", "--compile-only"], "unknown dtype 'fp8'"),
     (["run", "--compile-only"], "give the shapes"),
-    (["run", "--mnk", "64_64_64", "--budget-minutes", "0", "--compile-only"], "budget_minutes"),
+    (["run", "--mnk", "64_64_64", "--budget-minutes", "0", "--compile-only"], "--budget-minutes: Input should be"),
     (["run", "--mnk", "64_64_64", "--budget-minutes", "x"], "invalid float value"),
     (["run", "--mnk", "64_64_64", "--budget-minutes", "inf", "--compile-only"], "finite"),
     (["run", "--mnk", "99999999999999999999_8_8", "--compile-only"], "32-bit"),
@@ -217,7 +225,170 @@ def test_bench_bad_input(tmp_path, capsys, argv, message):
 def test_bench_without_gpu_says_so(tmp_path, capsys):
     populated_run(tmp_path / "runs" / "r1")
     code, _, err = run_cli(capsys, "bench", "r1", "--runs-dir", tmp_path / "runs")
-    assert code == 2 and "no usable GPU" in err
+    assert code == 2 and "no usable GPU" in err and "--compile-only" not in err  # bench has no such option
+
+
+# what a newcomer hits first: bad folders, Ctrl-C, --version, --help, resuming with other options
+
+@pytest.mark.parametrize("runs_dir, message", [
+    ("/proc/x", "cannot create folders in /proc"),
+    ("/sys/x", "cannot create folders in /sys"),
+    ("/dev/null/x", "/dev/null is not a folder"),
+    ("AFILE", "is a file, not a folder"),
+    ("AFILE/x", "is not a folder"),
+])
+def test_an_unusable_runs_dir_is_one_line_and_exit_2(tmp_path, capsys, runs_dir, message):
+    (tmp_path / "afile").write_text("x")
+    runs_dir = runs_dir.replace("AFILE", str(tmp_path / "afile"))
+    for verb in (["run", "--mnk", "64_64_64", "--compile-only"], ["bench", "--shapes", tmp_path / "afile"]):
+        code, out, err = run_cli(capsys, *verb, "--runs-dir", runs_dir)
+        assert code == 2 and message in err and err.count("\n") == 1 and err.startswith("error: --runs-dir")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_a_runs_dir_that_cannot_be_written_is_refused_before_anything(tmp_path, capsys, monkeypatch):
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("tempfile.mkdtemp", read_only)
+    code, _, err = run_cli(capsys, "run", "--mnk", "64_64_64", "--compile-only", "--runs-dir", tmp_path / "runs")
+    assert code == 2 and f"cannot create folders in {tmp_path} (Permission denied)" in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_before_the_run_folder_exists_is_exit_130_without_a_traceback(tmp_path, capsys, monkeypatch):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("agent.runner.nvrtc_version", interrupted)
+    code, out, err = run_cli(capsys, "run", "--mnk", "64_64_64", "--compile-only", "--runs-dir", tmp_path / "runs")
+    assert code == 130 and err == "interrupted\n" and not (tmp_path / "runs").exists()
+
+
+def test_ctrl_c_mid_run_says_how_to_resume_with_the_runs_dir(tmp_path, capsys, monkeypatch):
+    from agent.loop import SearchLoop
+
+    def interrupted(self, problems):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SearchLoop, "run", interrupted)
+    runs = tmp_path / "my runs"
+    code, out, _ = run_cli(capsys, "run", "--mnk", "64_64_64", "--compile-only", "--runs-dir", runs)
+    (folder,) = runs.iterdir()
+    assert code == 130 and f"python -m agent run --resume {folder.name} --runs-dir '{runs}' continues it" in out
+    assert RunStore(folder).get_meta("state") == "interrupted"
+
+
+@pytest.mark.parametrize("after", ["rich.console", "agent.cli"])
+def test_ctrl_c_while_starting_up_is_exit_130_without_a_traceback(tmp_path, after):
+    """A real SIGINT to `python -m agent` once Python has imported `after` (inside the command line's imports, or
+    just past them), told by -X importtime's lines."""
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "agent", "run", "--mnk", "64_64_64",
+                             "--compile-only", "--runs-dir", str(tmp_path / "runs")], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.rstrip().endswith(f"| {after}") or line.rstrip().endswith(f"|   {after}"):
+            proc.send_signal(signal.SIGINT)
+            break
+    lines += proc.stderr.readlines()
+    proc.wait(timeout=120)
+    said = [line for line in lines if not line.startswith("import time:")]
+    assert proc.returncode == 130 and said == ["interrupted\n"], said
+    assert not any((tmp_path / "runs").glob("*/run.sqlite"))
+
+
+def test_version_and_help_with_defaults(capsys):
+    import agent
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"hgemm-agent {agent.__version__}\n"
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option, default in (("--budget-minutes", "default 5;"), ("--max-candidates", "default 16)"),
+                            ("--kernel-timeout", "default 5)"), ("--seed", "default 0)"),
+                            ("--proposer", "default builtin)"), ("--runs-dir", "default runs)"),
+                            ("--llm-max-calls", "default 20)"), ("--dtype", "default fp16;")):
+        assert default in text.split(option + " ", 2)[-1].split(" --")[0], option
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "server mode: mean calls per second (default 200.0)" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-candidates", "0"], "--max-candidates: Input should be greater than or equal to 1"),
+    (["--kernel-timeout", "-1"], "--kernel-timeout: Input should be greater than 0"),
+    (["--llm-max-calls", "-1"], "--llm-max-calls: Input should be greater than or equal to 0"),
+    (["--llm-base-url", "notaurl"], "--llm-base-url (or OPENAI_BASE_URL): expected an http:// or https:// URL"),
+    (["--llm-base-url", "ftp://x", "--proposer", "llm"], "got 'ftp://x'"),
+    (["--llm-base-url", "http://host:port/v1"], "not a usable URL"),
+    (["--profile", "--no-profile"], "not allowed with argument"),
+])
+def test_bad_values_are_named_by_their_options(tmp_path, capsys, argv, message):
+    code, _, err = run_cli(capsys, "run", "--mnk", "64_64_64", "--compile-only", *argv, "--runs-dir", tmp_path / "r")
+    assert code == 2 and message in err and err.count("\n") == 1 and not (tmp_path / "r").exists()
+
+
+def test_resume_refuses_what_contradicts_the_run_and_keeps_its_settings(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    code, _, _ = run_cli(capsys, "run", "--mnk", "64_64_64", "--compile-only", "--max-candidates", "2", "--seed", "3",
+                         "--runs-dir", runs)
+    (folder,) = runs.iterdir()
+    run = folder.name
+    for argv, message in ((["--proposer", "mixed"], "started with --proposer builtin: --resume keeps it"),
+                          (["--arch", "sm_80"], "started with --arch sm_90a"),
+                          (["--seed", "4"], "started with --seed 3"),
+                          (["--dtype", "bf16"], "continues the run's own shapes: drop --dtype"),
+                          (["--b-layout", "nk", "--bias"], "drop --b-layout, --bias"),
+                          (["--epilogue", "relu"], "drop --epilogue"),
+                          (["--mnk", "8_8_8"], "drop --mnk")):
+        code, _, err = run_cli(capsys, "run", "--resume", run, *argv, "--runs-dir", runs)
+        assert code == 2 and message in err and err.count("\n") == 1
+    code, _, err = run_cli(capsys, "run", "--resume", run, "--runs-dir", runs)  # no GPU here: it stays compile-only
+    assert code == 0, err
+    code, out, _ = run_cli(capsys, "run", "--resume", run, "--compile-only", "--seed", "3", "--runs-dir", runs)
+    assert code == 0 and "for another 5 minutes, its own budget" in out and "new budget" not in out
+    assert len(RunStore(folder).candidates()) == 2  # its own --max-candidates 2, not the default 16
+    code, out, _ = run_cli(capsys, "run", "--resume", run, "--budget-minutes", "0.5", "--max-candidates", "3",
+                           "--runs-dir", runs)
+    assert code == 0 and "continuing it with the new budget (0.5 minutes)" in out
+    assert len(RunStore(folder).candidates()) == 3 and RunStore(folder).get_meta("config")["seed"] == 3
+
+
+def test_a_compile_only_run_names_the_h200_only_as_a_stand_in(tmp_path, capsys):
+    code, out, _ = run_cli(capsys, "run", "--mnk", "64_64_64", "--compile-only", "--max-candidates", "1",
+                           "--runs-dir", tmp_path / "runs")
+    lines = [line for line in out.splitlines() if "H200" in line]
+    assert code == 0 and lines and all("stand-in" in line for line in lines)
+
+
+def test_show_lists_the_candidate_ids_diff_takes(tmp_path, capsys):
+    store = populated_run(tmp_path / "runs" / "r1", n=6)
+    code, out, _ = run_cli(capsys, "show", "r1", "--runs-dir", tmp_path / "runs")
+    for p in store.problems():
+        leaders = [c.id for c, _ in store.leaders(p)]
+        assert all(cid in out for cid in leaders[:3]) and not any(cid in out for cid in leaders[4:])
+    first, second = [c.id for c, _ in store.leaders(store.problems()[0])][:2]
+    code, out, _ = run_cli(capsys, "diff", "r1", first, second, "--runs-dir", tmp_path / "runs")
+    assert code == 0 and "rendered sources" in out
+
+
+def test_the_runner_does_not_import_the_report():
+    out = subprocess.run([sys.executable, "-c", "import sys, agent.runner; print('agent.report' in sys.modules)"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_db_on_an_empty_database_says_it_is_empty(tmp_path, capsys):
+    from agent.tuning_db import TuningDB
+
+    TuningDB(tmp_path / "t.sqlite").close()
+    code, out, _ = run_cli(capsys, "db", "--db", tmp_path / "t.sqlite")
+    assert code == 0 and f"tuning database {tmp_path / 't.sqlite'} is empty" in " ".join(out.split())
 
 
 def test_bench_refuses_a_range_and_names_what_to_give(tmp_path, capsys):

@@ -15,6 +15,7 @@ import dask  # noqa: E402
 from distributed import LocalCluster  # noqa: E402
 
 from agent.config import RunConfig  # noqa: E402
+from agent.events import CandidateDone  # noqa: E402
 from agent.loop import SearchLoop  # noqa: E402
 from agent.proposers.builtin import BuiltinProposer  # noqa: E402
 from agent.store import RunStore  # noqa: E402
@@ -114,8 +115,8 @@ def test_the_loop_on_dask_loses_nothing_when_a_worker_is_killed_mid_run(tmp_path
             pids = ex.client.run(os.getpid)
             killed = []
 
-            def kill_one(kind, data):
-                if kind == "result" and len(store.results(P)) == 3 and not killed:
+            def kill_one(event):
+                if isinstance(event, CandidateDone) and len(store.results(P)) == 3 and not killed:
                     killed.append(min(pids.values()))
                     os.kill(killed[0], signal.SIGKILL)
 

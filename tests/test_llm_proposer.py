@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 
 import pytest
@@ -25,6 +26,7 @@ from agent.proposers.mixed import MixedProposer
 from agent.store import RunStore
 from core.device import DeviceFacts
 from core.records import BuildResult, Candidate, EvalResult, Patch, Problem, Status, TextEdit, Timing
+from sandbox.executor import CompileOnly
 from templates import get_family
 from tests.chat_server import ChatServer, Error, Reply, proposals
 
@@ -231,7 +233,7 @@ def test_429_then_success_is_retried(server):
     server.push(Error(429, "slow down"), Reply(proposals(GOOD)))
     llm = make(server)
     assert len(llm.propose(fresh_state())) == 1
-    assert llm.stats()["retries"] == 1 and llm.stats()["calls"] == 2 and llm.stopped is None
+    assert llm.stats()["retries"] == 1 and llm.stats()["calls"] == 1 and llm.stopped is None  # one call, two attempts
 
 
 def test_timeout_is_retried(server):
@@ -276,7 +278,9 @@ def test_llm_down_the_mixed_proposer_keeps_proposing():
     for _ in range(4):
         [c] = mixed.propose(state)
         record(state, c, EvalResult(c.id, Status.SKIPPED))
-    assert "connection error" in llm.gave_up and llm.stats()["calls"] == 2
+    stats = llm.stats()  # one call, two attempts
+    assert "connection error" in llm.gave_up
+    assert (stats["calls"], stats["failed_requests"], stats["retries"]) == (1, 2, 1)
 
 
 def test_budgets_stop_the_calls(server):
@@ -372,7 +376,7 @@ def test_loop_with_llm_and_mixed_proposers_records_llm_candidates(server, tmp_pa
         store = RunStore(tmp_path / kind, create=True)
         store.add_problems([P])
         proposer = make_proposer(config)
-        SearchLoop(store, config, proposer, "sm_90a", None).run([P])
+        SearchLoop(store, config, proposer, "sm_90a", CompileOnly()).run([P])
         proposer.close()
         results = store.results(P)
         assert [c.origin for c, _ in results] == want
@@ -405,6 +409,26 @@ def test_cli_run_with_llm_proposer(server, tmp_path, monkeypatch, capsys):
         assert KEY.encode() not in f.read_bytes()
 
 
+def test_a_failing_endpoint_is_said_when_it_fails_and_counted_once(server, tmp_path, monkeypatch, capsys):
+    """Three attempts of one call: the run's lines say so as it happens, and the summary and `show --llm` both count
+    one call."""
+    server.default = Error(500, "upstream exploded")
+    monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+    runs = tmp_path / "runs"
+    code = main(["run", "--mnk", "256_256_256", "--compile-only", "--proposer", "llm", "--max-candidates", "2",
+                 "--runs-dir", str(runs)])
+    out = capsys.readouterr().out
+    assert code == 0 and len(server.requests) == 3
+    said = out.index("256_256_256:kn:f16: LLM call (propose): endpoint failed: HTTP 500")
+    first = re.search(r"256_256_256:kn:f16: [0-9a-f]{12} ", out).start()
+    assert said < first < out.index("(done, arch")  # said before the first candidate's line, not only at the end
+    assert "LLM: 1 call (1 failed)" in out and '"calls": 1,' in out and '"retries": 2' in out
+    [folder] = list(runs.iterdir())
+    assert main(["show", folder.name, "--llm", "--runs-dir", str(runs)]) == 0
+    out = capsys.readouterr().out
+    assert "1 call, 0 prompt" in out and "LLM: 1 call (1 failed)" in out
+
+
 def test_loop_compiles_and_records_a_patched_sm90_candidate_and_the_calls(server, tmp_path):
     include = {**PATCH, "edits": [{"search": ANCHOR, "replace": "#include <cuda_fp16.h>\n" + ANCHOR}]}
     server.default = Reply(proposals(PATCH, GOOD, include))
@@ -413,7 +437,7 @@ def test_loop_compiles_and_records_a_patched_sm90_candidate_and_the_calls(server
     store = RunStore(tmp_path / "r", create=True)
     store.add_problems([P])
     proposer = make_proposer(config)
-    SearchLoop(store, config, proposer, "sm_90a", None).run([P])
+    SearchLoop(store, config, proposer, "sm_90a", CompileOnly()).run([P])
     proposer.close()
     patched, params, reads_files, builtin = store.candidates(P)
     assert (patched.origin, params.origin, builtin.origin) == ("llm-patch", "llm", "builtin")

@@ -9,12 +9,14 @@ import pytest
 
 from agent import buckets
 from agent.config import RunConfig
+from agent.events import BucketEndTimed, CandidateDone, Remeasured
 from agent.loop import SearchLoop
 from agent.proposers.builtin import BuiltinProposer, RandomProposer
 from agent.store import RunStore
 from core.records import BuildResult, Candidate, EvalJob, Problem, Status
 from core.source import NO_FILES
 from sandbox.build_pool import BuildPool
+from sandbox.executor import CompileOnly
 from sandbox.pool import WorkerPool
 from templates import get_family
 from tests import fake_workers
@@ -72,7 +74,7 @@ def test_an_edited_template_is_rendered_once_in_the_loop_and_refused_there(tmp_p
 def test_compile_only_skips_evaluation(tmp_path):
     store = RunStore(tmp_path / "r", create=True)
     store.add_problems([P])
-    SearchLoop(store, RunConfig(max_candidates=3), BuiltinProposer(), "sm_80", None).run([P])
+    SearchLoop(store, RunConfig(max_candidates=3), BuiltinProposer(), "sm_80", CompileOnly()).run([P])
     assert store.failure_counts(P) == {"skipped": 3}
     assert all(store.build(c.id).arch == "sm_80" for c in store.candidates(P))
 
@@ -186,7 +188,7 @@ def test_two_gpus_stay_busy_and_every_candidate_is_recorded_once(tmp_path, monke
     with WorkerPool((0, 1), target=fake_workers.timed_like_fake_evaluate) as pool:
         pool.start()
         store = search(tmp_path / "r", pool, n=8, builder=BuildPool(2),
-                       observer=lambda kind, data: events.append((kind, data["problem"])))
+                       observer=lambda e: events.append((type(e), getattr(e, "problem", None))))
     runs = {0: [], 1: []}
     for p in (P, Q):
         results = store.results(p)
@@ -201,7 +203,7 @@ def test_two_gpus_stay_busy_and_every_candidate_is_recorded_once(tmp_path, monke
         assert gpu and all(a[1] <= b[0] for a, b in zip(gpu, gpu[1:], strict=False))
     assert any(a[0] < b[1] and b[0] < a[1] for a in runs[0] for b in runs[1])  # both GPUs at once
     # the next shape's candidates take idle GPUs while the previous shape is re-measured
-    assert events.index(("result", Q)) < max(i for i, e in enumerate(events) if e == ("remeasure", P))
+    assert events.index((CandidateDone, Q)) < max(i for i, e in enumerate(events) if e == (Remeasured, P))
 
 
 def test_a_worker_that_dies_mid_run_costs_nothing(tmp_path, monkeypatch):
@@ -216,8 +218,8 @@ def test_a_worker_that_dies_mid_run_costs_nothing(tmp_path, monkeypatch):
 
 
 def test_resume_after_an_interrupt_with_several_in_flight(tmp_path):
-    def stop_at_the_fourth(kind, data):
-        if kind == "result" and len(store.results(P)) == 4:
+    def stop_at_the_fourth(event):
+        if isinstance(event, CandidateDone) and len(store.results(P)) == 4:
             raise KeyboardInterrupt
 
     store = RunStore(tmp_path / "r", create=True)
@@ -276,7 +278,7 @@ def test_compiling_ahead_changes_nothing_recorded_and_spares_the_inline_compiles
 
 def test_compile_only_runs_compile_nothing_ahead(tmp_path):
     ahead = CountingBuilds()
-    search(tmp_path / "r", None, n=3, ahead=ahead)
+    search(tmp_path / "r", CompileOnly(), n=3, ahead=ahead)
     assert ahead.ids == []
 
 
@@ -292,7 +294,7 @@ def test_a_range_is_searched_in_buckets_seeded_by_neighbours_and_timed_at_their_
     with WorkerPool((0,), target=fake_workers.m_dependent_worker) as pool:
         pool.start()
         SearchLoop(store, config, BuiltinProposer(), "sm_90a", pool,
-                   lambda kind, data: ends.append((data["problem"].key, data["m"])) if kind == "bucket end" else None
+                   lambda e: ends.append((e.problem.key, e.m)) if isinstance(e, BucketEndTimed) else None
                    ).run(problems)
     tried = [len(store.results(p)) for p in problems]
     assert [p.mnk for p in problems] == ["1-1_256_512", "2-2_256_512", "3-4_256_512", "5-8_256_512", "9-16_256_512",

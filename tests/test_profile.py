@@ -6,6 +6,7 @@ A fake `ncu` (a script written into tmp_path, found through $HGEMM_AGENT_NCU) pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -25,6 +26,7 @@ from agent.report import show_run
 from agent.store import RunStore
 from core.records import Problem, ProfileResult
 from sandbox import profile as prof
+from sandbox.executor import CompileOnly
 from tests.helpers import fake_evaluate, populated_run
 
 P = Problem(1000, 3000, 2000)
@@ -246,7 +248,7 @@ def test_loop_profiles_the_leaders_and_prompts_see_them(tmp_path):
 
     store = RunStore(tmp_path / "r", create=True)
     store.add_problems([P])
-    loop = SearchLoop(store, RunConfig(max_candidates=8), BuiltinProposer(), "sm_90a", fake_evaluate,
+    loop = SearchLoop(store, RunConfig(max_candidates=8, profile=True), BuiltinProposer(), "sm_90a", fake_evaluate,
                       profiler=profiler)
     loop.run([P])
     assert all(store.profile(cid).ok for cid in _leaders(store, P, 2))
@@ -269,7 +271,7 @@ def test_loop_with_the_fake_ncu_and_show(tmp_path, fake_ncu, capsys):
     store = RunStore(tmp_path / "runs" / "r1", create=True)
     store.add_problems([P])
     store.set_meta("config", RunConfig(max_candidates=4).model_dump(mode="json"))
-    SearchLoop(store, RunConfig(max_candidates=4), BuiltinProposer(), "sm_90a", fake_evaluate,
+    SearchLoop(store, RunConfig(max_candidates=4, profile=True), BuiltinProposer(), "sm_90a", fake_evaluate,
                profiler=prof.profile_candidate).run([P])
     best = store.winner(P).candidate
     assert store.profile(best.id).summary.startswith("L2 hit 62%, DRAM 85% busy")
@@ -282,7 +284,7 @@ def test_without_ncu_the_run_says_so_once_and_goes_on(tmp_path, monkeypatch):
     monkeypatch.setenv(prof.NCU_ENV, str(tmp_path / "no-such-ncu"))
     store = RunStore(tmp_path / "r", create=True)
     store.add_problems([P, Q])
-    SearchLoop(store, RunConfig(max_candidates=4), BuiltinProposer(), "sm_90a", fake_evaluate,
+    SearchLoop(store, RunConfig(max_candidates=4, profile=True), BuiltinProposer(), "sm_90a", fake_evaluate,
                profiler=prof.profile_candidate).run([P, Q])
     skipped = [m for _, kind, m in store.events() if "profiling skipped" in m]
     assert skipped == ["profiling skipped: ncu not found"]
@@ -292,7 +294,9 @@ def test_without_ncu_the_run_says_so_once_and_goes_on(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("config, evaluate", [
     (RunConfig(max_candidates=4, profile=False), fake_evaluate),  # --no-profile
-    (RunConfig(max_candidates=4), None),  # compile only
+    (RunConfig(max_candidates=4), fake_evaluate),  # the built-in proposer reads no profiles: none by default
+    (RunConfig(max_candidates=4, proposer="llm", profile=False), fake_evaluate),
+    (RunConfig(max_candidates=4, profile=True), CompileOnly()),  # compile only
 ])
 def test_no_profiling_when_switched_off_or_compiling_only(tmp_path, config, evaluate):
     store = RunStore(tmp_path / "r", create=True)
@@ -311,7 +315,7 @@ def test_repeated_profile_failures_stop_profiling(tmp_path):
 
     store = RunStore(tmp_path / "r", create=True)
     store.add_problems([P, Q])
-    SearchLoop(store, RunConfig(max_candidates=4), BuiltinProposer(), "sm_90a", fake_evaluate,
+    SearchLoop(store, RunConfig(max_candidates=4, profile=True), BuiltinProposer(), "sm_90a", fake_evaluate,
                profiler=broken).run([P, Q])
     assert len(calls) == 2
     assert [m for _, _, m in store.events() if "skipped" in m] == ["profiling skipped: two profiles in a row failed"]
@@ -324,12 +328,45 @@ def test_show_without_profiles_has_no_profile_lines(tmp_path):
     assert "profile " not in console.export_text()
 
 
-def test_cli_no_profile_flag():
-    from agent.cli import build_parser
+def test_profiles_are_on_where_something_reads_them_or_where_asked():
+    from agent.cli import build_parser, main
+    from agent.run_options import run_config
 
-    parse = build_parser().parse_args
-    assert parse(["run", "--mnk", "64_64_64"]).profile is True
-    assert parse(["run", "--mnk", "64_64_64", "--no-profile"]).profile is False
+    def config(*argv):
+        return run_config(build_parser().parse_args(["run", "--mnk", "64_64_64", *argv]))
+
+    assert config().profiles is False  # the built-in proposer never reads a profile
+    assert config("--proposer", "mixed", "--llm-base-url", "http://localhost:1/v1").profiles is True  # the prompts do
+    assert config("--proposer", "llm", "--llm-base-url", "http://x:1", "--no-profile").profiles is False
+    assert config("--profile").profiles is True and config("--no-profile").profiles is False
+    assert main(["run", "--mnk", "64_64_64", "--profile", "--no-profile"]) == 2  # one or the other
+
+
+def test_a_profile_is_charged_to_its_shape_and_none_starts_past_its_share(tmp_path):
+    """Profiles of about a second each are kept out of the shape's share (at least one leader is still to profile
+    when it stops proposing); a shape whose share is spent is not profiled at all, so the shapes after it keep their
+    time."""
+    def slow_profile(*args):
+        time.sleep(1.0)
+        return ProfileResult(True, {}, "fake profile")
+
+    store = RunStore(tmp_path / "r", create=True)
+    store.add_problems([P])
+    loop = SearchLoop(store, RunConfig(max_candidates=50, profile=True, budget_minutes=0.05), BuiltinProposer(),
+                      "sm_90a", lambda j: dataclasses.replace(fake_evaluate(j), wall_s=0.01), profiler=slow_profile)
+    loop.profiles.walls = [1.0]  # as if the run had timed a profile at a second
+    loop.run([P])
+    [cut] = [m for _, kind, m in store.events() if kind == "budget"]
+    assert "kept for re-measurement and profiles" in cut
+    assert 2 <= len(store.results(P)) < 50
+    assert float(cut.split("; ")[1].split(" s kept")[0]) >= 0.9  # a leader's profile, at about a second
+    spent = RunStore(tmp_path / "r2", create=True)
+    spent.add_problems([P])
+    SearchLoop(spent, RunConfig(max_candidates=4, profile=True, budget_minutes=0.01), BuiltinProposer(), "sm_90a",
+               lambda j: time.sleep(0.4) or fake_evaluate(j),  # two evaluations outlast the 0.6 s share
+               profiler=lambda *a: pytest.fail("profiled past the share")).run([P])
+    assert len(spent.results(P)) == 2
+    assert any("not profiled: the shape's time share is spent" in m for _, _, m in spent.events())
 
 
 # on the GPU, under the real Nsight Compute

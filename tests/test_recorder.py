@@ -73,6 +73,19 @@ def test_other_entry_points_and_skips(tmp_path):
         "not a kernel shape (N and K must be multiples of 8 (16-byte rows), got 4_8_12)": 1}
 
 
+def test_a_file_with_nothing_recorded_does_not_tell_the_user_to_run_it(tmp_path, capsys):
+    from agent.cli import main
+
+    model = nn.Linear(64, 64)  # fp32: nothing the kernels take
+    with agent.record_gemm_shapes(tmp_path / "s.txt"):
+        model(torch.randn(4, 64))
+    text = (tmp_path / "s.txt").read_text()
+    assert "0 distinct problems" in text and "skipped 1 calls: 1 dtype float32" in text
+    assert "nothing to search" in text and "run --shapes" not in text
+    assert main(["run", "--shapes", str(tmp_path / "s.txt"), "--compile-only", "--runs-dir", str(tmp_path / "r")]) == 2
+    assert "holds no shape" in capsys.readouterr().err
+
+
 def test_calls_run_unchanged_and_nothing_written_on_error(tmp_path):
     lin = nn.Linear(16, 8).half()
     x = torch.randn(3, 16).half()

@@ -17,6 +17,7 @@ from agent.cost_model import CostModel, Learner
 from agent.proposers.base import Proposer, SearchState, arm_of
 from core.device import DeviceFacts
 from core.records import Candidate, Problem
+from core.roofline import floor_us
 from templates import families_for_arch
 from templates.family import Family
 
@@ -32,7 +33,7 @@ def roofline_us(problem: Problem, family: Family, device: DeviceFacts) -> float 
     """The family's time for the problem at its reach of the device's tensor rate, or at the memory bandwidth,
     whichever is slower, plus a launch; None for a family without a reach on this arch."""
     share = family.tensor_share.get(device.arch)
-    return LAUNCH_US + problem.floor_us(share * device.tensor_tflops, device.hbm_tbps) if share else None
+    return LAUNCH_US + floor_us(problem, device, share) if share else None
 
 
 def roofline_priors(problem: Problem, families: list[Family], device: DeviceFacts, known: dict[str, float],

@@ -16,6 +16,7 @@ from agent.proposers.base import SearchState, arm_of
 from agent.proposers.patch import template_changes
 from core.device import DeviceFacts
 from core.records import BuildResult, Candidate, EvalResult, Problem, Status
+from core.roofline import floor_us
 from templates import FAMILIES
 from templates.family import Family
 
@@ -86,7 +87,7 @@ def problem_view(state: SearchState) -> dict[str, Any]:
         "b_meaning": "B is K x N row-major (torch.matmul)" if p.b_layout == "kn"
         else "B is N x K row-major (nn.Linear weight)",
         "gflop": round(p.flops / 1e9, 3),
-        "floor_us": round(p.floor_us(), 2),
+        "floor_us": round(floor_us(p, state.device), 2),
         "cublas_us": round(cublas[len(cublas) // 2], 2) if cublas else None,
     }
 

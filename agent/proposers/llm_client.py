@@ -25,8 +25,9 @@ class BudgetSpent(Exception):
 
 @dataclass
 class Usage:
-    """What the endpoint cost so far: calls (retries included), failures, and tokens (estimated at about four
-    characters a token where the server reports none)."""
+    """What the endpoint cost so far: calls (one a prompt sent, however many attempts it took: what `show --llm`
+    lists and --llm-max-calls caps), failed attempts, retries, and tokens (estimated at about four characters a token
+    where the server reports none)."""
 
     calls: int = 0
     failed_requests: int = 0
@@ -53,10 +54,10 @@ class ChatClient:
     def complete(self, messages: list[dict[str, str]]) -> tuple[str, str | None]:
         """One chat completion (text, finish reason), retried on timeouts, connection errors, 429 and 5xx with
         exponential backoff; BudgetSpent or EndpointFailed when it cannot be had."""
+        self._check_budget()
+        self.usage.calls += 1
         attempt = 0
         while True:
-            self._check_budget()
-            self.usage.calls += 1
             extra = {"response_format": {"type": "json_object"}} if self.json_mode else {}
             try:
                 response = self.client.chat.completions.create(model=self.settings.model, messages=messages,

@@ -1,0 +1,173 @@
+"""Decoder-layer fusions (agent/export/runtime/hgemm_fuse.py) on tiny Hugging Face-style modules written here: each
+fusion is recognised, the logits match the unfused model's, `unfuse` restores the exact parameters, no weight is
+held twice, and the fused model runs under torch.compile(fullgraph=True). The shape recorder names the fused
+problems."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agent.export.runtime import hgemm_fuse
+from agent.recorder import record_gemm_shapes
+from core.epilogue import Epilogue, compose
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections around causal attention with grouped KV heads, as Llama's (no rotary)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, bias: bool):
+        super().__init__()
+        self.head_dim, self.heads, self.kv_heads = hidden // heads, heads, kv_heads
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, act: nn.Module):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(hidden, inter, bias=False), nn.Linear(hidden, inter, bias=False)
+        self.down_proj, self.act_fn = nn.Linear(inter, hidden, bias=False), act
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, hidden: int, inter: int, act: nn.Module, bias: bool):
+        super().__init__()
+        self.self_attn, self.mlp = Attention(hidden, 4, 2, bias), MLP(hidden, inter, act)
+        self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
+                                          attention_mask=attention_mask, **kwargs)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class TupleLayer(Layer):
+    def forward(self, hidden_states, attention_mask=None, **kwargs):  # an older convention: a tuple, no annotation
+        return (super().forward(hidden_states, attention_mask, **kwargs),)
+
+
+class Model(nn.Module):
+    def __init__(self, layers: int = 2, act: nn.Module | None = None, bias: bool = False, layer=Layer):
+        super().__init__()
+        self.embed = nn.Embedding(50, 64)
+        self.layers = nn.ModuleList(layer(64, 96, act or nn.SiLU(), bias) for _ in range(layers))
+        self.lm_head = nn.Linear(64, 50, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            out = layer(h, attention_mask=None)
+            h = out[0] if isinstance(out, tuple) else out
+        return self.lm_head(h)
+
+
+class TorchOps:
+    """What hgemm_ops does where no exported kernel serves: PyTorch's linear and the epilogue's composition."""
+
+    calls: list = []
+
+    @classmethod
+    def linear(cls, x, w, bias=None):
+        cls.calls.append(("none", tuple(w.shape)))
+        return F.linear(x, w, bias)
+
+    @classmethod
+    def fused_linear(cls, x, w, bias, epilogue, residual):
+        cls.calls.append((epilogue, tuple(w.shape)))
+        return compose(F.linear(x, w, bias), Epilogue(epilogue), residual)
+
+
+def model_and_ids(**kw):
+    torch.manual_seed(0)
+    return Model(**kw).eval(), torch.randint(50, (2, 9))
+
+
+def storage_bytes(model: nn.Module) -> int:
+    seen = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("bias, act, epilogue", [(False, nn.SiLU(), "silu_mul"),
+                                                 (True, nn.GELU(approximate="tanh"), "gelu_mul")])
+def test_each_fusion_is_recognised_and_the_logits_match(bias, act, epilogue):
+    model, ids = model_and_ids(act=act, bias=bias)
+    with torch.no_grad():
+        ref = model(ids)
+    params = dict(model.named_parameters())
+    before, size = {n: p.detach().clone() for n, p in params.items()}, storage_bytes(model)
+    assert hgemm_fuse.fuse(model, TorchOps) == {"qkv": 2, "gate_up": 2, "o_residual": 2, "down_residual": 2}
+    assert storage_bytes(model) == size  # merged buffers replace the parameters' storage: nothing held twice
+    assert hgemm_fuse.fuse(model, TorchOps) == dict.fromkeys(hgemm_fuse.KINDS, 0)  # fused once
+    TorchOps.calls = []
+    with torch.no_grad():
+        out = model(ids)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    # per layer: q/k/v in one GEMM of N = 64 + 32 + 32, o_proj + residual, gate/up gated (N = 2 x 96), down + residual
+    assert TorchOps.calls[:4] == [("none", (128, 64)), ("residual", (64, 64)), (epilogue, (192, 64)),
+                                  ("residual", (64, 96))]
+    described = hgemm_fuse.describe(model)
+    assert described[0].startswith("layers.0: q/k/v as one GEMM, gate/up as one gated GEMM")
+    assert epilogue in described[0]
+    assert hgemm_fuse.unfuse(model) == 2 and hgemm_fuse.describe(model) == []
+    for n, p in model.named_parameters():  # the same parameter objects, bit for bit, each its own storage again
+        assert p is params[n] and torch.equal(p, before[n]), n
+    assert storage_bytes(model) == size
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref)
+
+
+def test_what_is_not_recognised_stays_as_it_is():
+    model, ids = model_and_ids(act=nn.ReLU(), layer=TupleLayer)  # an activation with no gated epilogue, a tuple
+    with torch.no_grad():
+        ref = model(ids)
+    assert hgemm_fuse.fuse(model, TorchOps) == {"qkv": 2, "gate_up": 0, "o_residual": 0, "down_residual": 0}
+    with torch.no_grad():
+        assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    hgemm_fuse.unfuse(model)
+    plain = nn.Sequential(nn.Linear(8, 8))
+    assert hgemm_fuse.fuse(plain, TorchOps) == dict.fromkeys(hgemm_fuse.KINDS, 0)
+
+
+def test_a_fused_model_compiles_whole():
+    model, ids = model_and_ids()
+    with torch.no_grad():
+        ref = model(ids)
+        hgemm_fuse.fuse(model, TorchOps)
+        out = torch.compile(model, fullgraph=True, backend="aot_eager")(ids)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    hgemm_fuse.unfuse(model)
+
+
+def test_the_recorder_names_the_fused_problems(tmp_path):
+    model, ids = model_and_ids(bias=True)
+    model = model.half()
+    with torch.no_grad(), record_gemm_shapes(tmp_path / "shapes.txt", model=model):
+        model(ids)
+    lines = [ln.split("#")[0].strip() for ln in (tmp_path / "shapes.txt").read_text().splitlines()
+             if ln and not ln.startswith("#")]
+    assert lines == ["18_128_64:nk:f16:bias", "18_64_64:nk:f16:residual", "18_192_64:nk:f16:silu_mul",
+                     "18_64_96:nk:f16:residual"]  # lm_head's N = 50 is no kernel shape
+    assert hgemm_fuse.describe(model) == []  # put back
