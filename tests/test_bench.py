@@ -55,3 +55,24 @@ def test_server_table_names_the_launch_path():
     console.print(server_table(report, 200))
     text = console.export_text()
     assert "through the compiled op" in text and "64_4096_4096:nk:f16" in text and "cuBLAS" in text
+
+
+def test_bench_ranks_on_honest_time_and_names_the_baseline(tmp_path):
+    jobs = []
+
+    def honest(job):
+        jobs.append(job)
+        r = evaluate(job)
+        if isinstance(job, BaselineJob):
+            return EvalResult("cublas", Status.OK, cublas_warm=r.cublas_warm, cublas_cold=r.cublas_cold,
+                              cublas_honest=Timing(31, 30, 32, 10))
+        slower = Timing(r.warm.median_us * 1.1, r.warm.min_us, r.warm.max_us, 10)  # no reuse: 10% slower
+        return EvalResult(r.candidate_id, r.status, warm=r.warm, cold=r.cold, cublas_warm=r.cublas_warm,
+                          cublas_cold=r.cublas_cold, honest=slower, cublas_honest=r.cublas_warm)
+
+    win, lose = bench_offline(honest, [populated_run(tmp_path / "a", n=4)], [WIN, LOSE], progress=lambda s: None)
+    assert all(j.honest for j in jobs)  # the winner and cuBLAS alone are both timed honestly
+    assert abs(win.ratio_honest - win.ratio_warm / 1.1) < 1e-9 and lose.ratio_honest == 1.0
+    fused = Problem(8, 64, 64, "nk", "f16", False, "silu_mul")
+    assert fused.fused.baseline == "cuBLAS x2 (gate, up) + silu + mul" and WIN.fused.baseline == "cuBLAS"
+    assert write_outputs([win, lose], tmp_path / "o", {})[0].read_text().count("geomean_honest") == 1
