@@ -81,6 +81,8 @@ class SuccessiveHalving:
         self.scores, self.rounds_left = scores, rounds
         self.alive = [i for i in items if scores.get(i)]
         self.measuring: list[Hashable] = []
+        self.started = False  # the first round measures every item, even a single one
+        self.replaced: set[Hashable] = set()
 
     def next_round(self) -> list[Hashable]:
         """The items to measure now; empty once the winner is decided."""
@@ -88,17 +90,23 @@ class SuccessiveHalving:
             self.alive = sorted((i for i in self.alive if self.scores[i]), key=lambda i: _median(self.scores[i]))
             self.alive = self.alive[: max(1, (len(self.alive) + 1) // 2)]
             self.measuring = []
-        if self.rounds_left == 0 or len(self.alive) <= 1:
+        if self.rounds_left == 0 or (len(self.alive) <= 1 and self.started) or not self.alive:
             return []
         self.rounds_left -= 1
+        self.started = True
         self.measuring = list(self.alive)
         return list(self.measuring)
 
-    def record(self, item: Hashable, t: float | None) -> None:
+    def record(self, item: Hashable, t: float | None, replace: bool = False) -> None:
+        """A new time for the item (None: it failed and is dropped). With `replace`, the item's first such time
+        replaces the scores it started with (re-measurements of another kind than the first screen's)."""
         if t is None:
             self.scores[item] = []
-        else:
-            self.scores[item].append(t)
+            return
+        if replace and item not in self.replaced:
+            self.replaced.add(item)
+            self.scores[item] = []
+        self.scores[item].append(t)
 
     @property
     def winner(self) -> Hashable | None:

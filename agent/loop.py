@@ -274,7 +274,7 @@ class SearchLoop:
         if time.monotonic() >= s.deadline + 60:
             return
         s.leaders = {c.id: c for c, _ in self.store.leaders(s.problem)[:self.remeasure_top]}
-        if len(s.leaders) < 2:
+        if not s.leaders:
             self._settle(s)
             return
         scores = {cid: [1 / v for v in self.store.speedups(cid)] for cid in s.leaders}  # lower is better
@@ -294,13 +294,14 @@ class SearchLoop:
         for cid in items:
             c = s.leaders[cid]
             job = EvalJob(cid, s.problem, c.family, c.params, self.store.build(cid).cubin,
-                          timeout_s=self.config.kernel_timeout_s)
+                          timeout_s=self.config.kernel_timeout_s, honest=True)
             self._await(self.executor.submit(job), s, lambda r, cid=cid: self._remeasured(s, cid, r))
 
     def _remeasured(self, s: _Shape, cid: str, r: EvalResult) -> None:
         self.observe(Remeasured(s.problem, s.leaders[cid], r))
         self._record_remeasurement(r)
-        s.halving.record(cid, 1 / r.speedup if r.status is Status.OK else None)
+        # ranked on honest re-measurements alone: the first screen's warm times only chose the leaders
+        s.halving.record(cid, 1 / r.speedup if r.status is Status.OK else None, replace=True)
         s.round_left -= 1
         if s.round_left == 0:
             self._remeasure_round(s)

@@ -68,6 +68,15 @@ class Epilogue:
             return f"{self.activation}(gate) * up of ({y}), gate and up interleaved in {GATE_BLOCK}-column blocks"
         return f"{self.activation}({y})" if self.activation != "none" else y
 
+    @property
+    def baseline(self) -> str:
+        """What the model runs instead of the fused kernel, in words (the baseline a kernel is timed against)."""
+        if self.gated:
+            return f"cuBLAS x2 (gate, up) + {self.activation} + mul"
+        if self.residual:
+            return "cuBLAS + add"
+        return f"cuBLAS + {self.activation}" if self.activation != "none" else "cuBLAS"
+
     def check_n(self, n: int) -> str | None:
         """Why a GEMM of N columns cannot take this epilogue, or None."""
         if self.gated and n % (2 * GATE_BLOCK):

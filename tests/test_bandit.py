@@ -63,3 +63,15 @@ def test_successive_halving_beats_a_lucky_first_timing():
 def test_successive_halving_drops_items_that_fail():
     scores = {"x": [1.0], "y": [2.0]}
     assert successive_halving(["x", "y"], lambda i: None if i == "x" else 2.0, scores) == "y"
+
+
+def test_a_single_leader_is_remeasured_once_and_honest_times_replace_the_first_screen():
+    h = SuccessiveHalving(["a"], {"a": [1.0]})
+    assert h.next_round() == ["a"]  # measured once even alone: the winner's figure is a re-measurement
+    h.record("a", 2.0, replace=True)
+    assert h.next_round() == [] and h.winner == "a" and h.scores["a"] == [2.0]
+    h = SuccessiveHalving(["a", "b"], {"a": [1.0, 1.0], "b": [1.5]})  # "a" led on the first screen
+    assert h.next_round() == ["a", "b"]
+    h.record("a", 2.0, replace=True)  # honestly slower
+    h.record("b", 1.6, replace=True)
+    assert h.next_round() == [] and h.winner == "b"  # the honestly faster one, though the first screen had "a"

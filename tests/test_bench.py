@@ -59,6 +59,27 @@ def test_server_table_names_the_launch_path():
     assert "through the compiled op" in text and "64_4096_4096:nk:f16" in text and "cuBLAS" in text
 
 
+def test_bench_ranks_on_honest_time_and_names_the_baseline(tmp_path):
+    jobs = []
+
+    def honest(job):
+        jobs.append(job)
+        r = evaluate(job)
+        if isinstance(job, BaselineJob):
+            return EvalResult("cublas", Status.OK, cublas_warm=r.cublas_warm, cublas_cold=r.cublas_cold,
+                              cublas_honest=Timing(31, 30, 32, 10))
+        slower = Timing(r.warm.median_us * 1.1, r.warm.min_us, r.warm.max_us, 10)  # no reuse: 10% slower
+        return EvalResult(r.candidate_id, r.status, warm=r.warm, cold=r.cold, cublas_warm=r.cublas_warm,
+                          cublas_cold=r.cublas_cold, honest=slower, cublas_honest=r.cublas_warm)
+
+    win, lose = bench_offline(honest, [populated_run(tmp_path / "a", n=4)], [WIN, LOSE], progress=lambda s: None)
+    assert all(j.honest for j in jobs)  # the winner and cuBLAS alone are both timed honestly
+    assert abs(win.ratio_honest - win.ratio_warm / 1.1) < 1e-9 and lose.ratio_honest == 1.0
+    fused = Problem(8, 64, 64, "nk", "f16", False, "silu_mul")
+    assert fused.fused.baseline == "cuBLAS x2 (gate, up) + silu + mul" and WIN.fused.baseline == "cuBLAS"
+    assert write_outputs([win, lose], tmp_path / "o", {})[0].read_text().count("geomean_honest") == 1
+
+
 def test_an_m_inside_a_bucket_is_benched_as_the_export_dispatches_it(tmp_path):
     """Every M of a range that was not a representative: the bucket's served kernel (even where it is slower at this
     M: the export runs it there), cuBLAS where the bucket goes to cuBLAS."""
@@ -66,7 +87,10 @@ def test_an_m_inside_a_bucket_is_benched_as_the_export_dispatches_it(tmp_path):
     store = populated_run(tmp_path / "a", problems=tuple(problems), n=3, evaluate=m_dependent_evaluate)
     served = buckets.served(store, problems[-1])  # 33-48
 
+    jobs = []
+
     def timed(job):
+        jobs.append(job)
         if isinstance(job, BaselineJob):
             return evaluate(job)
         r = m_dependent_evaluate(job)
@@ -77,6 +101,7 @@ def test_an_m_inside_a_bucket_is_benched_as_the_export_dispatches_it(tmp_path):
     assert [r.kernel == "cuBLAS" for r in rows] == [True, True, False, False]
     assert rows[3].kernel == f"a/{served.candidate.id}" and rows[3].ratio_warm == 0.75
     assert rows[1].note == "M=18 in bucket 17-24_256_512" and rows[2].note == "M=30 in bucket 25-32_256_512"
+    assert len(jobs) == 4 and all(j.honest for j in jobs)  # the dispatched kernel or cuBLAS, each timed honestly
 
 
 def test_a_runs_own_buckets_bench_their_served_kernel(tmp_path):
