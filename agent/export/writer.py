@@ -61,8 +61,9 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
             "file": f"{stem}.cu", "cubin": f"{stem}.cubin", "arch": build.arch, "candidate": cand.id, **launch,
             "time_us": result.time_us, "cublas_us": result.ranked[1].median_us, "speedup": ratio,
         }
-        manifest["notes"][p.key] = pick.note(p) if isinstance(pick, buckets.Served) else f"{ratio:.3f}x"
-        lines.append(ExportLine(p, f"{stem}.cu", f"{manifest['notes'][p.key]} of cuBLAS ({cand.id})"))
+        manifest["notes"][p.key] = (f"vs cuBLAS {pick.note(p)}" if isinstance(pick, buckets.Served)
+                                    else f"{ratio:.3f}x of cuBLAS ({cand.id})")
+        lines.append(ExportLine(p, f"{stem}.cu", manifest["notes"][p.key]))
     for series_claims in claims.values():  # each kernel's share of its series' M
         for key, pieces in resolve(series_claims).items():
             if key in manifest["kernels"]:
