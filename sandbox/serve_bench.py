@@ -41,9 +41,9 @@ def main(folder: str, qps: float, seconds: float) -> dict:
     shapes = {}
     check = ops._sibling("hgemm_selfcheck")
     for key in keys:
-        a, b, bias, layout = check.operands(ops, key)
-        ours = functools.partial(check.call, ops, a, b, bias, layout)  # hgemm_ops.mm / .linear, as a user calls them
-        ref = functools.partial(ops.fallback, a, b, bias, layout)  # what PyTorch computes for the call
+        args = check.operands(ops, key)
+        ours = functools.partial(check.call, ops, ops, *args)  # hgemm_ops' calls, as a user makes them
+        ref = functools.partial(ops.fallback, *args)  # what PyTorch computes for the call
         for f in (ours, ref):  # load and warm up outside the measurement
             f()
         torch.cuda.synchronize()

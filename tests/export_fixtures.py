@@ -6,11 +6,10 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
-import shutil
 import sys
 from pathlib import Path
 
-from agent.export.writer import DRIVER, RUNTIME
+from agent.export.writer import copy_runtime
 
 _names = itertools.count()
 
@@ -37,10 +36,7 @@ def export_folder(folder: Path, kernels: dict[str, dict], cublas: tuple[str, ...
     """An export folder with the runtime files and a manifest of these kernel entries (each with the cubin
     fake.cubin, never loaded on the CPU) and cuBLAS problems."""
     folder.mkdir(parents=True)
-    for f in RUNTIME.iterdir():
-        if f.suffix in (".py", ".cpp", ".h"):
-            shutil.copyfile(f, folder / f.name)
-    shutil.copyfile(DRIVER, folder / "hgemm_driver.py")
+    copy_runtime(folder)
     (folder / "fake.cubin").write_bytes(b"\x7fELF never loaded on the CPU")
     kernels = {k: {"file": "fake.cu", "cubin": "fake.cubin", "arch": "sm_90a", **e} for k, e in kernels.items()}
     (folder / "manifest.json").write_text(json.dumps({"run": "test", "kernels": kernels, "cublas": list(cublas)}))

@@ -108,8 +108,16 @@ def test_problem_keys_of_calls(tmp_path, monkeypatch):
     assert ops.problem_key(x, w, torch.zeros(24), "nk") == "15_24_16:nk:bf16:bias"
     assert ops.problem_key(x.float(), w.float(), None, "nk") is None
     assert ops.problem_key(x, w, None, "kn") is None  # K does not match
-    assert ops.parse_key("15_24_16:nk:bf16:bias") == (15, 24, 16, "nk", "bf16", True)
-    assert ops.parse_key("9-16_24_16:kn:f16") == (9, 24, 16, "kn", "f16", False)  # a bucket: its lowest M
+    assert ops.parse_key("15_24_16:nk:bf16:bias") == (15, 24, 16, "nk", "bf16", True, "none")
+    assert ops.parse_key("9-16_24_16:kn:f16") == (9, 24, 16, "kn", "f16", False, "none")  # a bucket: its lowest M
+    assert ops.parse_key("8_32_16:nk:f16:bias:silu_mul") == (8, 32, 16, "nk", "f16", True, "silu_mul")
+    assert ops.problem_key(x, w, None, "nk", "residual") == "15_24_16:nk:bf16:residual"
+    # the compiled op numbers the epilogues as core/epilogue.py lists them (hgemm_op.h's enum)
+    header = (tmp_path / "out" / "hgemm_op.h").read_text()
+    enum = header.split("enum Epilogue : int {")[1].split("}")[0]
+    assert [e.split("=")[0].strip() for e in enum.split(",")][:7] == ["kNone", "kRelu", "kSilu", "kGeluTanh",
+                                                                      "kSiluMul", "kGeluMul", "kResidual"]
+    assert list(ops.EPILOGUE_CODES) == ["none", "relu", "silu", "gelu_tanh", "silu_mul", "gelu_mul", "residual"]
 
 
 def test_export_serves_the_buckets_as_fast_as_cublas_at_both_ends(tmp_path, monkeypatch):

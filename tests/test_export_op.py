@@ -265,3 +265,61 @@ def test_a_later_registration_replaces_only_the_m_it_overlaps(ops):
     assert {m for m, key in found.items() if key == "95-120_40_16:kn:f16"} == set(range(95, 121))
     assert found[0] is None and found[121] is None
     assert ext.launch_at(40, 16, False, False, False, 70) == ([1, 1, 1], [])  # its own launch, from its first M
+
+
+EPILOGUE_KEYS = ["16_32_8:nk:f16:silu_mul", "16_24_8:nk:f16:residual", "16_24_8:nk:bf16:bias:gelu_tanh"]
+
+
+def test_fused_linear_computes_the_models_composition_and_traces_as_the_op(tmp_path, op_build_dir):
+    from core.epilogue import Epilogue, compose
+
+    ops = load_ops(small_export(tmp_path / "out", SMALL + EPILOGUE_KEYS))
+    ext = ops.compiled()
+    assert ext is not None and set(EPILOGUE_KEYS) <= set(ext.kernels())
+    x, w, r = torch.randn(2, 8, 8).half(), torch.randn(32, 8).half(), torch.randn(2, 8, 24).half()
+    for name in ("relu", "silu", "gelu_tanh", "silu_mul", "gelu_mul", "residual"):
+        res = r if name == "residual" else None
+        weight = w if Epilogue(name).gated else w[:24]
+        want = compose(F.linear(x, weight), Epilogue(name), res)
+        for got in (ops.fused_linear(x, weight, None, name, res),
+                    torch.ops.hgemm.fused_linear(x, weight, None, ops.EPILOGUE_CODES[name], res)):
+            assert torch.equal(got, want), name
+    # meta tensors (torch.compile's shapes): C has N / 2 columns where gated
+    meta = torch.empty(5, 8, dtype=torch.half, device="meta"), torch.empty(32, 8, dtype=torch.half, device="meta")
+    assert ops.fused_linear(*meta, None, "silu_mul").shape == (5, 16)
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def f(x, w, r):
+        return ops.fused_linear(x, w[:24], None, "residual", r) + ops.fused_linear(x, w, None, "silu_mul").sum()
+
+    with torch.no_grad():
+        assert torch.equal(torch.compile(f, fullgraph=True, backend=backend)(x, w, r), f(x, w, r))
+    assert "hgemm.fused_linear" in " ".join(targets)
+    # a wanted gradient goes through autograd: PyTorch's composition, differentiated
+    wg = w[:24].clone().requires_grad_()
+    ops.fused_linear(x.float(), wg.float(), None, "silu").sum().backward()
+    assert wg.grad is not None
+
+
+def test_a_fused_epilogue_is_a_series_of_its_own(tmp_path, op_build_dir):
+    """A kernel exported for an epilogue never serves a plain call of the same N and K, nor another epilogue; the
+    C++ lookup and the Python index agree."""
+    ops = load_ops(small_export(tmp_path / "out", SMALL + EPILOGUE_KEYS))
+    ext = ops.compiled()
+    codes = ops.EPILOGUE_CODES
+    assert ext.lookup(24, 8, True, False, False, 16, codes["residual"]) == "16_24_8:nk:f16:residual"
+    assert ext.lookup(24, 8, True, False, False, 16) == "16_24_8:nk:f16"  # the plain kernel
+    assert ext.lookup(24, 8, True, False, False, 16, codes["relu"]) is None
+    assert ext.lookup(32, 8, True, False, False, 16, codes["silu_mul"]) == "16_32_8:nk:f16:silu_mul"
+    assert ext.lookup(32, 8, True, False, False, 16) is None
+    assert ops.INDEX.find_key("16_24_8:nk:f16:residual") == "16_24_8:nk:f16:residual"
+    assert ops.INDEX.find_key("16_24_8:nk:f16:relu") is None
+    x, w, r = torch.randn(16, 8).half(), torch.randn(24, 8).half(), torch.randn(16, 24).half()
+    assert ops.explain(x, w, None, "nk", "residual", r) == \
+        "operands are not on one CUDA device (tuned: 16_24_8:nk:f16:residual)"
+    assert ops.explain(x, w, None, "nk", "residual", r[:, :8]) == \
+        "the residual is not M x N (tuned: 16_24_8:nk:f16:residual)"

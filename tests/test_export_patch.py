@@ -74,7 +74,7 @@ def test_patch_routes_tuned_layers_and_unpatch_restores(ops):
     before = {name: dict(m.__dict__) for name, m in net.named_modules()}
     with torch.no_grad():
         want = net(x)
-        assert ops.patch(net) == 2 and ops.patch(net) == 0  # patching twice changes nothing more
+        assert ops.patch(net)["linear"] == 2 and ops.patch(net)["linear"] == 0  # patching twice changes nothing more
         assert "forward" in net.tuned.__dict__ and "forward" in net.tuned_bias.__dict__
         assert "forward" not in net.biased.__dict__ and "forward" not in net.untuned.__dict__
         spy = ops._eager = Spy(ops._eager)
@@ -93,7 +93,7 @@ def test_gpt2_style_conv1d_layers_are_routed_through_mm_with_their_bias(ops):
     with torch.no_grad():
         want = untuned(tuned(x))
         model = nn.Sequential(tuned, untuned)
-        assert ops.patch(model) == 1 and "forward" in tuned.__dict__ and "forward" not in untuned.__dict__
+        assert ops.patch(model)["linear"] == 1 and "forward" in tuned.__dict__ and "forward" not in untuned.__dict__
         spy = ops._eager = Spy(ops._eager)
         assert torch.equal(model(x), want)  # on the CPU the op computes addmm itself: the same bits
     assert spy.calls == [("mm", (2, 8, 8), True)]
@@ -131,7 +131,7 @@ def test_matmul_mode_and_own_forwards(ops):
     net.custom = Custom(8, 24, bias=False).half()  # a subclass with its own forward: never routed
     with torch.no_grad():
         want = net(x)
-        assert ops.patch(net, matmul=True) == 2
+        assert ops.patch(net, matmul=True)["linear"] == 2
         spy = ops._eager = Spy(ops._eager)
         got = net(x)
         torch.matmul(x, net.table)  # outside the model's forward: not routed
@@ -180,6 +180,23 @@ def test_a_gpt2_records_and_routes_every_projection(tmp_path, monkeypatch):
     assert "16_192_64:kn:f16:bias" in keys and "16_64_256:kn:f16:bias" in keys  # c_attn, mlp c_proj
     ops = load_ops(small_export(tmp_path / "out", keys))
     with torch.no_grad():
-        assert ops.patch(model) == 2 * 4 + 1  # c_attn, attn c_proj, c_fc, mlp c_proj per block; lm_head
+        assert ops.patch(model)["linear"] == 2 * 4 + 1  # c_attn, attn c_proj, c_fc, mlp c_proj per block; lm_head
         assert torch.equal(model(ids).logits, want)
     assert ops.unpatch(model) == 9
+
+
+def test_patch_fuses_decoder_layers_and_says_what_it_did(tmp_path, op_build_dir):
+    from tests.test_fuse import model_and_ids
+
+    model, ids = model_and_ids(layers=2, bias=True)
+    model = model.half()
+    ops = load_ops(small_export(tmp_path / "out", ["18_64_96:nk:f16:residual"]))
+    with torch.no_grad():
+        want = model(ids)
+        done = ops.patch(model)
+        assert done == {"qkv": 2, "gate_up": 2, "o_residual": 2, "down_residual": 2, "linear": 0}
+        assert ops.explain_model(model)[0].startswith("layers.0: q/k/v as one GEMM")
+        assert torch.allclose(model(ids).float(), want.float(), atol=2e-2, rtol=2e-2)  # PyTorch serves the CPU
+    assert ops.unpatch(model) == 2 and ops.explain_model(model) == []
+    with torch.no_grad():
+        assert torch.equal(model(ids), want)

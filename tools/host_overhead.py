@@ -23,7 +23,6 @@ import types
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,16 +31,14 @@ from sandbox.serve_bench import load_ops  # noqa: E402
 
 def ways(ops, key: str) -> dict[str, callable]:
     check = ops._sibling("hgemm_selfcheck")
-    a, b, bias, layout = check.operands(ops, key)
+    args = check.operands(ops, key)
     ext = ops.compiled()
-    dispatcher = types.SimpleNamespace(mm=torch.ops.hgemm.mm.default, linear=torch.ops.hgemm.linear.default)
-    if layout == "nk":
-        torch_call = lambda: F.linear(a, b, bias)  # noqa: E731
-    else:
-        torch_call = (lambda: torch.matmul(a, b)) if bias is None else (lambda: torch.addmm(bias, a, b))
-    out = {"compiled": lambda: check.call(ext, a, b, bias, layout),
-           "dispatcher": lambda: check.call(dispatcher, a, b, bias, layout),
-           "python": lambda: check.call(ops.PythonPath, a, b, bias, layout), "torch": torch_call}
+    dispatcher = types.SimpleNamespace(mm=torch.ops.hgemm.mm.default, linear=torch.ops.hgemm.linear.default,
+                                       fused_linear=torch.ops.hgemm.fused_linear.default)
+    out = {"compiled": lambda: check.call(ops, ext, *args),
+           "dispatcher": lambda: check.call(ops, dispatcher, *args),
+           "python": lambda: check.call(ops, ops.PythonPath, *args),
+           "torch": lambda: ops.fallback(*args)}  # the call as PyTorch runs it (F.linear / matmul / addmm, epilogue)
     return out if ext is not None else {name: f for name, f in out.items() if name in ("python", "torch")}
 
 

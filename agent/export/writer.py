@@ -23,6 +23,7 @@ from templates import get_family
 
 RUNTIME = Path(__file__).with_name("runtime")  # every file in it is copied as it is
 DRIVER = Path(__file__).parents[2] / "sandbox" / "driver.py"  # tensor maps and launches; copied as hgemm_driver.py
+EPILOGUE = Path(__file__).parents[2] / "core" / "epilogue.py"  # the epilogues' math; copied as hgemm_epilogue.py
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,17 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
             if key in manifest["kernels"]:
                 manifest["kernels"][key]["serves"] = [list(piece) for piece in pieces]
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    copy_runtime(out)
+    return lines
+
+
+def copy_runtime(out: Path) -> None:
+    """The files an export runs with, beside its manifest: runtime/ as it is, the driver and the epilogues."""
     for f in RUNTIME.iterdir():
         if f.is_file() and f.suffix in (".py", ".cpp", ".h"):
             shutil.copyfile(f, out / f.name)
     shutil.copyfile(DRIVER, out / "hgemm_driver.py")
-    return lines
+    shutil.copyfile(EPILOGUE, out / "hgemm_epilogue.py")
 
 
 def _pick(store: RunStore, p: Problem) -> tuple[Winner | buckets.Served | None, str]:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 PROCESS_KEY = "hgemm_ops_extension"  # sys.modules entry holding the loaded extension
-SOURCES = ("hgemm_op.cpp", "hgemm_module.cpp")
+SOURCES = ("hgemm_op.cpp", "hgemm_table.cpp", "hgemm_module.cpp")
 HEADERS = ("hgemm_op.h", "hgemm_cuda.h")
 
 
@@ -40,10 +40,11 @@ def load(folder: Path, build_root: Path, verbose: bool = False):
 
 def _trace_as_ops(ext) -> None:
     """torch.compile sees the registered ops (fake kernels, no graph break) where eager code calls the fast entry
-    points ext.mm / ext.linear, which skip the dispatcher's Python argument parsing."""
+    points ext.mm / ext.linear / ext.fused_linear, which skip the dispatcher's Python argument parsing."""
     import torch
 
-    mm_op, linear_op = torch.ops.hgemm.mm.default, torch.ops.hgemm.linear.default
+    mm_op, linear_op, fused_op = (torch.ops.hgemm.mm.default, torch.ops.hgemm.linear.default,
+                                  torch.ops.hgemm.fused_linear.default)
 
     @torch.compiler.substitute_in_graph(ext.mm, skip_signature_check=True)
     def mm(a, b, bias=None):
@@ -52,3 +53,7 @@ def _trace_as_ops(ext) -> None:
     @torch.compiler.substitute_in_graph(ext.linear, skip_signature_check=True)
     def linear(x, w, bias=None):
         return linear_op(x, w, bias)
+
+    @torch.compiler.substitute_in_graph(ext.fused_linear, skip_signature_check=True)
+    def fused_linear(x, w, bias, epilogue, residual):
+        return fused_op(x, w, bias, epilogue, residual)

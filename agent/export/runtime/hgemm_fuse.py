@@ -13,7 +13,8 @@ Qwen2 (q/k/v with biases) and any decoder built the same way. What `fuse(model, 
 - o_residual, down_residual: where the layer's forward returns a tensor (transformers 5's decoder layers), the
   layer runs as the same steps with the residual adds fused into o_proj and down_proj (`residual` epilogue).
 
-`ops` computes: `ops.linear(x, w, bias)` (F.linear) and `ops.fused_linear(x, w, bias, epilogue, residual)`;
+`ops` computes: `ops.linear(x, w, bias)` (F.linear) and `ops.fused_linear(x, w, bias, epilogue, residual)` (and
+may carry `ops.epilogue`, core/epilogue.py as the export ships it);
 hgemm_ops passes itself (exported kernels, PyTorch where none serves), the shape recorder an object that records the
 problems and computes with PyTorch. What is not recognised stays as it is. Works eager, in CUDA graphs and under
 torch.compile(fullgraph=True).
@@ -29,13 +30,13 @@ from torch import nn
 
 KINDS = ("qkv", "gate_up", "o_residual", "down_residual")
 _fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder layer -> _Layer (what fuse changed)
+_forwards: weakref.WeakSet = weakref.WeakSet()  # every module whose forward a fused layer replaced
 
 
-def _epilogue_module():
-    """hgemm_epilogue (the export's copy of core/epilogue.py) beside this file, or core.epilogue in the project."""
-    try:
-        import hgemm_epilogue as epilogue
-    except ImportError:
+def _epilogue_module(ops):
+    """The epilogues' definitions: the export's copy of core/epilogue.py (`ops.epilogue`), or core.epilogue."""
+    epilogue = getattr(ops, "epilogue", None)
+    if epilogue is None:
         from core import epilogue
     return epilogue
 
@@ -75,6 +76,7 @@ class _Layer:
 
     def set_forward(self, module: nn.Module, forward) -> None:
         self.forwards.append(module)
+        _forwards.add(module)
         module.forward = forward
 
 
@@ -130,7 +132,7 @@ def _gate_up(layer: _Layer, mlp: nn.Module, ops) -> _Holder | None:
     gate, up = mlp.gate_proj, mlp.up_proj
     if epilogue is None or (gate.bias is None) != (up.bias is None) or gate.weight.shape != up.weight.shape:
         return None
-    merge = _epilogue_module().interleave_gate_up
+    merge = _epilogue_module(ops).interleave_gate_up
     weight = merge(gate.weight.detach(), up.weight.detach(), dim=0)
     bias = None if gate.bias is None else merge(gate.bias.detach(), up.bias.detach(), dim=0)
     mlp.register_buffer("hgemm_gate_up_weight", weight, persistent=False)
@@ -146,7 +148,7 @@ def _gate_up(layer: _Layer, mlp: nn.Module, ops) -> _Holder | None:
     layer.set_forward(mlp, forward)
 
     def restore():
-        split = _epilogue_module().split_gate_up
+        split = _epilogue_module(ops).split_gate_up
         gate.weight.data, up.weight.data = (t.contiguous() for t in split(mlp.hgemm_gate_up_weight, dim=0))
         if gate.bias is not None:
             gate.bias.data, up.bias.data = (t.contiguous() for t in split(mlp.hgemm_gate_up_bias, dim=0))
@@ -233,11 +235,17 @@ def unfuse(model: nn.Module) -> int:
             continue
         for m in layer.forwards:
             m.__dict__.pop("forward", None)
+            _forwards.discard(m)
         with torch.no_grad():
             for restore in layer.restore:
                 restore()
         restored += 1
     return restored
+
+
+def owns(module: nn.Module) -> bool:
+    """Whether a fused layer runs this module with a forward of its own."""
+    return module in _forwards
 
 
 def describe(model: nn.Module) -> list[str]:

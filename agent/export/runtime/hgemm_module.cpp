@@ -1,6 +1,7 @@
 // The compiled HGEMM op's Python module (its name is the extension's): registering kernels from the manifest, and
-// mm / linear entry points that take tensors positionally and call hgemm::call directly, without the dispatcher's
-// Python argument parsing (hgemm_ops.py calls these in eager mode; torch.compile sees the registered ops instead).
+// mm / linear / fused_linear entry points that take tensors positionally and call hgemm::call directly, without the
+// dispatcher's Python argument parsing (hgemm_ops.py calls these in eager mode; torch.compile sees the registered
+// ops instead).
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "hgemm_op.h"
@@ -15,7 +16,7 @@ void fill(std::array<T, N>& out, const std::vector<int64_t>& values, const char*
   for (size_t i = 0; i < values.size(); ++i) out[i] = static_cast<T>(values[i]);
 }
 
-// add_kernel(entry: dict): key, n, k, nk, bf16, bias, serves (the [lo, hi] M intervals it serves), arch, cubin
+// add_kernel(entry: dict): key, n, k, nk, bf16, bias, epilogue (hgemm::Epilogue's number), serves (the [lo, hi] M intervals it serves), arch, cubin
 // (bytes), segments (dicts: m, grid, boxes (one per tensor map)), block, smem_bytes, workspace_bytes, counters,
 // tensor_maps (dicts: operand 0-2, dims, m_dims (the dims that are the call's M), strides (bytes, all but the
 // first), swizzle and l2 (the driver's enum values)). Replaces what served those intervals of the series before.
@@ -28,6 +29,9 @@ PyObject* py_add_kernel(PyObject*, PyObject* arg) {
   kern->arch = entry["arch"].cast<std::string>();
   kern->cubin = entry["cubin"].cast<py::bytes>();
   kern->n = entry["n"].cast<int64_t>(), kern->k = entry["k"].cast<int64_t>();
+  kern->epilogue = entry["epilogue"].cast<int>();
+  TORCH_CHECK_VALUE(kern->epilogue >= 0 && kern->epilogue < hgemm::kEpilogues, "add_kernel: unknown epilogue ",
+                    kern->epilogue);
   const auto block = entry["block"].cast<std::vector<int64_t>>();
   TORCH_CHECK_VALUE(block.size() == 3, "add_kernel: grid and block take 3 values");
   fill(kern->block, block, "block");
@@ -84,17 +88,18 @@ PyObject* py_add_kernel(PyObject*, PyObject* arg) {
     serves.emplace_back(lohi[0], lohi[1]);
   }
   const hgemm::ProblemKey series{kern->n, kern->k, entry["nk"].cast<bool>(), entry["bf16"].cast<bool>(),
-                                 entry["bias"].cast<bool>()};
+                                 entry["bias"].cast<bool>(), kern->epilogue};
   hgemm::add_kernel(series, serves, std::move(kern));
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
 
-// (n, k, nk, bf16, bias, m) -> the kernel registered for M of that series, or nullptr.
+// (n, k, nk, bf16, bias, m[, epilogue]) -> the kernel registered for M of that series, or nullptr.
 std::shared_ptr<const hgemm::Kernel> kernel_for(PyObject* const* args, Py_ssize_t nargs, const char* usage) {
-  TORCH_CHECK_TYPE(nargs == 6, usage);
+  TORCH_CHECK_TYPE(nargs == 6 || nargs == 7, usage);
   const hgemm::ProblemKey series{PyLong_AsLongLong(args[0]), PyLong_AsLongLong(args[1]), PyObject_IsTrue(args[2]) == 1,
-                                 PyObject_IsTrue(args[3]) == 1, PyObject_IsTrue(args[4]) == 1};
+                                 PyObject_IsTrue(args[3]) == 1, PyObject_IsTrue(args[4]) == 1,
+                                 nargs == 7 ? static_cast<int>(PyLong_AsLong(args[6])) : hgemm::kNone};
   const int64_t m = PyLong_AsLongLong(args[5]);
   if (PyErr_Occurred()) throw py::error_already_set();
   return hgemm::find_kernel(series, m);
@@ -103,7 +108,7 @@ std::shared_ptr<const hgemm::Kernel> kernel_for(PyObject* const* args, Py_ssize_
 // lookup(n, k, nk, bf16, bias, m) -> the key of the kernel a call of that M runs, or None
 PyObject* py_lookup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  const auto kern = kernel_for(args, nargs, "lookup(n, k, nk, bf16, bias, m)");
+  const auto kern = kernel_for(args, nargs, "lookup(n, k, nk, bf16, bias, m[, epilogue])");
   if (!kern) Py_RETURN_NONE;
   return py::cast(kern->key).release().ptr();
   END_HANDLE_TH_ERRORS
@@ -112,7 +117,7 @@ PyObject* py_lookup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // launch_at(n, k, nk, bf16, bias, m) -> (grid, [(dims, box) per tensor map]) of the kernel at that M, or None
 PyObject* py_launch_at(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  const auto kern = kernel_for(args, nargs, "launch_at(n, k, nk, bf16, bias, m)");
+  const auto kern = kernel_for(args, nargs, "launch_at(n, k, nk, bf16, bias, m[, epilogue])");
   if (!kern) Py_RETURN_NONE;
   const hgemm::Geometry at = hgemm::geometry_at(*kern, PyLong_AsLongLong(args[5]));
   py::list maps;
@@ -163,13 +168,39 @@ PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// explain(a, b, bias, nk) -> str
+// fused_linear(x, w, bias, epilogue: int, residual) with bias and residual tensors or None
+PyObject* py_fused_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  const char* usage = "fused_linear(x, w, bias, epilogue, residual)";
+  TORCH_CHECK_TYPE(nargs == 5, usage, " takes its five arguments positionally");
+  const auto bias = tensors(args, 3, usage);
+  const int64_t epilogue = PyLong_AsLongLong(args[3]);
+  if (PyErr_Occurred()) throw py::error_already_set();
+  TORCH_CHECK_TYPE(args[4] == Py_None || THPVariable_Check(args[4]), usage, ": residual must be a tensor or None");
+  const std::optional<at::Tensor> residual =
+      args[4] == Py_None ? std::nullopt : std::optional<at::Tensor>(THPVariable_Unpack(args[4]));
+  at::Tensor c;
+  {
+    py::gil_scoped_release no_gil;
+    c = hgemm::call(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), bias, true, epilogue, residual);
+  }
+  return THPVariable_Wrap(std::move(c));
+  END_HANDLE_TH_ERRORS
+}
+
+// explain(a, b, bias, nk[, epilogue, residual]) -> str
 PyObject* py_explain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(nargs == 4, "explain(a, b, bias, nk)");
-  const auto bias = tensors(args, 3, "explain(a, b, bias, nk)");
+  const char* usage = "explain(a, b, bias, nk[, epilogue, residual])";
+  TORCH_CHECK_TYPE(nargs == 4 || nargs == 6, usage);
+  const auto bias = tensors(args, 3, usage);
+  const int64_t epilogue = nargs == 6 ? PyLong_AsLongLong(args[4]) : hgemm::kNone;
+  if (PyErr_Occurred()) throw py::error_already_set();
+  const std::optional<at::Tensor> residual = nargs == 6 && args[5] != Py_None
+                                                 ? std::optional<at::Tensor>(THPVariable_Unpack(args[5]))
+                                                 : std::nullopt;
   return py::cast(hgemm::explain(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), bias,
-                                 PyObject_IsTrue(args[3]) == 1))
+                                 PyObject_IsTrue(args[3]) == 1, epilogue, residual))
       .release()
       .ptr();
   END_HANDLE_TH_ERRORS
@@ -188,6 +219,8 @@ PyMethodDef methods[] = {
      "launch_at(n, k, nk, bf16, bias, m): (grid, [(dims, box)]) of the kernel at that M"},
     {"mm", fastcall(py_mm), METH_FASTCALL, "mm(a, b, bias=None): torch.matmul(a, b) (+ bias, fused), b K x N"},
     {"linear", fastcall(py_linear), METH_FASTCALL, "linear(x, w, bias=None): F.linear(x, w, bias)"},
+    {"fused_linear", fastcall(py_fused_linear), METH_FASTCALL,
+     "fused_linear(x, w, bias, epilogue, residual): F.linear(x, w, bias), then the epilogue (its number)"},
     {"explain", fastcall(py_explain), METH_FASTCALL, "explain(a, b, bias, nk): the kernel a call runs, or why not"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -26,9 +26,14 @@
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/matmul.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/silu.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
@@ -42,12 +47,6 @@ using namespace hgemm_cuda;
 using hgemm::Kernel;
 using hgemm::MapSpec;
 using hgemm::ProblemKey;
-
-struct ProblemHash {
-  size_t operator()(const ProblemKey& p) const {
-    return std::hash<int64_t>()(p.n * 1000003 + p.k) ^ (p.nk | p.bf16 << 1 | p.bias << 2);
-  }
-};
 
 struct MapKey {
   uint64_t kernel;
@@ -75,11 +74,9 @@ struct DeviceState {
 
 constexpr size_t kMapCacheLimit = 1 << 14;  // activations move: bound the cache, refill after clearing
 
-std::mutex mutex;  // guards everything below
-std::unordered_map<ProblemKey, hgemm::IntervalTable, ProblemHash> kernels;  // series -> kernels by M
+std::mutex mutex;  // guards everything below (the registry has its own: hgemm_table.cpp)
 std::unordered_map<int, DeviceState> devices;
 std::unordered_map<MapKey, CUtensorMap, MapHash> map_cache;
-uint64_t next_id = 1;
 
 bool arch_fits(const std::string& arch, int major, int minor) {
   if (arch == "sm_90a") return major == 9 && minor == 0;  // arch-specific code (wgmma, setmaxnreg): sm_90 only
@@ -174,9 +171,10 @@ CUstream current_stream(int device) {
 }
 
 // ---- routing ------------------------------------------------------------------------------------------------------
-// The kernel for a @ B (B given K x N, or N x K when nk) + bias, or nullptr with the reason in *why.
+// The kernel for a @ B (B given K x N, or N x K when nk) + bias, then the epilogue (R the residual), or nullptr with
+// the reason in *why.
 std::shared_ptr<const Kernel> choose(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bias, bool nk,
-                                     std::string* why) {
+                                     int epilogue, const at::Tensor* residual, std::string* why) {
   auto no = [&](auto&& reason) {
     if (why) *why = reason;
     return std::shared_ptr<const Kernel>();
@@ -186,30 +184,36 @@ std::shared_ptr<const Kernel> choose(const at::Tensor& a, const at::Tensor& b, c
   if (b.size(nk ? 1 : 0) != k || k == 0) return no("A's last dimension is not B's K");
   const auto dtype = a.scalar_type();
   if (dtype != at::kHalf && dtype != at::kBFloat16) return no("dtype is neither float16 nor bfloat16");
-  if (b.scalar_type() != dtype || (bias && bias->scalar_type() != dtype)) return no("operands of mixed dtypes");
+  if (b.scalar_type() != dtype || (bias && bias->scalar_type() != dtype) ||
+      (residual && residual->scalar_type() != dtype))
+    return no("operands of mixed dtypes");
   const int64_t m = a.numel() / k;
+  const ProblemKey series{n, k, nk, dtype == at::kBFloat16, bias != nullptr, epilogue};
   int64_t lo = 0, hi = 0;
-  std::shared_ptr<const Kernel> kern;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = kernels.find({n, k, nk, dtype == at::kBFloat16, bias != nullptr});
-    if (it == kernels.end()) return no("shape not tuned");
-    const auto* found = it->second.find(m, why ? &lo : nullptr, why ? &hi : nullptr);
-    if (!found) return no("M=" + std::to_string(m) + " not tuned (tuned M: " + it->second.describe() + ")");
-    kern = *found;
+  std::shared_ptr<const Kernel> kern = hgemm::find_kernel(series, m, &lo, &hi);
+  if (!kern) {
+    if (!why) return kern;
+    const auto tuned = hgemm::describe_series(series);
+    return no(tuned ? "M=" + std::to_string(m) + " not tuned (tuned M: " + *tuned + ")" : "shape not tuned");
   }
   auto tuned_but = [&](const char* reason) {
     if (why) *why = std::string(reason) + " (tuned: " + kern->key + ")";
     return std::shared_ptr<const Kernel>();
   };
   if (bias && (bias->dim() != 1 || bias->size(0) != n)) return tuned_but("bias is not a vector of N");
-  if (!a.is_contiguous() || !b.is_contiguous() || (bias && !bias->is_contiguous()))
-    return tuned_but("an operand is not contiguous");
-  auto misaligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 != 0; };
-  if (misaligned(a) || misaligned(b) || (bias && misaligned(*bias)))
-    return tuned_but("an operand is not 16-byte aligned");
-  if (!a.is_cuda() || b.device() != a.device() || (bias && bias->device() != a.device()))
-    return tuned_but("operands are not on one CUDA device");
+  if (epilogue == hgemm::kResidual) {
+    std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end() - 1);
+    shape.push_back(n);
+    if (!residual || residual->sizes() != at::IntArrayRef(shape)) return tuned_but("the residual is not M x N");
+  }
+  const at::Tensor* operands[4] = {&a, &b, bias, residual};
+  for (const at::Tensor* t : operands)
+    if (t && !t->is_contiguous()) return tuned_but("an operand is not contiguous");
+  for (const at::Tensor* t : operands)
+    if (t && reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 != 0)
+      return tuned_but("an operand is not 16-byte aligned");
+  for (const at::Tensor* t : operands)
+    if (t && (!t->is_cuda() || t->device() != a.device())) return tuned_but("operands are not on one CUDA device");
   if (why)
     *why = "kernel " + kern->key + " (M=" + std::to_string(m) + " in " + std::to_string(lo) +
            (hi != lo ? "-" + std::to_string(hi) : "") + ")";
@@ -218,13 +222,13 @@ std::shared_ptr<const Kernel> choose(const at::Tensor& a, const at::Tensor& b, c
 
 // Runs the kernel; nullopt where its cubin does not fit this GPU.
 std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const at::Tensor& b,
-                                 const at::Tensor* bias) {
+                                 const at::Tensor* bias, const at::Tensor* residual) {
   c10::DeviceGuard guard(a.device());
   const int device = a.get_device();
   const int64_t m = a.numel() / kern.k;
   const hgemm::Geometry at = hgemm::geometry_at(kern, m);
   std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end() - 1);
-  shape.push_back(kern.n);
+  shape.push_back(hgemm::gated(kern.epilogue) ? kern.n / 2 : kern.n);
   std::array<CUtensorMap, 3> maps;
   void* ptrs[3] = {const_cast<void*>(a.const_data_ptr()), const_cast<void*>(b.const_data_ptr()), nullptr};
   CUfunction fn = nullptr;
@@ -246,11 +250,13 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
   }
   int32_t sizes[3] = {static_cast<int32_t>(m), static_cast<int32_t>(kern.n), static_cast<int32_t>(kern.k)};
   void* bias_ptr = bias ? const_cast<void*>(bias->const_data_ptr()) : nullptr;
-  std::array<void*, 12> params;
+  void* residual_ptr = residual ? const_cast<void*>(residual->const_data_ptr()) : nullptr;
+  std::array<void*, 13> params;
   size_t np = 0;
   for (auto& p : ptrs) params[np++] = &p;
   for (auto& s : sizes) params[np++] = &s;
   if (bias) params[np++] = &bias_ptr;
+  if (residual) params[np++] = &residual_ptr;
   for (size_t i = 0; i < kern.maps.size(); ++i) params[np++] = &maps[i];
   if (scratch) params[np++] = &scratch, params[np++] = &counters;
   check(driver().LaunchKernel(fn, at.grid[0], at.grid[1], at.grid[2], kern.block[0], kern.block[1],
@@ -260,17 +266,39 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
 }
 
 // What the call means, computed by PyTorch: F.linear, torch.matmul, or with a K x N B and a bias the fused addmm
-// (at::linear of B's transpose: torch.addmm(bias, a, b) for a 2-D a, the same folded for more dimensions).
-at::Tensor fallback(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk) {
-  if (nk) return at::linear(a, b, bias);
-  return bias && bias->defined() ? at::linear(a, b.t(), bias) : at::matmul(a, b);
+// (at::linear of B's transpose: torch.addmm(bias, a, b) for a 2-D a, the same folded for more dimensions); then the
+// epilogue's ops, as a model runs them (core/epilogue.py's composition).
+at::Tensor fallback(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
+                    int64_t epilogue = hgemm::kNone, const std::optional<at::Tensor>& residual = std::nullopt) {
+  at::Tensor y = nk ? at::linear(a, b, bias) : bias && bias->defined() ? at::linear(a, b.t(), bias) : at::matmul(a, b);
+  auto act = [](const at::Tensor& x, bool silu) { return silu ? at::silu(x) : at::gelu(x, "tanh"); };
+  switch (epilogue) {
+    case hgemm::kRelu:
+      return at::relu(y);
+    case hgemm::kSilu:
+    case hgemm::kGeluTanh:
+      return act(y, epilogue == hgemm::kSilu);
+    case hgemm::kSiluMul:
+    case hgemm::kGeluMul: {  // gate and up interleaved in blocks of 8 columns
+      const at::Tensor blocks = y.unflatten(-1, {y.size(-1) / 16, 2, 8});
+      return at::mul(act(blocks.select(-2, 0).flatten(-2), epilogue == hgemm::kSiluMul),
+                     blocks.select(-2, 1).flatten(-2));
+    }
+    case hgemm::kResidual:
+      TORCH_CHECK(residual && residual->defined(), "hgemm: a residual epilogue needs the residual");
+      return at::add(y, *residual);
+    default:
+      return y;
+  }
 }
 
-at::Tensor run(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk) {
+at::Tensor run(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
+               int64_t epilogue = hgemm::kNone, const std::optional<at::Tensor>& residual = std::nullopt) {
   const at::Tensor* bp = bias && bias->defined() ? &*bias : nullptr;
-  if (auto kern = choose(a, b, bp, nk, nullptr))
-    if (auto c = launch(*kern, a, b, bp)) return *c;
-  return fallback(a, b, bias, nk);
+  const at::Tensor* rp = residual && residual->defined() ? &*residual : nullptr;
+  if (auto kern = choose(a, b, bp, nk, static_cast<int>(epilogue), rp, nullptr))
+    if (auto c = launch(*kern, a, b, bp, rp)) return *c;
+  return fallback(a, b, bias, nk, epilogue, residual);
 }
 
 // ---- the registered ops ---------------------------------------------------------------------------------------------
@@ -287,10 +315,19 @@ at::Tensor mm_plain(const at::Tensor& a, const at::Tensor& b, const std::optiona
 at::Tensor linear_plain(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   return fallback(x, w, bias, true);
 }
+at::Tensor fused_cuda(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                      int64_t epilogue, const std::optional<at::Tensor>& residual) {
+  return run(x, w, bias, true, epilogue, residual);
+}
+at::Tensor fused_plain(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                       int64_t epilogue, const std::optional<at::Tensor>& residual) {
+  return fallback(x, w, bias, true, epilogue, residual);
+}
 
-bool wants_grad(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias) {
-  return c10::GradMode::is_enabled() &&
-         (a.requires_grad() || b.requires_grad() || (bias && bias->defined() && bias->requires_grad()));
+bool wants_grad(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
+                const std::optional<at::Tensor>& residual = std::nullopt) {
+  auto wants = [](const std::optional<at::Tensor>& t) { return t && t->defined() && t->requires_grad(); };
+  return c10::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad() || wants(bias) || wants(residual));
 }
 
 using OpSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
@@ -312,119 +349,69 @@ at::Tensor autograd(c10::DispatchKeySet ks, const at::Tensor& a, const at::Tenso
   return registered(NK).redispatch(ks & c10::after_autograd_keyset, a, b, bias);
 }
 
+using FusedSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+                                  const std::optional<at::Tensor>&);
+
+const c10::TypedOperatorHandle<FusedSignature>& registered_fused() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("hgemm::fused_linear", "").typed<FusedSignature>();
+  return op;
+}
+
+at::Tensor autograd_fused(c10::DispatchKeySet ks, const at::Tensor& x, const at::Tensor& w,
+                          const std::optional<at::Tensor>& bias, int64_t epilogue,
+                          const std::optional<at::Tensor>& residual) {
+  if (wants_grad(x, w, bias, residual)) return fallback(x, w, bias, true, epilogue, residual);
+  at::AutoDispatchBelowADInplaceOrView below;
+  return registered_fused().redispatch(ks & c10::after_autograd_keyset, x, w, bias, epilogue, residual);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hgemm, m) {
   m.def("mm(Tensor a, Tensor b, Tensor? bias=None) -> Tensor", {at::Tag::flexible_layout});
   m.def("linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor", {at::Tag::flexible_layout});
+  // epilogue: core/epilogue.py's EPILOGUES index (hgemm_op.h); w N x K (gated: gate and up interleaved)
+  m.def("fused_linear(Tensor x, Tensor w, Tensor? bias, int epilogue, Tensor? residual=None) -> Tensor",
+        {at::Tag::flexible_layout});
 }
 TORCH_LIBRARY_IMPL(hgemm, CUDA, m) {
   m.impl("mm", &mm_cuda);
   m.impl("linear", &linear_cuda);
+  m.impl("fused_linear", &fused_cuda);
 }
 TORCH_LIBRARY_IMPL(hgemm, CompositeExplicitAutograd, m) {
   m.impl("mm", &mm_plain);
   m.impl("linear", &linear_plain);
+  m.impl("fused_linear", &fused_plain);
 }
 TORCH_LIBRARY_IMPL(hgemm, Autograd, m) {
   m.impl("mm", &autograd<false>);
   m.impl("linear", &autograd<true>);
+  m.impl("fused_linear", &autograd_fused);
 }
 
 namespace hgemm {
 
-void IntervalTable::insert(int64_t lo, int64_t hi, std::shared_ptr<const Kernel> kernel) {
-  std::vector<int64_t> starts, ends;
-  std::vector<std::shared_ptr<const Kernel>> kernels;
-  auto keep = [&](int64_t a, int64_t b, const std::shared_ptr<const Kernel>& k) {
-    if (a <= b) starts.push_back(a), ends.push_back(b), kernels.push_back(k);
-  };
-  for (size_t i = 0; i < starts_.size(); ++i) {  // what is left of each interval outside lo..hi
-    keep(starts_[i], std::min(ends_[i], lo - 1), kernels_[i]);
-    keep(std::max(starts_[i], hi + 1), ends_[i], kernels_[i]);
-  }
-  keep(lo, hi, kernel);
-  std::vector<size_t> order(starts.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return starts[x] < starts[y]; });
-  starts_.clear(), ends_.clear(), kernels_.clear();
-  for (size_t i : order) starts_.push_back(starts[i]), ends_.push_back(ends[i]), kernels_.push_back(kernels[i]);
-}
-
-const std::shared_ptr<const Kernel>* IntervalTable::find(int64_t m, int64_t* lo, int64_t* hi) const {
-  auto it = std::upper_bound(starts_.begin(), starts_.end(), m);  // the first interval starting above m
-  if (it == starts_.begin()) return nullptr;
-  const size_t i = it - starts_.begin() - 1;
-  if (m > ends_[i]) return nullptr;
-  if (lo) *lo = starts_[i];
-  if (hi) *hi = ends_[i];
-  return &kernels_[i];
-}
-
-std::string IntervalTable::describe() const {
-  std::string out;
-  for (size_t i = 0; i < starts_.size(); ++i) {
-    out += (i ? ", " : "") + std::to_string(starts_[i]);
-    if (ends_[i] != starts_[i]) out += "-" + std::to_string(ends_[i]);
-  }
-  return out;
-}
-
-Geometry geometry_at(const Kernel& kernel, int64_t m) {
-  auto it = std::upper_bound(kernel.segments.begin(), kernel.segments.end(), m,
-                             [](int64_t v, const Segment& s) { return v < s.m; });
-  const Segment& seg = it == kernel.segments.begin() ? *it : *(it - 1);
-  Geometry out;
-  out.grid = seg.grid;
-  out.boxes = seg.boxes;
-  for (size_t i = 0; i < kernel.maps.size(); ++i) {
-    const MapSpec& s = kernel.maps[i];
-    for (unsigned d = 0; d < s.rank; ++d)
-      out.dims[i][d] = s.m_dims >> d & 1 ? static_cast<unsigned long long>(m) : s.dims[d];
-  }
-  return out;
-}
-
-void add_kernel(const ProblemKey& series, const std::vector<std::pair<int64_t, int64_t>>& serves,
-                std::shared_ptr<Kernel> kernel) {
-  std::lock_guard<std::mutex> lock(mutex);
-  kernel->id = next_id++;
-  std::shared_ptr<const Kernel> registered = std::move(kernel);
-  for (const auto& [lo, hi] : serves) kernels[series].insert(lo, hi, registered);
-}
-
-std::vector<std::string> kernel_keys() {
-  std::lock_guard<std::mutex> lock(mutex);
-  std::vector<std::string> out;
-  for (const auto& kv : kernels)
-    for (const auto& k : kv.second.kernels())
-      if (std::find(out.begin(), out.end(), k->key) == out.end()) out.push_back(k->key);
-  return out;
-}
-
-std::shared_ptr<const Kernel> find_kernel(const ProblemKey& series, int64_t m) {
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = kernels.find(series);
-  if (it == kernels.end()) return nullptr;
-  const auto* found = it->second.find(m);
-  return found ? *found : nullptr;
-}
-
-at::Tensor call(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk) {
+at::Tensor call(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
+                int64_t epilogue, const std::optional<at::Tensor>& residual) {
   static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
                                             c10::DispatchKey::FuncTorchBatched,
                                             c10::DispatchKey::FuncTorchGradWrapper,
                                             c10::DispatchKey::Functionalize});
+  auto is_wrapped = [&](const std::optional<at::Tensor>& t) { return t && t->key_set().has_any(wrapped); };
   if (c10::impl::TorchDispatchModeTLS::any_modes_set() || a.key_set().has_any(wrapped) ||
-      b.key_set().has_any(wrapped) || (bias && bias->key_set().has_any(wrapped)))
-    return registered(nk).call(a, b, bias);
-  if (wants_grad(a, b, bias)) return fallback(a, b, bias, nk);
-  return run(a, b, bias, nk);
+      b.key_set().has_any(wrapped) || is_wrapped(bias) || is_wrapped(residual))
+    return epilogue == kNone && !residual ? registered(nk).call(a, b, bias)
+                                          : registered_fused().call(a, b, bias, epilogue, residual);
+  if (wants_grad(a, b, bias, residual)) return fallback(a, b, bias, nk, epilogue, residual);
+  return run(a, b, bias, nk, epilogue, residual);
 }
 
-std::string explain(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk) {
+std::string explain(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
+                    int64_t epilogue, const std::optional<at::Tensor>& residual) {
   std::string why;
-  choose(a, b, bias ? &*bias : nullptr, nk, &why);
+  choose(a, b, bias ? &*bias : nullptr, nk, static_cast<int>(epilogue), residual ? &*residual : nullptr, &why);
   return why;
 }
 

@@ -13,6 +13,10 @@
 
 namespace hgemm {
 
+// The fused epilogues, numbered as core/epilogue.py's EPILOGUES lists them (hgemm_ops passes the number).
+enum Epilogue : int { kNone = 0, kRelu, kSilu, kGeluTanh, kSiluMul, kGeluMul, kResidual, kEpilogues };
+inline bool gated(int epilogue) { return epilogue == kSiluMul || epilogue == kGeluMul; }
+
 struct MapSpec {  // cuTensorMapEncodeTiled's arguments but the address and the box (per segment of M)
   int operand = 0;  // 0 A, 1 B, 2 C
   unsigned rank = 0;
@@ -30,7 +34,8 @@ struct Segment {  // the launch from M = m up to the next segment's m
 struct Kernel {
   uint64_t id = 0;  // unique per registration: caches key on it, so a replaced kernel's entries go unused
   std::string key, arch, cubin;
-  int64_t n = 0, k = 0;
+  int64_t n = 0, k = 0;  // n: the GEMM's columns (C has n / 2 where gated)
+  int epilogue = kNone;
   std::vector<Segment> segments;  // sorted by m; the first starts at the lowest M the kernel serves
   std::array<unsigned, 3> block{};
   unsigned smem = 0;
@@ -50,8 +55,9 @@ Geometry geometry_at(const Kernel& kernel, int64_t m);
 struct ProblemKey {
   int64_t n, k;
   bool nk, bf16, bias;
+  int epilogue = kNone;
   bool operator==(const ProblemKey& o) const {
-    return n == o.n && k == o.k && nk == o.nk && bf16 == o.bf16 && bias == o.bias;
+    return n == o.n && k == o.k && nk == o.nk && bf16 == o.bf16 && bias == o.bias && epilogue == o.epilogue;
   }
 };
 
@@ -74,15 +80,21 @@ class IntervalTable {
 void add_kernel(const ProblemKey& series, const std::vector<std::pair<int64_t, int64_t>>& serves,
                 std::shared_ptr<Kernel> kernel);
 std::vector<std::string> kernel_keys();
-// The kernel registered for M of the series, or nullptr.
-std::shared_ptr<const Kernel> find_kernel(const ProblemKey& series, int64_t m);
+// The kernel registered for M of the series, or nullptr; its interval in *lo, *hi where given.
+std::shared_ptr<const Kernel> find_kernel(const ProblemKey& series, int64_t m, int64_t* lo = nullptr,
+                                          int64_t* hi = nullptr);
+// The series' intervals ("1-16, 17-24, 33"), or nullopt where no kernel of the series is registered.
+std::optional<std::string> describe_series(const ProblemKey& series);
 
-// a @ B (+ bias), B K x N or N x K (nk), as the fast entry points run it: through the dispatcher where tensor
-// subclasses, fake tensors, functorch or dispatch modes must see the op; as at::matmul / at::linear where a gradient
-// is wanted; otherwise the tuned kernel, or at::matmul / at::linear where the call is not one it was tuned for.
-at::Tensor call(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk);
+// A call: a @ B (+ bias), B K x N or N x K (nk), then the epilogue (R the residual where it adds one), as the fast
+// entry points run it: through the dispatcher where tensor subclasses, fake tensors, functorch or dispatch modes
+// must see the op; as PyTorch computes it (at::matmul / at::linear, then the epilogue's ops) where a gradient is
+// wanted; otherwise the tuned kernel, or PyTorch where the call is not one it was tuned for.
+at::Tensor call(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
+                int64_t epilogue = kNone, const std::optional<at::Tensor>& residual = std::nullopt);
 
-// "kernel KEY (M=m in lo-hi)", or why such a call goes to at::matmul / at::linear.
-std::string explain(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk);
+// "kernel KEY (M=m in lo-hi)", or why such a call goes to PyTorch.
+std::string explain(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
+                    int64_t epilogue = kNone, const std::optional<at::Tensor>& residual = std::nullopt);
 
 }  // namespace hgemm

@@ -7,15 +7,21 @@ with its build helper `hgemm_build.py`, `hgemm_intervals.py` (which kernel serve
 `hgemm_driver.py` (tensor maps and launches by ctypes).
 
 - `mm(a, b, bias=None)` is `torch.matmul(a, b)` (a (*, K), b K x N), with a bias `torch.addmm(bias, a, b)` (the
-  bias fused); `linear(x, w, bias=None)` is `F.linear` (w N x K).
-- `patch(model, matmul=False)` routes each `nn.Linear` whose (N, K, dtype, bias) was tuned through `linear`, and
-  each transformers `Conv1D` (GPT-2's projections: x @ W + b with W K x N) through `mm`; with matmul=True also
-  `F.linear` / `torch.matmul` / `@` / `mm` / `addmm` on tuned shapes; `unpatch(model)` undoes it.
+  bias fused); `linear(x, w, bias=None)` is `F.linear` (w N x K); `fused_linear(x, w, bias, epilogue,
+  residual=None)` is F.linear followed by a fused epilogue (hgemm_epilogue.py: relu, silu, gelu_tanh, silu_mul /
+  gelu_mul on a gate/up-interleaved w, residual: + R), computed in one kernel where one was exported for it.
+- `patch(model, matmul=False, fuse=True)` fuses the model's decoder layers (hgemm_fuse.py: q/k/v as one GEMM,
+  gate/up as one gated GEMM, o_proj and down_proj with the residual add), then routes each other `nn.Linear` whose
+  (N, K, dtype, bias) was tuned through `linear`, and each transformers `Conv1D` (GPT-2's projections: x @ W + b
+  with W K x N) through `mm`; with matmul=True also `F.linear` / `torch.matmul` / `@` / `mm` / `addmm` on tuned
+  shapes; it returns what it did, by kind; `explain_model(model)` lists the fused layers; `unpatch(model)` undoes
+  it all (hgemm_patch.py).
 - Each call runs the exported kernel where its N, K, layout, dtype and bias were tuned for an M interval holding its
   M (and beat cuBLAS there), the operands are contiguous, 16-byte aligned tensors of one CUDA device and no gradient
   is wanted; anything else is `torch.matmul` / `F.linear`, with the same result it would have had.
   `explain(a, b, bias, layout)` names the kernel and the interval, or why not.
-- Launches go through the compiled op (`hgemm::mm` / `hgemm::linear`, C++, built on first use and cached under
+- Launches go through the compiled op (`hgemm::mm` / `hgemm::linear` / `hgemm::fused_linear`, C++, built on first
+  use and cached under
   `build/`; `compiled()` builds it) where it builds, else through the Python launch path (about 20 µs more host
   time a call), with a one-line warning. `HGEMM_OPS_COMPILED=0` chooses the Python path; `HGEMM_OPS_BUILD_DIR`
   moves the build. Under `torch.compile` the calls trace as the ops `torch.ops.hgemm.mm` / `.linear`.
@@ -31,13 +37,11 @@ import os
 import sys
 import types
 import warnings
-import weakref
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 HERE = Path(__file__).resolve().parent
 MANIFEST = json.loads((HERE / "manifest.json").read_text())
@@ -56,27 +60,34 @@ def _sibling(name: str) -> types.ModuleType:
 
 driver = _sibling("hgemm_driver")
 intervals = _sibling("hgemm_intervals")
+epilogue = _sibling("hgemm_epilogue")
+EPILOGUE_CODES = {name: i for i, name in enumerate(epilogue.EPILOGUES)}  # as the compiled op numbers them
 
 
-def parse_key(key: str) -> tuple[int, int, int, str, str, bool]:
-    """'M_N_K:layout:dtype[:bias]' -> (m, n, k, layout, dtype, bias); a range 'LO-HI_N_K:...' gives m = LO."""
+def parse_key(key: str) -> tuple[int, int, int, str, str, bool, str]:
+    """'M_N_K:layout:dtype[:bias][:epilogue]' -> (m, n, k, layout, dtype, bias, epilogue); a range 'LO-HI_N_K:...'
+    gives m = LO."""
     mnk, layout, dtype, *rest = key.split(":")
     m, n, k = mnk.split("_")
-    return intervals.key_m(key)[0], int(n), int(k), layout, dtype, rest == ["bias"]
+    epi = next((r for r in rest if r != "bias"), "none")
+    return intervals.key_m(key)[0], int(n), int(k), layout, dtype, "bias" in rest, epi
 
 
 INDEX = intervals.Index(MANIFEST)  # the kernels by series (the key after M) and M interval
 
 
-def problem_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str) -> str | None:
-    """The manifest key of a @ B (+ bias), B given K x N ("kn") or N x K ("nk"); None where it is no GEMM of ours."""
+def problem_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str,
+                epi: str = "none") -> str | None:
+    """The manifest key of a @ B (+ bias) (then the epilogue), B given K x N ("kn") or N x K ("nk"); None where it is
+    no GEMM of ours."""
     if b.dim() != 2 or a.dim() < 1 or a.dtype not in DTYPE_NAMES:
         return None
     k = a.shape[-1]
     n = b.shape[1] if layout == "kn" else b.shape[0]
     if k == 0 or (b.shape[0] if layout == "kn" else b.shape[1]) != k:
         return None
-    return f"{a.numel() // k}_{n}_{k}:{layout}:{DTYPE_NAMES[a.dtype]}" + (":bias" if bias is not None else "")
+    return (f"{a.numel() // k}_{n}_{k}:{layout}:{DTYPE_NAMES[a.dtype]}" + (":bias" if bias is not None else "")
+            + (f":{epi}" if epi != "none" else ""))
 
 
 # ---- the compiled op ------------------------------------------------------------------------------------------------
@@ -116,7 +127,7 @@ def _prepared(key: str, entry: dict) -> dict:
     """A manifest entry as the compiled op's add_kernel takes it: problem fields, the M intervals it serves, cubin
     bytes, its launch segments, and each tensor map as cuTensorMapEncodeTiled's arguments (checked at each segment's
     first M and derived here, by the driver module's rules)."""
-    _, n, k, layout, dtype, bias = parse_key(key)
+    _, n, k, layout, dtype, bias, epi = parse_key(key)
     segments = intervals.segments(key, entry)
     maps = []
     for i, t in enumerate(entry.get("tensor_maps", [])):
@@ -129,7 +140,7 @@ def _prepared(key: str, entry: dict) -> dict:
                      "strides": strides or driver.packed_strides(dims), "swizzle": driver.SWIZZLE[t["swizzle"]],
                      "l2": driver.l2_promotion(dims, strides)})
     return {"key": key, "n": n, "k": k, "nk": layout == "nk", "bf16": dtype == "bf16", "bias": bias,
-            "serves": intervals.serves(key, entry), "arch": entry["arch"],
+            "epilogue": EPILOGUE_CODES[epi], "serves": intervals.serves(key, entry), "arch": entry["arch"],
             "cubin": (HERE / entry["cubin"]).read_bytes(), "segments": segments, "block": entry["block"],
             "smem_bytes": entry["smem_bytes"], "workspace_bytes": entry.get("workspace_bytes", 0),
             "counters": entry.get("counters", 0), "tensor_maps": maps}
@@ -165,38 +176,45 @@ def _usable(*tensors: torch.Tensor) -> bool:
                     and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors))  # TMA, 16-byte loads
 
 
-def fallback(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
+def fallback(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str, epi: str = "none",
+             residual: torch.Tensor | None = None) -> torch.Tensor:
     """What the call means, computed by PyTorch (cuBLAS): F.linear, torch.matmul, or with a K x N B and a bias the
-    fused addmm (F.linear of B's transpose: torch.addmm(bias, a, b) for a 2-D a)."""
+    fused addmm (F.linear of B's transpose: torch.addmm(bias, a, b) for a 2-D a); then the epilogue's ops as a model
+    runs them."""
     if layout == "nk":
-        return F.linear(a, b, bias)
-    return torch.matmul(a, b) if bias is None else F.linear(a, b.t(), bias)
+        y = F.linear(a, b, bias)
+    else:
+        y = torch.matmul(a, b) if bias is None else F.linear(a, b.t(), bias)
+    return y if epi == "none" else epilogue.compose(y, epilogue.Epilogue(epi), residual)
 
 
-def python_run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
+def python_run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str, epi: str = "none",
+               residual: torch.Tensor | None = None) -> torch.Tensor:
     """The Python launch path: the kernel through hgemm_driver (ctypes), or cuBLAS (and under torch.compile, which
     traces what the call means)."""
     if torch.compiler.is_compiling():
-        return fallback(a, b, bias, layout)
-    call = problem_key(a, b, bias, layout)
+        return fallback(a, b, bias, layout, epi, residual)
+    call = problem_key(a, b, bias, layout, epi)
     key = INDEX.find_key(call)
     entry = MANIFEST["kernels"][key] if key else None
-    operands = (a, b) if bias is None else (a, b, bias)
+    operands = [t for t in (a, b, bias, residual) if t is not None]
     n = b.shape[0] if layout == "nk" else b.shape[-1]
-    if entry is None or (bias is not None and bias.shape != (n,)) or not _usable(*operands):
-        return fallback(a, b, bias, layout)
+    out_shape = (*a.shape[:-1], n // 2 if epilogue.Epilogue(epi).gated else n)
+    if (entry is None or (bias is not None and bias.shape != (n,)) or not _usable(*operands)
+            or (residual is not None and residual.shape != out_shape)):
+        return fallback(a, b, bias, layout, epi, residual)
     m, n, k = parse_key(call)[:3]
     grid, maps = INDEX.launch_at(key, entry, m)
-    c = torch.empty(*a.shape[:-1], n, dtype=a.dtype, device=a.device)
+    c = torch.empty(out_shape, dtype=a.dtype, device=a.device)
     driver.launch(_kernel(entry).kernel.ptr, grid, tuple(entry["block"]), entry["smem_bytes"],
                   torch.cuda.current_stream(a.device).cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()),
                   (m, n, k), maps, entry.get("workspace_bytes", 0), entry.get("counters", 0),
-                  None if bias is None else bias.data_ptr())
+                  None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr())
     return c
 
 
 class PythonPath:
-    """The Python launch path behind the compiled op's two calls."""
+    """The Python launch path behind the compiled op's calls."""
 
     @staticmethod
     def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -205,6 +223,10 @@ class PythonPath:
     @staticmethod
     def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return python_run(x, w, bias, "nk")
+
+    @staticmethod
+    def fused_linear(x, w, bias, code: int, residual) -> torch.Tensor:
+        return python_run(x, w, bias, "nk", epilogue.EPILOGUES[code], residual)
 
 
 class _Unresolved:
@@ -217,6 +239,12 @@ class _Unresolved:
     @staticmethod
     def linear(x, w, bias=None):
         return F.linear(x, w, bias) if torch.compiler.is_compiling() else _resolve().linear(x, w, bias)
+
+    @staticmethod
+    def fused_linear(x, w, bias, code, residual):
+        if torch.compiler.is_compiling():
+            return fallback(x, w, bias, "nk", epilogue.EPILOGUES[code], residual)
+        return _resolve().fused_linear(x, w, bias, code, residual)
 
 
 _eager = _Unresolved  # the compiled op's module, or PythonPath, once resolved
@@ -244,116 +272,45 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return _eager.linear(x, w, bias)
 
 
-# ---- patching a model -----------------------------------------------------------------------------------------------
-_NO_FORWARD = object()  # the module had no forward of its own (the class's)
-_patched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Linear -> its own forward before patch()
-_wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its own forward before MatmulMode
+def fused_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, epilogue: str,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) followed by `epilogue` (hgemm_epilogue.EPILOGUES), in one kernel where one was exported
+    for the call: an activation; silu_mul / gelu_mul with w's gate and up rows interleaved in blocks of 8
+    (hgemm_epilogue.interleave_gate_up), N / 2 columns out; residual: + `residual` (x's rows by N)."""
+    return _eager.fused_linear(x, w, bias, EPILOGUE_CODES[epilogue], residual)
 
 
-def _tuned(layout: str) -> set[tuple]:
-    """(N, K, dtype, bias) of the exported kernels with this B layout, any M."""
-    return {(n, k, DTYPES[dtype], bias) for key in MANIFEST["kernels"]
-            for _, n, k, lay, dtype, bias in [parse_key(key)] if lay == layout}
+# ---- patching a model (hgemm_patch.py, hgemm_fuse.py) ---------------------------------------------------------------
+_patching = _sibling("hgemm_patch")
 
 
-def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _eager.linear(x, self.weight, self.bias)
-
-
-def _conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return _eager.mm(x, self.weight, self.bias)
-
-
-def _conv1d(module: nn.Module) -> bool:
-    """transformers' Conv1D (GPT-2's projections: torch.addmm(bias, x, W), W K x N)."""
-    return (type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
-            and module.weight.dim() == 2 and getattr(module, "nf", None) == module.weight.shape[1])
-
-
-MATMULS = {torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm}
-ADDMMS = {torch.addmm, torch.Tensor.addmm}
-
-
-class MatmulMode(TorchFunctionMode):
-    """Routes F.linear, torch.matmul / Tensor.matmul / @ / mm, and addmm with a bias vector, whose (M, N, K, dtype,
-    bias) was tuned (B K x N, or N x K: a weight, or a transposed view of one) through the exported op; every other
-    call runs as it was."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear and 2 <= len(args) + len(kwargs) <= 3 and set(kwargs) <= {"bias"}:
-            x, w, bias = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
-            if INDEX.find_key(problem_key(x, w, bias, "nk")):
-                return _eager.linear(x, w, bias)
-        elif not kwargs and ((func in MATMULS and len(args) == 2) or (func in ADDMMS and len(args) == 3)):
-            bias, a, b = (None, *args) if func in MATMULS else args
-            if bias is None or bias.dim() == 1:
-                if INDEX.find_key(problem_key(a, b, bias, "kn")):
-                    return _eager.mm(a, b, bias)
-                if b.dim() == 2 and INDEX.find_key(problem_key(a, b.t(), bias, "nk")):
-                    return _eager.linear(a, b.t(), bias)
-        return func(*args, **kwargs)
-
-
-def patch(model: nn.Module, matmul: bool = False) -> int:
-    """Route `model`'s tuned nn.Linear layers (the class's own forward, weight N x K with a tuned (N, K, dtype,
-    bias)) through `linear`, and its tuned transformers Conv1D layers (weight K x N) through `mm`; each call still
-    checks its M and operands and falls back to PyTorch (the same call) where they were not tuned. matmul=True also
-    runs the model's forward under MatmulMode (a TorchFunctionMode: it costs host time on every torch call inside).
-    Returns how many layers were routed; `unpatch(model)` restores the model exactly."""
-    _resolve()
-    tuned = {"nk": _tuned("nk"), "kn": _tuned("kn")}
-    routed = 0
-    for module in model.modules():
-        if module in _patched:
-            continue
-        if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
-            layout, (n, k), forward = "nk", module.weight.shape, _linear_forward
-        elif _conv1d(module):
-            layout, (k, n), forward = "kn", module.weight.shape, _conv1d_forward
-        else:
-            continue
-        if (n, k, module.weight.dtype, module.bias is not None) not in tuned[layout]:
-            continue
-        _patched[module] = module.__dict__.get("forward", _NO_FORWARD)
-        module.forward = types.MethodType(forward, module)
-        routed += 1
-    if matmul and model not in _wrapped:
-        inner = model.forward
-        _wrapped[model] = model.__dict__.get("forward", _NO_FORWARD)
-
-        def forward(*args, **kwargs):
-            with MatmulMode():
-                return inner(*args, **kwargs)
-
-        model.forward = forward
-    return routed
+def patch(model: nn.Module, matmul: bool = False, fuse: bool = True) -> dict[str, int]:
+    """Fuse `model`'s decoder layers (fuse=True: hgemm_fuse), route its other tuned nn.Linear and Conv1D layers
+    through the exported op (and with matmul=True its tuned F.linear / matmul calls); returns how many of each kind
+    (hgemm_patch.patch). `unpatch(model)` restores the model exactly."""
+    return _patching.patch(sys.modules[__name__], model, matmul, fuse)
 
 
 def unpatch(model: nn.Module) -> int:
     """Undo patch(model) (and any patch of its submodules); returns how many modules were restored."""
-    restored = 0
-    for saved in (_wrapped, _patched):  # the MatmulMode wrapper first: it was put on last
-        for module in model.modules():
-            if module in saved:
-                own = saved.pop(module)
-                if own is _NO_FORWARD:
-                    del module.forward
-                else:
-                    module.forward = own
-                restored += 1
-    return restored
+    return _patching.unpatch(model)
 
 
-def explain(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, layout: str = "kn") -> str:
-    """Which kernel the compiled op runs for these operands and the M interval it serves, or why it calls cuBLAS
-    instead (naming the bucket of M cuBLAS serves, where the run found no kernel for it)."""
+def explain_model(model: nn.Module) -> list[str]:
+    """What patch(model) fused, a line per decoder layer."""
+    return _patching.fuse.describe(model)
+
+
+def explain(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, layout: str = "kn",
+            epilogue: str = "none", residual: torch.Tensor | None = None) -> str:
+    """Which kernel the compiled op runs for these operands (and epilogue) and the M interval it serves, or why it
+    calls cuBLAS instead (naming the bucket of M cuBLAS serves, where the run found no kernel for it)."""
     ext = compiled()
-    call = problem_key(a, b, bias, layout)
+    call = problem_key(a, b, bias, layout, epilogue)
     listed = INDEX.describe(parse_key(call)[0], intervals.series_of(call)) if call else ""
     if ext is None:
         return f"the compiled op is unavailable; the manifest says: {listed or 'not a GEMM of this export'}"
-    why = ext.explain(a, b, bias, layout == "nk")
+    why = ext.explain(a, b, bias, layout == "nk", EPILOGUE_CODES[epilogue], residual)
     return listed if why.startswith("M=") and "cuBLAS serves" in listed else why
 
 
@@ -362,6 +319,7 @@ def selfcheck(factor: float = 2.0) -> list[str]:
     then the compiled op in a CUDA graph, on a side stream and under torch.compile."""
     ops = types.SimpleNamespace(MANIFEST=MANIFEST, DTYPES=DTYPES, parse_key=parse_key, problem_key=problem_key,
                                 compiled=compiled, PythonPath=PythonPath, mm=mm, linear=linear, fallback=fallback,
+                                fused_linear=fused_linear, EPILOGUE_CODES=EPILOGUE_CODES, epilogue=epilogue,
                                 INDEX=INDEX, intervals=intervals)
     return _sibling("hgemm_selfcheck").selfcheck(ops, factor)
 

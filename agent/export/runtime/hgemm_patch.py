@@ -1,0 +1,130 @@
+"""Patching a model with an export: its decoder layers fused (hgemm_fuse.py), its other tuned nn.Linear and
+transformers Conv1D layers routed through the exported op, and, where asked, its tuned F.linear / matmul calls.
+
+Shipped in an hgemm-agent export next to hgemm_ops.py, which calls it with itself as `ops` (the launch path
+`ops._eager`, the manifest's index `ops.INDEX`, `ops.problem_key`, `ops.parse_key`, `ops.DTYPES`, `ops.MANIFEST`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+import weakref
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+
+def _load_fuse() -> types.ModuleType:
+    name = f"{__name__}__hgemm_fuse"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("hgemm_fuse.py"))
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+fuse = _load_fuse()
+_NO_FORWARD = object()  # the module had no forward of its own (the class's)
+_patched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Linear -> its own forward before patch()
+_wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its own forward before MatmulMode
+MATMULS = {torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm}
+ADDMMS = {torch.addmm, torch.Tensor.addmm}
+
+
+def _tuned(ops, layout: str) -> set[tuple]:
+    """(N, K, dtype, bias) of the exported kernels with this B layout and no epilogue, any M."""
+    return {(n, k, ops.DTYPES[dtype], bias) for key in ops.MANIFEST["kernels"]
+            for _, n, k, lay, dtype, bias, epi in [ops.parse_key(key)] if lay == layout and epi == "none"}
+
+
+def _conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2's projections: torch.addmm(bias, x, W), W K x N)."""
+    return (type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
+            and module.weight.dim() == 2 and getattr(module, "nf", None) == module.weight.shape[1])
+
+
+class MatmulMode(TorchFunctionMode):
+    """Routes F.linear, torch.matmul / Tensor.matmul / @ / mm, and addmm with a bias vector, whose (M, N, K, dtype,
+    bias) was tuned (B K x N, or N x K: a weight, or a transposed view of one) through the exported op; every other
+    call runs as it was."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.ops = ops
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs, ops = kwargs or {}, self.ops
+        if func is F.linear and 2 <= len(args) + len(kwargs) <= 3 and set(kwargs) <= {"bias"}:
+            x, w, bias = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
+            if ops.INDEX.find_key(ops.problem_key(x, w, bias, "nk")):
+                return ops._eager.linear(x, w, bias)
+        elif not kwargs and ((func in MATMULS and len(args) == 2) or (func in ADDMMS and len(args) == 3)):
+            bias, a, b = (None, *args) if func in MATMULS else args
+            if bias is None or bias.dim() == 1:
+                if ops.INDEX.find_key(ops.problem_key(a, b, bias, "kn")):
+                    return ops._eager.mm(a, b, bias)
+                if b.dim() == 2 and ops.INDEX.find_key(ops.problem_key(a, b.t(), bias, "nk")):
+                    return ops._eager.linear(a, b.t(), bias)
+        return func(*args, **kwargs)
+
+
+def patch(ops, model: nn.Module, matmul: bool = False, fuse_layers: bool = True) -> dict[str, int]:
+    """Fuse `model`'s decoder layers (hgemm_fuse: their projections call ops.linear / ops.fused_linear, which run
+    an exported kernel where one serves the call and PyTorch otherwise), then route its other nn.Linear layers (the
+    class's own forward, weight N x K with a tuned (N, K, dtype, bias)) through `linear` and its tuned transformers
+    Conv1D layers (weight K x N) through `mm`; each call still checks its M and operands and falls back to PyTorch
+    (the same call) where they were not tuned. matmul=True also runs the model's forward under MatmulMode (a
+    TorchFunctionMode: it costs host time on every torch call inside). Returns how many of each kind: the fusions
+    (hgemm_fuse.KINDS) and the routed layers ("linear")."""
+    ops._resolve()
+    counts = fuse.fuse(model, ops) if fuse_layers else dict.fromkeys(fuse.KINDS, 0)
+    tuned = {"nk": _tuned(ops, "nk"), "kn": _tuned(ops, "kn")}
+    routed = 0
+    for module in model.modules():
+        if module in _patched or fuse.owns(module):  # patched already, or run by a fused layer
+            continue
+        if getattr(module, "weight", None) is None or module.weight.dim() != 2:  # a fused gate or up: no weight
+            continue
+        if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+            layout, (n, k), call = "nk", module.weight.shape, "linear"
+        elif _conv1d(module):
+            layout, (k, n), call = "kn", module.weight.shape, "mm"
+        else:
+            continue
+        if (n, k, module.weight.dtype, module.bias is not None) not in tuned[layout]:
+            continue
+        _patched[module] = module.__dict__.get("forward", _NO_FORWARD)
+        module.forward = types.MethodType(
+            lambda self, x, call=call: getattr(ops._eager, call)(x, self.weight, self.bias), module)
+        routed += 1
+    if matmul and model not in _wrapped:
+        inner = model.forward
+        _wrapped[model] = model.__dict__.get("forward", _NO_FORWARD)
+
+        def forward(*args, **kwargs):
+            with MatmulMode(ops):
+                return inner(*args, **kwargs)
+
+        model.forward = forward
+    return {**counts, "linear": routed}
+
+
+def unpatch(model: nn.Module) -> int:
+    """Undo patch(model) (and any patch of its submodules): the MatmulMode wrapper, the routed layers, the fused
+    layers; returns how many modules were restored."""
+    restored = 0
+    for saved in (_wrapped, _patched):  # the MatmulMode wrapper first: it was put on last
+        for module in model.modules():
+            if module in saved:
+                own = saved.pop(module)
+                if own is _NO_FORWARD:
+                    del module.forward
+                else:
+                    module.forward = own
+                restored += 1
+    return restored + fuse.unfuse(model)
