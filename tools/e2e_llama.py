@@ -1,18 +1,23 @@
-"""End to end on a model nobody here wrote: Hugging Face LlamaForCausalLM with Llama-3-8B dimensions (hidden 4096,
-intermediate 14336, 32 heads, 8 KV heads, vocabulary 128256), 4 layers, random weights, fp16, on the GPU.
+"""End to end on models nobody here wrote: Hugging Face decoders with Llama-3-8B's or Qwen2-7B's dimensions
+(tools/e2e_models.py), a few layers, random weights, fp16 or bf16, on the GPU.
 
-    python tools/e2e_llama.py [--run RUN] [--budget-minutes 6] [--max-candidates 8] [--modes eager,graphs,compile]
+    python tools/e2e_llama.py [--model llama3-8b|qwen2-7b] [--dtype f16|bf16] [--run RUN | --export DIR]
+        [--budget-minutes 6] [--max-candidates 8] [--modes eager,graphs,compile,max-autotune]
 
-1. Records the model's GEMMs (agent.record_gemm_shapes) for a prefill (1 x 2048 tokens) and a decode step per batch
-   (1, 8, 32, 64 sequences over a 512-token static KV cache), one shapes file each and their union.
+1. Records the problems the patched model will run (agent.record_gemm_shapes with the model: q/k/v merged, gate/up
+   as one gated GEMM, o_proj and down_proj with the residual add) for a prefill (1 x 2048 tokens) and a decode step
+   per batch (1, 8, 32, 64 sequences over a 512-token static KV cache), one shapes file each and their union.
 2. Searches them (`python -m agent run --shapes`, in a subprocess, within the budget; --run RUN reuses a run) and
-   exports the run (`python -m agent export`, which self-checks the export).
-3. Builds the compiled op, patches a copy of the model (hgemm_ops.patch), and per phase times the forward pass of
-   the unpatched and the patched model in this process, interleaved round by round: eager, replays of a CUDA graph
-   of each, and torch.compile (default mode) of each; compares their logits.
-4. Prints a table; with $OUT set, writes $OUT/e2e_llama.json (and the shapes files).
+   exports the run (`python -m agent export`, which self-checks the export); --export DIR uses an export as it is.
+3. Builds the compiled op, patches a copy of the model (hgemm_ops.patch: fused layers, the rest routed) and per
+   phase times the forward pass of the stock and the patched model in this process, interleaved round by round:
+   eager; replays of a CUDA graph of each (graphs); torch.compile default of each (compile); the stock model under
+   torch.compile(mode="max-autotune-no-cudagraphs") against the patched model under torch.compile default
+   (max-autotune). Compares their logits; reports the compilations' seconds.
+4. Prints a table; with $OUT set, writes $OUT/e2e_<model>_<dtype>.json (and the shapes files, and with
+   --tar-export the export as $OUT/export.tar.gz for --export in a later call).
 
---record-only stops after step 1 and needs no GPU (--device cpu --tiny: a small config for a quick look).
+--record-only stops after step 1 and needs no GPU (--device cpu --model tiny: a quick look).
 Needs `transformers` (on the GPU image; not a dependency of the project).
 """
 
@@ -20,12 +25,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,22 +39,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from e2e_models import CONFIGS, Phase, build_model, make_step  # noqa: E402
 
 from agent.recorder import record_gemm_shapes  # noqa: E402
 from sandbox.serve_bench import load_ops  # noqa: E402
 
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                 vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
-TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
-            max_position_embeddings=4096)
-
-
-@dataclass(frozen=True)
-class Phase:
-    name: str
-    batch: int
-    tokens: int  # new tokens per sequence in the timed forward
-    context: int  # tokens already in the KV cache (0: a prefill without a cache)
+MODES = ("eager", "graphs", "compile", "max-autotune")
 
 
 @dataclass
@@ -61,79 +58,23 @@ class Row:
     speedup: float | None = None
     rel_err: float | None = None  # ||logits_ours - logits_ref|| / ||logits_ref||
     note: str = ""
+    compile_s: tuple[float, float] | None = None  # stock's and ours', where compiled
 
 
-def build_model(layers: int, tiny: bool, device: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(num_hidden_layers=layers, **(TINY if tiny else LLAMA3_8B))
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config)
-    return model.half().eval(), config
-
-
-def forward_arguments(model) -> tuple[str, dict]:
-    """The name the model's forward takes its KV cache by (past_key_values before transformers 5: cache), and the
-    argument that keeps only the last position's logits, as generation does (where this version has it)."""
-    params = inspect.signature(getattr(model, "_orig_mod", model).forward).parameters
-    last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-    return ("past_key_values" if "past_key_values" in params else "cache"), last
-
-
-def static_cache(config, batch: int, length: int, device: str):
-    from transformers import StaticCache
-
-    params = inspect.signature(StaticCache.__init__).parameters
-    wanted = {"config": config, "max_cache_len": length, "max_batch_size": batch, "batch_size": batch,
-              "device": device, "dtype": torch.float16}
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):  # newer: shaped lazily, on the first update
-        return StaticCache(config=config, max_cache_len=length)
-    return StaticCache(**{k: v for k, v in wanted.items() if k in params})
-
-
-def make_step(model, eager_model, config, phase: Phase, device: str):
-    """A call running the phase's forward through `model` (the same one each time: a decode step writes the same
-    cache slot) and returning its logits; a decode's cache is filled with its context by `eager_model` first."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(config.vocab_size, (phase.batch, phase.context + phase.tokens), generator=g).to(device)
-    key, last = forward_arguments(eager_model)
-    if phase.context == 0:
-        return lambda: model(input_ids=ids, use_cache=False, **last).logits
-    cache = static_cache(config, phase.batch, phase.context + phase.tokens, device)
-    prompt = torch.arange(phase.context, device=device)
-    eager_model(input_ids=ids[:, :phase.context], use_cache=True, cache_position=prompt, **{key: cache})
-    step_ids = ids[:, phase.context:]
-    position = torch.arange(phase.context, phase.context + phase.tokens, device=device)
-    positions = position.expand(phase.batch, -1)
-    # transformers 5 counts the tokens a static layer holds on the device and writes where the count says: set it
-    # back after each step (one small kernel), so that every step writes the same slot
-    counts = [c for layer in getattr(cache, "layers", []) if torch.is_tensor(c := getattr(layer, "cumulative_length",
-                                                                                          None))]
-
-    def step():
-        logits = model(input_ids=step_ids, use_cache=True, cache_position=position, position_ids=positions, **last,
-                       **{key: cache}).logits
-        if counts:
-            torch._foreach_sub_(counts, phase.tokens)
-        return logits
-
-    return step
-
-
-def record(model, config, phases: list[Phase], folder: Path, device: str) -> Path:
+def record(model, config, phases: list[Phase], folder: Path, device: str, name: str) -> Path:
+    """The shapes files of the patched model's problems, one per phase and their union."""
     folder.mkdir(parents=True, exist_ok=True)
     lines: dict[str, None] = {}
     with torch.inference_mode():
         for phase in phases:
             step = make_step(model, model, config, phase, device)
-            with record_gemm_shapes(folder / f"shapes_{phase.name}.txt") as rec:
+            with record_gemm_shapes(folder / f"shapes_{phase.name}.txt", model=model) as rec:
                 step()
             lines.update(dict.fromkeys(p.key for p in rec.problems))
             print(f"{phase.name}: {len(rec.problems)} problems, skipped {dict(rec.skipped) or 'none'}")
     union = folder / "shapes_all.txt"
-    union.write_text("# GEMMs of LlamaForCausalLM (Llama-3-8B dimensions): prefill and decode\n" + "\n".join(lines)
-                     + "\n")
+    union.write_text(f"# the problems of a patched {name} (fused decoder layers): prefill and decode\n"
+                     + "\n".join(lines) + "\n")
     return union
 
 
@@ -179,91 +120,87 @@ def graphed(step):
     return graph.replay, out
 
 
+def warmed(step) -> tuple[float, torch.Tensor]:
+    """Seconds of the first call (the compilation, where compiled) and the second call's logits."""
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, step()
+
+
 def compare(phase: Phase, mode: str, ref, ours, args) -> Row:
     """ref and ours: zero-argument calls returning logits."""
+    compile_s = None
     try:
         if mode == "graphs":
             (ref, ref_out), (ours, ours_out) = graphed(ref), graphed(ours)
             ref(), ours()
         else:
-            for _ in range(2):  # warm-up (and compilation)
-                ref_out, ours_out = ref(), ours()
+            (ref_s, ref_out), (ours_s, ours_out) = warmed(ref), warmed(ours)
+            compile_s = (ref_s, ours_s) if mode in ("compile", "max-autotune") else None
         err = float(torch.linalg.norm((ours_out - ref_out).float()) / torch.linalg.norm(ref_out.float()))
         inner = 2 if phase.context == 0 else 10
         t = timed({"ref": ref, "ours": ours}, args.rounds, inner)
     except Exception as e:  # a mode that cannot run this model here is a row saying why, not the end of the tool
         return Row(phase.name, mode, note=f"{type(e).__name__}: {str(e).splitlines()[0][:150]}")
-    return Row(phase.name, mode, t["ref"], t["ours"], t["ref"] / t["ours"], err)
+    return Row(phase.name, mode, t["ref"], t["ours"], t["ref"] / t["ours"], err, compile_s=compile_s)
 
 
-def routed_calls(ops, model, step) -> tuple[int, int]:
-    """(nn.Linear calls that ran an exported kernel, nn.Linear calls) in one call of `step` through `model`."""
+def kernel_calls(ops, step) -> tuple[int, int]:
+    """(calls that ran an exported kernel, calls through the export) in one call of `step`."""
     hits = [0, 0]
+    inner = ops._eager  # resolved by patch()
 
-    def look(module, inputs):
-        hits[1] += 1
-        hits[0] += ops.explain(inputs[0], module.weight, module.bias, "nk").startswith("kernel")
+    class Count:
+        def __getattr__(self, name):
+            def call(a, b, bias=None, *rest):
+                hits[1] += 1
+                if name == "fused_linear":
+                    epi, residual = ops.epilogue.EPILOGUES[rest[0]], rest[1]
+                    hits[0] += ops.explain(a, b, bias, "nk", epi, residual).startswith("kernel")
+                else:
+                    hits[0] += ops.explain(a, b, bias, "nk" if name == "linear" else "kn").startswith("kernel")
+                return getattr(inner, name)(a, b, bias, *rest)
+            return call
 
-    handles = [m.register_forward_pre_hook(look) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    ops._eager = Count()
     try:
         step()
     finally:
-        for h in handles:
-            h.remove()
+        ops._eager = inner
     return hits[0], hits[1]
-
-
-GEMM_OPS = ("aten::mm", "aten::addmm")  # where F.linear / torch.matmul on 2-D weights launch their kernels
-
-
-def gemm_share(step) -> float:
-    """The share of one step's GPU kernel time spent in GEMM kernels (those launched under aten::mm / aten::addmm),
-    by the PyTorch profiler: what replacing GEMMs can move at most (Amdahl)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    # the kernels themselves (an operator's self device time counts the kernels it launched a second time)
-    total = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
-    return sum(e.device_time_total for e in events if e.key in GEMM_OPS) / total if total else 0.0
-
-
-def needed_gemm_speedup(share: float, target: float) -> float:
-    """How much faster every GEMM must get for the whole step to be `target` times faster (inf: not reachable)."""
-    rest = 1 / target - (1 - share)
-    return share / rest if rest > 0 else float("inf")
 
 
 def markdown(rows: list[Row]) -> str:
     """The table docs/notebook.md keeps."""
-    lines = ["| phase | mode | unpatched ms | patched ms | speed-up | logits rel. diff |", "|---" * 6 + "|"]
+    lines = ["| phase | mode | stock ms | patched ms | speed-up | logits rel. diff | compile s (stock, ours) |",
+             "|---" * 7 + "|"]
     for r in rows:
-        lines.append(f"| {r.phase} | {r.mode} | " + (f"{r.note} | | | |" if r.note else
-                     f"{r.ref_ms:.3f} | {r.ours_ms:.3f} | {r.speedup:.3f}x | {r.rel_err:.1e} |"))
+        comp = f"{r.compile_s[0]:.0f}, {r.compile_s[1]:.0f}" if r.compile_s else ""
+        lines.append(f"| {r.phase} | {r.mode} | " + (f"{r.note} | | | | |" if r.note else
+                     f"{r.ref_ms:.3f} | {r.ours_ms:.3f} | {r.speedup:.3f}x | {r.rel_err:.1e} | {comp} |"))
     return "\n".join(lines)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=list(CONFIGS), default="llama3-8b")
+    p.add_argument("--dtype", choices=("f16", "bf16"), default="f16")
     p.add_argument("--run", help="reuse this run's kernels instead of searching")
+    p.add_argument("--export", type=Path, help="use this export as it is (no search, no export)")
+    p.add_argument("--tar-export", action="store_true", help="write the export to $OUT/export.tar.gz")
     p.add_argument("--budget-minutes", type=float, default=6.0, help="the search's budget over all shapes")
     p.add_argument("--max-candidates", type=int, default=8, help="per shape")
     p.add_argument("--runs-dir", type=Path, default=ROOT / "runs")
-    p.add_argument("--work", type=Path, help="shapes files and the export (default runs/e2e-llama)")
+    p.add_argument("--work", type=Path, help="shapes files and the export (default runs/e2e-<model>)")
     p.add_argument("--no-check", action="store_true", help="skip the export's self-check")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--decode-batches", default="1,8,32,64")
     p.add_argument("--context", type=int, default=512, help="tokens in the KV cache at a decode step")
-    p.add_argument("--modes", default="eager,graphs,compile")
+    p.add_argument("--modes", default="eager,graphs,compile", help=f"of {', '.join(MODES)}")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="a small config (a quick look on the CPU)")
     p.add_argument("--record-only", action="store_true", help="write the shapes files and stop (no GPU needed)")
     return p.parse_args(argv)
 
@@ -273,47 +210,62 @@ def main(argv=None) -> int:
     if not args.record_only and not torch.cuda.is_available():
         print("error: timing needs a CUDA GPU (--record-only writes the shapes files without one)", file=sys.stderr)
         return 2
-    work = args.work or args.runs_dir / "e2e-llama"
+    if bad := set(args.modes.split(",")) - set(MODES):
+        print(f"error: --modes: unknown {', '.join(sorted(bad))} (of {', '.join(MODES)})", file=sys.stderr)
+        return 2
+    work = args.work or args.runs_dir / f"e2e-{args.model}"
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     phases = [Phase("prefill", 1, args.prefill_tokens, 0)] + [
         Phase(f"decode{b}", b, 1, args.context) for b in map(int, args.decode_batches.split(","))]
-    model, config = build_model(args.layers, args.tiny, args.device)
-    shapes = record(model, config, phases, out_dir or work, args.device)
-    if args.record_only:
-        print(f"shapes written to {shapes.parent}")
-        return 0
-    run = args.run or search(shapes, args)
-    export = work / f"export-{run}"
-    agent_cli("export", run, "--out", str(export), "--runs-dir", str(args.runs_dir),
-              *(["--no-check"] if args.no_check else []))
+    model, config = build_model(args.model, args.layers, args.dtype, args.device)
+    if args.export is None:
+        shapes = record(model, config, phases, out_dir or work, args.device, args.model)
+        if args.record_only:
+            print(f"shapes written to {shapes.parent}")
+            return 0
+        run = args.run or search(shapes, args)
+        export = work / f"export-{run}"
+        agent_cli("export", run, "--out", str(export), "--runs-dir", str(args.runs_dir),
+                  *(["--no-check"] if args.no_check else []))
+    else:
+        run, export = "(given export)", args.export
+    if args.tar_export and out_dir:
+        with tarfile.open(out_dir / "export.tar.gz", "w:gz") as tar:
+            tar.add(export, arcname="export", filter=lambda t: None if "/build" in t.name else t)
     ops = load_ops(export)
     ours = copy.deepcopy(model)
-    routed = ops.patch(ours)
-    print(f"launch path: {ops.path()}; {routed} linear layers routed; run {run}")
-    rows, phase_facts = [], {}
+    done = ops.patch(ours)
+    print(f"launch path: {ops.path()}; patch: {done}; run {run}")
+    print("\n".join(ops.explain_model(ours)[:1]))
+    rows, facts = [], {}
     with torch.inference_mode():
-        for phase in phases:  # what the patch can move in each phase: its GEMMs' share, the calls it routes
-            share = gemm_share(make_step(model, model, config, phase, args.device))
-            hit, calls = routed_calls(ops, ours, make_step(ours, ours, config, phase, args.device))
-            need = needed_gemm_speedup(share, 1.10)
-            phase_facts[phase.name] = {"gemm_share": share, "kernel_calls": hit, "linear_calls": calls,
-                                       "gemm_speedup_for_1.10x": need}
-            print(f"{phase.name:>10}: GEMMs {share:.0%} of kernel time (1.10x end to end needs GEMMs {need:.2f}x "
-                  f"faster); {hit} of {calls} linear calls run an exported kernel", flush=True)
+        for phase in phases:
+            hit, calls = kernel_calls(ops, make_step(ours, ours, config, phase, args.device))
+            facts[phase.name] = {"kernel_calls": hit, "export_calls": calls}
+            print(f"{phase.name:>10}: {hit} of {calls} calls through the export ran an exported kernel", flush=True)
         eager = {"ref": model, "ours": ours}
         for mode in args.modes.split(","):
-            models = {n: torch.compile(m) for n, m in eager.items()} if mode == "compile" else eager
             for phase in phases:
+                torch._dynamo.reset()
+                models = eager
+                if mode == "compile":
+                    models = {n: torch.compile(m) for n, m in eager.items()}
+                elif mode == "max-autotune":
+                    models = {"ref": torch.compile(model, mode="max-autotune-no-cudagraphs"),
+                              "ours": torch.compile(ours)}
                 ref, our = (make_step(models[n], eager[n], config, phase, args.device) for n in ("ref", "ours"))
                 rows.append(compare(phase, mode, ref, our, args))
                 r = rows[-1]
-                print(f"{r.phase:>10} {r.mode:>8}: " + (r.note or f"ref {r.ref_ms:.3f} ms, ours {r.ours_ms:.3f} ms, "
-                                                        f"{r.speedup:.3f}x, rel err {r.rel_err:.1e}"), flush=True)
+                print(f"{r.phase:>10} {r.mode:>12}: " + (r.note or f"stock {r.ref_ms:.3f} ms, ours {r.ours_ms:.3f} "
+                                                         f"ms, {r.speedup:.3f}x, rel err {r.rel_err:.1e}"
+                                                         + (f", compile {r.compile_s[0]:.0f} s / {r.compile_s[1]:.0f}"
+                                                            " s" if r.compile_s else "")), flush=True)
     print(markdown(rows))
-    report = {"run": run, "path": ops.path(), "routed_layers": routed, "device": torch.cuda.get_device_name(),
-              "phases": [asdict(p) for p in phases], "phase_facts": phase_facts, "rows": [asdict(r) for r in rows]}
+    report = {"model": args.model, "dtype": args.dtype, "layers": args.layers, "run": run, "path": ops.path(),
+              "patch": done, "device": torch.cuda.get_device_name(), "phases": [asdict(p) for p in phases],
+              "facts": facts, "rows": [asdict(r) for r in rows]}
     if out_dir:
-        (out_dir / "e2e_llama.json").write_text(json.dumps(report, indent=1))
+        (out_dir / f"e2e_{args.model}_{args.dtype}.json").write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -1,0 +1,96 @@
+"""The models tools/e2e_llama.py runs: Hugging Face decoders with public models' dimensions and random weights, and
+the forward passes it times (a prefill, or a decode step over a static KV cache). Needs `transformers`."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+CONFIGS = {
+    # Llama-3-8B: hidden 4096, intermediate 14336, 32 heads, 8 KV heads
+    "llama3-8b": ("LlamaConfig", "LlamaForCausalLM",
+                  dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                       vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)),
+    # Qwen2-7B: hidden 3584, intermediate 18944, 28 heads, 4 KV heads, q/k/v with biases
+    "qwen2-7b": ("Qwen2Config", "Qwen2ForCausalLM",
+                 dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+                      vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0)),
+    "tiny": ("LlamaConfig", "LlamaForCausalLM",
+             dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                  vocab_size=1024, max_position_embeddings=4096)),
+}
+DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    batch: int
+    tokens: int  # new tokens per sequence in the timed forward
+    context: int  # tokens already in the KV cache (0: a prefill without a cache)
+
+
+
+def build_model(name: str, layers: int, dtype: str, device: str):
+    """The model `name` (CONFIGS) with `layers` decoder layers, random weights, in `dtype`, on `device`."""
+    import transformers
+
+    config_cls, model_cls, dims = CONFIGS[name]
+    config = getattr(transformers, config_cls)(num_hidden_layers=layers, **dims)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(transformers, model_cls)(config)
+    return model.to(DTYPES[dtype]).eval(), config
+
+
+def forward_arguments(model) -> tuple[str, dict]:
+    """The name the model's forward takes its KV cache by (past_key_values before transformers 5: cache), and the
+    argument that keeps only the last position's logits, as generation does (where this version has it)."""
+    params = inspect.signature(getattr(model, "_orig_mod", model).forward).parameters
+    last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    return ("past_key_values" if "past_key_values" in params else "cache"), last
+
+
+def static_cache(config, batch: int, length: int, device: str, dtype: torch.dtype = torch.float16):
+    from transformers import StaticCache
+
+    params = inspect.signature(StaticCache.__init__).parameters
+    wanted = {"config": config, "max_cache_len": length, "max_batch_size": batch, "batch_size": batch,
+              "device": device, "dtype": dtype}
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):  # newer: shaped lazily, on the first update
+        return StaticCache(config=config, max_cache_len=length)
+    return StaticCache(**{k: v for k, v in wanted.items() if k in params})
+
+
+def make_step(model, eager_model, config, phase: Phase, device: str):
+    """A call running the phase's forward through `model` (the same one each time: a decode step writes the same
+    cache slot) and returning its logits; a decode's cache is filled with its context by `eager_model` first."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(config.vocab_size, (phase.batch, phase.context + phase.tokens), generator=g).to(device)
+    key, last = forward_arguments(eager_model)
+    if phase.context == 0:
+        return lambda: model(input_ids=ids, use_cache=False, **last).logits
+    dtype = next(eager_model.parameters()).dtype
+    cache = static_cache(config, phase.batch, phase.context + phase.tokens, device, dtype)
+    prompt = torch.arange(phase.context, device=device)
+    eager_model(input_ids=ids[:, :phase.context], use_cache=True, cache_position=prompt, **{key: cache})
+    step_ids = ids[:, phase.context:]
+    position = torch.arange(phase.context, phase.context + phase.tokens, device=device)
+    positions = position.expand(phase.batch, -1)
+    # transformers 5 counts the tokens a static layer holds on the device and writes where the count says: set it
+    # back after each step (one small kernel), so that every step writes the same slot
+    counts = [c for layer in getattr(cache, "layers", []) if torch.is_tensor(c := getattr(layer, "cumulative_length",
+                                                                                          None))]
+
+    def step():
+        logits = model(input_ids=step_ids, use_cache=True, cache_position=position, position_ids=positions, **last,
+                       **{key: cache}).logits
+        if counts:
+            torch._foreach_sub_(counts, phase.tokens)
+        return logits
+
+    return step
+
+
