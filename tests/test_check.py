@@ -150,10 +150,14 @@ def test_the_honest_mode_refills_every_operand_of_every_launch(on_cpu):
     buffers = TimedBuffers(P, cpu_gemm(), 6, "honest", Checker(cpu_gemm(), P, seed=2))
     assert buffers.b_sets == buffers.a_sets == buffers.outputs == 6  # a slot (and B) of its own a launch
     before = [t.bits.clone() for t in buffers.inputs]
-    buffers.subject().overhead(4)
-    changed = [bool((t.bits != old).any(dim=1)[min(4, t.count - 1)]) for t, old in zip(buffers.inputs, before,
-                                                                                      strict=True)]
-    assert changed == [True, True, True]  # A, B and the bias of slot 4
+    buffers.subject().overhead(3)  # before launch 3: the next launch's operands, slot 4's
+    changed = [(t.bits != old).any(dim=1).tolist() for t, old in zip(buffers.inputs, before, strict=True)]
+    assert changed == [[s == 4 for s in range(6)]] * 3  # A, B and the bias of slot 4, nothing else
+    before = [t.bits.clone() for t in buffers.inputs]
+    buffers.subject().overhead(5)  # the last launch: nothing after it to refill for
+    assert all(torch.equal(t.bits, old) for t, old in zip(buffers.inputs, before, strict=True))
+    buffers.before_replay()  # the first launch's operands: before the replay, outside the timed graph
+    assert all(bool((t.bits != old).any(dim=1)[0]) for t, old in zip(buffers.inputs, before, strict=True))
     fresh = TimedBuffers(P, cpu_gemm(), 6, "fresh", Checker(cpu_gemm(), P, seed=2))
     assert fresh.b_sets == 1 and len(fresh.refilled(0)) == 2  # fresh: A and the bias only
     gated = Problem(8, 32, 64, "nk", "f16", True, "silu_mul")
