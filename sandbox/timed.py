@@ -108,8 +108,11 @@ class TimedBuffers:
         sets = 2 if mode == "warm" else min(launches, budget_sets, FRESH_SLOTS) if refills else min(launches,
                                                                                                     budget_sets)
         sets = max(2, sets)
-        # fresh, honest: an output per set, so each output's last write follows its set's last refill
-        self.outputs = sets if refills else max(min(sets, launches), min(launches, MEMORY_BUDGET // 2 // out_bytes))
+        # fresh, honest: an output per set, so each output's last write follows its set's last refill (and no more
+        # outputs than launches: a long kernel may get a single launch a replay, and an output no launch writes
+        # would stay poisoned)
+        self.outputs = min(sets, launches) if refills else max(min(sets, launches),
+                                                               min(launches, MEMORY_BUDGET // 2 // out_bytes))
         self.a_sets = sets
         self.b_sets = 1 if mode == "fresh" else sets
         # the operand set behind each output: that of the last launch writing it

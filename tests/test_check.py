@@ -187,3 +187,15 @@ def test_a_range_of_m_is_checked_at_its_ends_and_inside(on_cpu):
 
     with pytest.raises(CheckFailed, match="M=65 N=24 K=64"):
         Checker(cpu_gemm(one_row_past_a_tile), bucket, seed=3).check_all(bucket)
+
+
+@pytest.mark.parametrize("mode", ["fresh", "honest"])
+def test_a_single_launch_a_replay_leaves_no_output_unwritten(on_cpu, mode):
+    """A kernel so long (or refills so costly) that a replay holds one launch: the refilling modes keep two operand
+    slots but only as many outputs as launches (the H200 rejected every candidate of a 1 x 152064 x 3584 bf16
+    problem as 'output 1 unwritten' before)."""
+    from sandbox.timed import TimedBuffers
+
+    buffers = TimedBuffers(P, cpu_gemm(), 1, mode, Checker(cpu_gemm(), P, seed=2))
+    assert buffers.a_sets == 2 and buffers.outputs == 1
+    replay(buffers, buffers.subject())
