@@ -22,6 +22,7 @@ from core.records import Problem
 from sandbox.build import compile_cuda
 from sandbox.check import Checker, CheckFailed
 from templates import get_family
+from tests.test_check import replay
 
 
 def test_gate_and_up_interleave_in_blocks_and_split_back():
@@ -168,12 +169,7 @@ def test_timed_outputs_of_a_fused_epilogue_are_verified(on_cpu, mode, epilogue):
         subject = buffers.subject()
         subject.overhead = None if mode == "cold" else subject.overhead  # no L2 to flush on the CPU
         for _ in range(2):
-            buffers.before_replay()
-            for i in range(subject.launches):
-                if subject.overhead:
-                    subject.overhead(i)
-                subject.launch(i)
-            buffers.after_replay()
+            replay(buffers, subject)
 
     timed()
     with pytest.raises(CheckFailed, match="left a wrong result"):
