@@ -13,9 +13,7 @@ honestly in the correctness checks; these buffers make that show in the timing i
   baseline of a gated epilogue, its separate gate and up weights) refilled with new random values inside the graph,
   so no launch can reuse an earlier one's work; the refills' own time is subtracted. Each slot is refilled before
   the launch ahead of its own (the first before the replay), so that another launch's operands pass through the L2
-  in between, as the warm rotation's do: refilled just before its own launch, an operand of 30-60 MB sat in the L2
-  (freshly written) where the warm graphs read it from HBM, and the honest ratios of such problems ran up to 1.3x
-  above the warm ones, for every kernel.
+  in between, as the warm rotation's do (docs/decisions.md, `honest-ranking`).
 Before each replay every output is poisoned; after it: no guard region touched, no input changed, no poison left,
 the first output of each set verified on sampled rows against an fp64 reference and cuBLAS's error, the other
 outputs of the set equal to it bit for bit (deterministic kernels) or verified likewise. cuBLAS is timed the same way
