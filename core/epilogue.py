@@ -108,15 +108,17 @@ def cuda_code(epilogue: Epilogue) -> str:
 
 
 # ---- the same math on torch tensors (the checks, the baselines, the export's fallback) -----------------------------
-def _torch_act(x, name: str):
+def activate(x, name: str, inplace: bool = False):
+    """The activation `name` (ACTIVATIONS, or "none") on a tensor, as PyTorch computes it; in place where asked."""
+    import torch
     import torch.nn.functional as F
 
     if name == "relu":
-        return F.relu(x)
+        return F.relu(x, inplace=inplace)
     if name == "silu":
-        return F.silu(x)
+        return F.silu(x, inplace=inplace)
     if name == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
+        return torch.ops.aten.gelu_(x, approximate="tanh") if inplace else F.gelu(x, approximate="tanh")
     return x
 
 
@@ -150,21 +152,16 @@ def reference(y, epilogue: Epilogue, residual=None):
         return y + residual.to(y.dtype)
     if epilogue.gated:
         gate, up = split_gate_up(y)
-        return _torch_act(gate, epilogue.activation) * up
-    return _torch_act(y, epilogue.activation)
+        return activate(gate, epilogue.activation) * up
+    return activate(y, epilogue.activation)
 
 
-def compose(y, epilogue: Epilogue, residual=None, out=None):
+def compose(y, epilogue: Epilogue, residual=None):
     """What a model runs after an unfused GEMM whose output y is in the model's dtype: PyTorch's elementwise ops in
     that dtype, each rounding (residual: y + R; gated: act(gate) * up of y's de-interleaved halves)."""
-    import torch
-
     if epilogue.residual:
-        return torch.add(y, residual, out=out) if out is not None else y + residual
+        return y + residual
     if epilogue.gated:
         gate, up = split_gate_up(y)
-        return torch.mul(_torch_act(gate, epilogue.activation), up, out=out)
-    if epilogue.activation == "none":
-        return y if out is None else out.copy_(y)
-    result = _torch_act(y, epilogue.activation)
-    return result if out is None else out.copy_(result)
+        return activate(gate, epilogue.activation) * up
+    return activate(y, epilogue.activation)

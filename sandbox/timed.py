@@ -27,9 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from core.epilogue import split_gate_up
+from core.epilogue import activate, split_gate_up
 from core.records import Problem, Timing
 from sandbox import check
 from sandbox.check import TORCH_DTYPE, Checker, CheckFailed, GuardedStack, same_bits
@@ -40,8 +39,6 @@ FRESH_SLOTS = 64
 NONDETERMINISTIC_SAMPLE = 16
 VERIFY_BYTES = 1 << 30  # a verification batch's B, gathered and in fp64 (10 bytes an element), stays below this
 Launch = Callable[..., None]  # launch(A, B, C, M, N, K, bias, residual)
-ACT_IN_PLACE = {"relu": F.relu_, "silu": lambda x: F.silu(x, inplace=True),
-                "gelu_tanh": lambda x: torch.ops.aten.gelu_(x, approximate="tanh")}
 
 
 class Baseline:
@@ -72,13 +69,13 @@ class Baseline:
             bg, bu = self.halves[b.data_ptr()]
             cg, cu = self.halves[bias.data_ptr()] if bias is not None else (None, None)
             gate, up = self._gemm(a, bg, cg), self._gemm(a, bu, cu)
-            torch.mul(ACT_IN_PLACE[self.epi.activation](gate), up, out=c)
+            torch.mul(activate(gate, self.epi.activation, inplace=True), up, out=c)
         elif self.epi.residual:
             torch.add(self._gemm(a, b, bias), residual, out=c)
         else:
             self._gemm(a, b, bias, out=c)
             if self.epi.activation != "none":
-                ACT_IN_PLACE[self.epi.activation](c)
+                activate(c, self.epi.activation, inplace=True)
 
 
 def cublas_launch(problem: Problem) -> Baseline:
