@@ -50,6 +50,39 @@ def test_e2e_records_the_patched_models_problems_at_prefill_and_decode(tmp_path,
     assert len(union) == len(set(union)) and set(decode4) <= set(union)
 
 
+def test_with_ranges_each_problem_is_recorded_once_over_the_m_its_phases_run(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.delenv("OUT", raising=False)
+    e2e = load_tool("e2e_llama")
+    assert e2e.main(["--record-only", "--model", "tiny", "--device", "cpu", "--layers", "1", "--prefill-tokens",
+                     "40", "--decode-batches", "1-3", "--context", "8", "--ranges", "--work", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shapes_all.txt"]
+    union = read_shapes_file(tmp_path / "shapes_all.txt")
+    hidden, inter, vocab = 256, 512, 1024
+    assert Problem(21, 2 * inter, hidden, "nk", epilogue="silu_mul", m_range=(1, 40)) in union  # M: the middle
+    assert Problem(2, vocab, hidden, "nk", m_range=(1, 3)) in union  # lm_head: the last position of each sequence
+    assert len(union) == 5
+
+
+def test_phases_every_batch_of_a_range_and_seeded_random_prefills():
+    e2e = load_tool("e2e_llama")
+    assert e2e.counts("1-4,8,2") == [1, 2, 3, 4, 8]
+    for bad in ("", "0-3", "5-2"):
+        with pytest.raises(ValueError):
+            e2e.counts(bad)
+    args = e2e.parse_args(["--prefill-tokens", "2048", "--prefill-random", "10", "--decode-batches", "1-64"])
+    phases = e2e.phases_of(args)
+    prefills = [p.tokens for p in phases if p.context == 0]
+    assert len(prefills) == 11 and 2048 in prefills and all(100 <= t <= 4000 for t in prefills)
+    assert [p.batch for p in phases if p.context] == list(range(1, 65))
+    assert phases == e2e.phases_of(args)  # the same seed draws the same lengths
+    rows = [e2e.Row("decode1", "graphs", 1.0, 0.8, 1.25, 0.0), e2e.Row("decode2", "graphs", 1.0, 1.0, 1.0, 0.0),
+            e2e.Row("prefill100", "graphs", note="failed")]
+    s = e2e.summary(rows)
+    assert set(s) == {"graphs decode"} and s["graphs decode"]["lowest_at"] == "decode2"
+    assert s["graphs decode"]["geomean"] == pytest.approx(1.25 ** 0.5) and s["graphs decode"]["n"] == 2
+
+
 def test_tables_for_the_notebook():
     e2e, host = load_tool("e2e_llama"), load_tool("host_overhead")
     table = e2e.markdown([e2e.Row("decode1", "eager", 3.8, 3.3, 3.8 / 3.3, 1e-3),
@@ -61,6 +94,7 @@ def test_tables_for_the_notebook():
     rows = {"64_4096_4096:nk:f16": {"compiled": {"issue": 5.5, "sync": 28.0}, "dispatcher": timing,
                                     "python": timing, "torch": timing},
             "1_8_8:kn:f16": {"python": timing, "torch": timing}}  # no compiled op: its columns empty
+    assert host.spread(list("abcdefg"), 3) == ["a", "d", "g"] and host.spread(list("ab"), 0) == ["a", "b"]
     table = host.markdown(rows)
     assert "| 64_4096_4096:nk:f16 | 5.50 | 6.00 | 6.00 | 6.00 | 28.00 | 30.00 | -0.50 |" in table
     assert "| 1_8_8:kn:f16 | - | - | 6.00 | 6.00 | - | 30.00 | - |" in table

@@ -5,8 +5,10 @@
         [--budget-minutes 6] [--max-candidates 8] [--modes eager,graphs,compile,max-autotune]
 
 1. Records the problems the patched model will run (agent.record_gemm_shapes with the model: q/k/v merged, gate/up
-   as one gated GEMM, o_proj and down_proj with the residual add) for a prefill (1 x 2048 tokens) and a decode step
-   per batch (1, 8, 32, 64 sequences over a 512-token static KV cache), one shapes file each and their union.
+   as one gated GEMM, o_proj and down_proj with the residual add) for the prefills (1 x 2048 tokens; or several
+   lengths, --prefill-random N more drawn from 100-4000) and a decode step per batch (1, 8, 32, 64 sequences, or
+   every batch of a range such as 1-64, over a 512-token static KV cache), one shapes file each and their union;
+   with --ranges, one file with each problem once over the range of M its phases run (searched in buckets of M).
 2. Searches them (`python -m agent run --shapes`, in a subprocess, within the budget; --run RUN reuses a run) and
    exports the run (`python -m agent export`, which self-checks the export); --export DIR uses an export as it is.
 3. Builds the compiled op, patches a copy of the model (hgemm_ops.patch: fused layers, the rest routed) and per
@@ -14,8 +16,9 @@
    eager; replays of a CUDA graph of each (graphs); torch.compile default of each (compile); the stock model under
    torch.compile(mode="max-autotune-no-cudagraphs") against the patched model under torch.compile default
    (max-autotune). Compares their logits; reports the compilations' seconds.
-4. Prints a table; with $OUT set, writes $OUT/e2e_<model>_<dtype>.json (and the shapes files, and with
-   --tar-export the export as $OUT/export.tar.gz for --export in a later call).
+4. Prints a table, and per mode the geomean and the lowest speed-up over the prefills and over the decode steps;
+   with $OUT set, writes $OUT/e2e_<model>_<dtype>.json (and the shapes files, and with --tar-export the export as
+   $OUT/export.tar.gz for --export in a later call).
 
 --record-only stops after step 1 and needs no GPU (--device cpu --model tiny: a quick look).
 Needs `transformers` (on the GPU image; not a dependency of the project).
@@ -27,10 +30,12 @@ import argparse
 import copy
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,7 +48,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from e2e_models import CONFIGS, Phase, build_model, make_step  # noqa: E402
 
-from agent.recorder import record_gemm_shapes  # noqa: E402
+from agent.recorder import GemmRecorder, record_gemm_shapes  # noqa: E402
 from sandbox.serve_bench import load_ops  # noqa: E402
 
 MODES = ("eager", "graphs", "compile", "max-autotune")
@@ -61,21 +66,66 @@ class Row:
     compile_s: tuple[float, float] | None = None  # stock's and ours', where compiled
 
 
-def record(model, config, phases: list[Phase], folder: Path, device: str, name: str) -> Path:
-    """The shapes files of the patched model's problems, one per phase and their union."""
+def record(model, config, phases: list[Phase], folder: Path, device: str, name: str, ranges: bool = False) -> Path:
+    """The shapes file of the patched model's problems over all phases (shapes_all.txt): each problem at the M of
+    each phase, one shapes file per phase beside it; or, with `ranges`, each problem once with the range of M its
+    phases run (LO-HI_N_K:..., searched in buckets of M) and no file per phase."""
     folder.mkdir(parents=True, exist_ok=True)
-    lines: dict[str, None] = {}
-    with torch.inference_mode():
+    union, merged = folder / "shapes_all.txt", GemmRecorder()
+    with torch.inference_mode(), tempfile.TemporaryDirectory() as scratch:
         for phase in phases:
-            step = make_step(model, model, config, phase, device)
-            with record_gemm_shapes(folder / f"shapes_{phase.name}.txt", model=model) as rec:
+            step = make_step(model, model, config, phase, device)  # outside the recorder: a decode's cache fill
+            with record_gemm_shapes(Path(scratch if ranges else folder) / f"shapes_{phase.name}.txt",
+                                    model=model) as rec:
                 step()
-            lines.update(dict.fromkeys(p.key for p in rec.problems))
-            print(f"{phase.name}: {len(rec.problems)} problems, skipped {dict(rec.skipped) or 'none'}")
-    union = folder / "shapes_all.txt"
+            merged.problems.update(rec.problems)
+            merged.skipped.update(rec.skipped)
+            if not ranges:
+                print(f"{phase.name}: {len(rec.problems)} problems, skipped {dict(rec.skipped) or 'none'}")
+    if ranges:
+        union.write_text(merged.text())
+        print(f"{len(phases)} phases: {len(merged.ranges())} problems over ranges of M, skipped "
+              f"{dict(merged.skipped) or 'none'}")
+        return union
     union.write_text(f"# the problems of a patched {name} (fused decoder layers): prefill and decode\n"
-                     + "\n".join(lines) + "\n")
+                     + "\n".join(dict.fromkeys(p.key for p in merged.problems)) + "\n")
     return union
+
+
+def counts(text: str) -> list[int]:
+    """'1,8,32' or '1-64' (every count from 1 to 64) or a mix: the counts, sorted, each once."""
+    out: set[int] = set()
+    for item in filter(None, text.split(",")):
+        lo, _, hi = item.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    if not out or min(out) < 1:
+        raise ValueError(f"{text!r}: expected counts >= 1 such as 1,8,32 or 1-64")
+    return sorted(out)
+
+
+def phases_of(args) -> list[Phase]:
+    """The prefills (--prefill-tokens, plus --prefill-random lengths drawn from --prefill-span) and decode steps."""
+    tokens = counts(args.prefill_tokens)
+    if args.prefill_random:
+        lo, hi = counts(args.prefill_span)[0], counts(args.prefill_span)[-1]
+        pool = sorted(set(range(lo, hi + 1)) - set(tokens))
+        tokens = sorted(tokens + random.Random(args.seed).sample(pool, min(args.prefill_random, len(pool))))
+    prefills = [Phase("prefill" if len(tokens) == 1 else f"prefill{t}", 1, t, 0) for t in tokens]
+    return prefills + [Phase(f"decode{b}", b, 1, args.context) for b in counts(args.decode_batches)]
+
+
+def summary(rows: list[Row]) -> dict[str, dict[str, float]]:
+    """Per mode and kind of phase (prefill, decode): the geomean speed-up, the lowest and where, how many."""
+    out: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if r.speedup:
+            kind = "decode" if r.phase.startswith("decode") else "prefill"
+            out.setdefault(f"{r.mode} {kind}", {}).setdefault("all", []).append((r.speedup, r.phase))
+    for d in out.values():
+        xs = d.pop("all")
+        low = min(xs)
+        d.update(geomean=statistics.geometric_mean([x for x, _ in xs]), lowest=low[0], lowest_at=low[1], n=len(xs))
+    return out
 
 
 def agent_cli(*args: str) -> None:
@@ -195,8 +245,13 @@ def parse_args(argv=None):
     p.add_argument("--work", type=Path, help="shapes files and the export (default runs/e2e-<model>)")
     p.add_argument("--no-check", action="store_true", help="skip the export's self-check")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--prefill-tokens", type=int, default=2048)
-    p.add_argument("--decode-batches", default="1,8,32,64")
+    p.add_argument("--prefill-tokens", default="2048", help="prefill lengths: 2048, or 512,2048, or 100-110")
+    p.add_argument("--prefill-random", type=int, default=0, help="this many more prefill lengths, drawn at random")
+    p.add_argument("--prefill-span", default="100-4000", help="where --prefill-random draws from")
+    p.add_argument("--seed", type=int, default=0, help="for --prefill-random")
+    p.add_argument("--decode-batches", default="1,8,32,64", help="decode batch sizes: 1,8,32,64, or 1-64 (each)")
+    p.add_argument("--ranges", action="store_true",
+                   help="record each problem once with the range of M its phases run (searched in buckets of M)")
     p.add_argument("--context", type=int, default=512, help="tokens in the KV cache at a decode step")
     p.add_argument("--modes", default="eager,graphs,compile", help=f"of {', '.join(MODES)}")
     p.add_argument("--rounds", type=int, default=10)
@@ -215,11 +270,14 @@ def main(argv=None) -> int:
         return 2
     work = args.work or args.runs_dir / f"e2e-{args.model}"
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
-    phases = [Phase("prefill", 1, args.prefill_tokens, 0)] + [
-        Phase(f"decode{b}", b, 1, args.context) for b in map(int, args.decode_batches.split(","))]
+    try:
+        phases = phases_of(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     model, config = build_model(args.model, args.layers, args.dtype, args.device)
     if args.export is None:
-        shapes = record(model, config, phases, out_dir or work, args.device, args.model)
+        shapes = record(model, config, phases, out_dir or work, args.device, args.model, args.ranges)
         if args.record_only:
             print(f"shapes written to {shapes.parent}")
             return 0
@@ -261,9 +319,12 @@ def main(argv=None) -> int:
                                                          + (f", compile {r.compile_s[0]:.0f} s / {r.compile_s[1]:.0f}"
                                                             " s" if r.compile_s else "")), flush=True)
     print(markdown(rows))
-    report = {"model": args.model, "dtype": args.dtype, "layers": args.layers, "run": run, "path": ops.path(),
-              "patch": done, "device": torch.cuda.get_device_name(), "phases": [asdict(p) for p in phases],
-              "facts": facts, "rows": [asdict(r) for r in rows]}
+    totals = summary(rows)
+    for key, d in totals.items():
+        print(f"{key}: geomean {d['geomean']:.3f}x over {d['n']} phases, lowest {d['lowest']:.3f}x ({d['lowest_at']})")
+    report = {"summary": totals, "model": args.model, "dtype": args.dtype, "layers": args.layers, "run": run,
+              "path": ops.path(), "patch": done, "device": torch.cuda.get_device_name(),
+              "phases": [asdict(p) for p in phases], "facts": facts, "rows": [asdict(r) for r in rows]}
     if out_dir:
         (out_dir / f"e2e_{args.model}_{args.dtype}.json").write_text(json.dumps(report, indent=1))
     return 0

@@ -1,6 +1,6 @@
 """Host time per call of an exported op against torch.matmul / F.linear, per exported kernel (on the GPU machine).
 
-    python tools/host_overhead.py EXPORT_DIR [--calls 200] [--rounds 30]
+    python tools/host_overhead.py EXPORT_DIR [--calls 200] [--rounds 30] [--max-kernels N]
 
 For each problem the export has a kernel for, four ways to run it: the compiled op's entry point (what
 hgemm_ops.mm / .linear call), the registered op through the dispatcher (torch.ops.hgemm.*, what torch.compile
@@ -86,11 +86,20 @@ def markdown(rows: dict[str, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
+def spread(keys: list[str], most: int) -> list[str]:
+    """At most `most` of keys (all where most <= 0), evenly spaced, first and last kept."""
+    if most <= 0 or len(keys) <= most:
+        return keys
+    return [keys[round(i * (len(keys) - 1) / max(1, most - 1))] for i in range(most)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("export", type=Path)
     p.add_argument("--calls", type=int, default=200, help="calls per round (issue clock); a tenth of them for sync")
     p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--max-kernels", type=int, default=0, help="time at most this many of the export's kernels, "
+                   "spread evenly over its manifest (default: all)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
@@ -98,7 +107,7 @@ def main(argv=None) -> int:
     ops = load_ops(args.export)
     rows = {}
     with torch.inference_mode():
-        for key in ops.MANIFEST["kernels"]:
+        for key in spread(list(ops.MANIFEST["kernels"]), args.max_kernels):
             rows[key] = measure(ways(ops, key), args.calls, args.rounds)
             r = rows[key]
             print(f"{key:>28}  " + "  ".join(f"{name} {v['issue']:6.2f} / {v['sync']:7.2f}" for name, v in r.items())
