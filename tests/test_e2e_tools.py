@@ -76,20 +76,22 @@ def test_phases_every_batch_of_a_range_and_seeded_random_prefills():
     assert len(prefills) == 11 and 2048 in prefills and all(100 <= t <= 4000 for t in prefills)
     assert [p.batch for p in phases if p.context] == list(range(1, 65))
     assert phases == e2e.phases_of(args)  # the same seed draws the same lengths
-    rows = [e2e.Row("decode1", "graphs", 1.0, 0.8, 1.25, 0.0), e2e.Row("decode2", "graphs", 1.0, 1.0, 1.0, 0.0),
+    rows = [e2e.Row("decode1", "graphs", 1.0, 0.8, 1.25, 0.0, 2e-3, 3e-3),
+            e2e.Row("decode2", "graphs", 1.0, 1.0, 1.0, 0.0),
             e2e.Row("prefill100", "graphs", note="failed")]
     s = e2e.summary(rows)
     assert set(s) == {"graphs decode"} and s["graphs decode"]["lowest_at"] == "decode2"
     assert s["graphs decode"]["geomean"] == pytest.approx(1.25 ** 0.5) and s["graphs decode"]["n"] == 2
+    assert s["graphs decode"]["err32_ratio_max"] == pytest.approx(1.5)
 
 
 def test_tables_for_the_notebook():
     e2e, host = load_tool("e2e_llama"), load_tool("host_overhead")
     table = e2e.markdown([e2e.Row("decode1", "eager", 3.8, 3.3, 3.8 / 3.3, 1e-3),
-                          e2e.Row("decode1", "compile", 3.0, 2.5, 1.2, 1e-3, compile_s=(40.0, 35.0)),
+                          e2e.Row("decode1", "compile", 3.0, 2.5, 1.2, 1e-3, 2e-3, 3e-3, compile_s=(40.0, 35.0)),
                           e2e.Row("decode1", "graphs", note="RuntimeError: capture failed")])
-    assert "| decode1 | eager | 3.800 | 3.300 | 1.152x | 1.0e-03 |  |" in table and "capture failed" in table
-    assert "| decode1 | compile | 3.000 | 2.500 | 1.200x | 1.0e-03 | 40, 35 |" in table
+    assert "| decode1 | eager | 3.800 | 3.300 | 1.152x | 1.0e-03 |  |  |  |" in table and "capture failed" in table
+    assert "| decode1 | compile | 3.000 | 2.500 | 1.200x | 1.0e-03 | 2.0e-03 | 3.0e-03 | 40, 35 |" in table
     timing = {"issue": 6.0, "sync": 30.0}
     rows = {"64_4096_4096:nk:f16": {"compiled": {"issue": 5.5, "sync": 28.0}, "dispatcher": timing,
                                     "python": timing, "torch": timing},

@@ -62,6 +62,8 @@ class Row:
     ours_ms: float | None = None
     speedup: float | None = None
     rel_err: float | None = None  # ||logits_ours - logits_ref|| / ||logits_ref||
+    stock_err32: float | None = None  # the stock model's own rounding: ||logits_ref - logits_fp32|| / ||logits_fp32||
+    ours_err32: float | None = None  # the patched model's against the same fp32 logits
     note: str = ""
     compile_s: tuple[float, float] | None = None  # stock's and ours', where compiled
 
@@ -115,16 +117,21 @@ def phases_of(args) -> list[Phase]:
 
 
 def summary(rows: list[Row]) -> dict[str, dict[str, float]]:
-    """Per mode and kind of phase (prefill, decode): the geomean speed-up, the lowest and where, how many."""
-    out: dict[str, dict[str, float]] = {}
+    """Per mode and kind of phase (prefill, decode): the geomean speed-up, the lowest and where, how many; and the
+    largest ratio of the patched model's logits error to the stock model's (both against fp32), where measured."""
+    out: dict[str, dict] = {}
     for r in rows:
         if r.speedup:
             kind = "decode" if r.phase.startswith("decode") else "prefill"
-            out.setdefault(f"{r.mode} {kind}", {}).setdefault("all", []).append((r.speedup, r.phase))
+            out.setdefault(f"{r.mode} {kind}", {"all": [], "err": []})["all"].append((r.speedup, r.phase))
+            if r.ours_err32 is not None and r.stock_err32:
+                out[f"{r.mode} {kind}"]["err"].append(r.ours_err32 / r.stock_err32)
     for d in out.values():
-        xs = d.pop("all")
+        xs, errs = d.pop("all"), d.pop("err")
         low = min(xs)
         d.update(geomean=statistics.geometric_mean([x for x, _ in xs]), lowest=low[0], lowest_at=low[1], n=len(xs))
+        if errs:
+            d["err32_ratio_max"] = max(errs)
     return out
 
 
@@ -178,8 +185,23 @@ def warmed(step) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - t0, step()
 
 
-def compare(phase: Phase, mode: str, ref, ours, args) -> Row:
-    """ref and ours: zero-argument calls returning logits."""
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(torch.linalg.norm((x.float() - ref.float()).reshape(-1)) / torch.linalg.norm(ref.float().reshape(-1)))
+
+
+def fp32_logits(args, config, phases: list[Phase]) -> dict[str, torch.Tensor]:
+    """Per phase, the logits of the same model (same seed, same weights) in fp32: the reference both the stock and
+    the patched model's rounding are measured against."""
+    model32, _ = build_model(args.model, args.layers, "f32", args.device)
+    with torch.inference_mode():
+        out = {ph.name: make_step(model32, model32, config, ph, args.device)().float() for ph in phases}
+    del model32
+    torch.cuda.empty_cache()
+    return out
+
+
+def compare(phase: Phase, mode: str, ref, ours, args, ref32: torch.Tensor | None = None) -> Row:
+    """ref and ours: zero-argument calls returning logits; ref32: the fp32 model's logits for this phase."""
     compile_s = None
     try:
         if mode == "graphs":
@@ -188,12 +210,13 @@ def compare(phase: Phase, mode: str, ref, ours, args) -> Row:
         else:
             (ref_s, ref_out), (ours_s, ours_out) = warmed(ref), warmed(ours)
             compile_s = (ref_s, ours_s) if mode in ("compile", "max-autotune") else None
-        err = float(torch.linalg.norm((ours_out - ref_out).float()) / torch.linalg.norm(ref_out.float()))
+        err = rel(ours_out, ref_out)
+        errs32 = (rel(ref_out, ref32), rel(ours_out, ref32)) if ref32 is not None else (None, None)
         inner = 2 if phase.context == 0 else 10
         t = timed({"ref": ref, "ours": ours}, args.rounds, inner)
     except Exception as e:  # a mode that cannot run this model here is a row saying why, not the end of the tool
         return Row(phase.name, mode, note=f"{type(e).__name__}: {str(e).splitlines()[0][:150]}")
-    return Row(phase.name, mode, t["ref"], t["ours"], t["ref"] / t["ours"], err, compile_s=compile_s)
+    return Row(phase.name, mode, t["ref"], t["ours"], t["ref"] / t["ours"], err, *errs32, compile_s=compile_s)
 
 
 def kernel_calls(ops, step) -> tuple[int, int]:
@@ -223,12 +246,13 @@ def kernel_calls(ops, step) -> tuple[int, int]:
 
 def markdown(rows: list[Row]) -> str:
     """The table docs/notebook.md keeps."""
-    lines = ["| phase | mode | stock ms | patched ms | speed-up | logits rel. diff | compile s (stock, ours) |",
-             "|---" * 7 + "|"]
+    lines = ["| phase | mode | stock ms | patched ms | speed-up | logits rel. diff | stock vs fp32 | patched vs fp32 "
+             "| compile s (stock, ours) |", "|---" * 9 + "|"]
     for r in rows:
         comp = f"{r.compile_s[0]:.0f}, {r.compile_s[1]:.0f}" if r.compile_s else ""
-        lines.append(f"| {r.phase} | {r.mode} | " + (f"{r.note} | | | | |" if r.note else
-                     f"{r.ref_ms:.3f} | {r.ours_ms:.3f} | {r.speedup:.3f}x | {r.rel_err:.1e} | {comp} |"))
+        e32 = " | ".join(f"{e:.1e}" if e is not None else "" for e in (r.stock_err32, r.ours_err32))
+        lines.append(f"| {r.phase} | {r.mode} | " + (f"{r.note} | | | | | | |" if r.note else
+                     f"{r.ref_ms:.3f} | {r.ours_ms:.3f} | {r.speedup:.3f}x | {r.rel_err:.1e} | {e32} | {comp} |"))
     return "\n".join(lines)
 
 
@@ -255,6 +279,8 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=512, help="tokens in the KV cache at a decode step")
     p.add_argument("--modes", default="eager,graphs,compile", help=f"of {', '.join(MODES)}")
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--no-fp32", action="store_true",
+                   help="skip the fp32 model's logits (what both models' rounding is measured against)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--record-only", action="store_true", help="write the shapes files and stop (no GPU needed)")
     return p.parse_args(argv)
@@ -301,6 +327,7 @@ def main(argv=None) -> int:
             hit, calls = kernel_calls(ops, make_step(ours, ours, config, phase, args.device))
             facts[phase.name] = {"kernel_calls": hit, "export_calls": calls}
             print(f"{phase.name:>10}: {hit} of {calls} calls through the export ran an exported kernel", flush=True)
+        ref32 = {} if args.no_fp32 else fp32_logits(args, config, phases)
         eager = {"ref": model, "ours": ours}
         for mode in args.modes.split(","):
             for phase in phases:
@@ -312,16 +339,20 @@ def main(argv=None) -> int:
                     models = {"ref": torch.compile(model, mode="max-autotune-no-cudagraphs"),
                               "ours": torch.compile(ours)}
                 ref, our = (make_step(models[n], eager[n], config, phase, args.device) for n in ("ref", "ours"))
-                rows.append(compare(phase, mode, ref, our, args))
+                rows.append(compare(phase, mode, ref, our, args, ref32.get(phase.name)))
                 r = rows[-1]
                 print(f"{r.phase:>10} {r.mode:>12}: " + (r.note or f"stock {r.ref_ms:.3f} ms, ours {r.ours_ms:.3f} "
                                                          f"ms, {r.speedup:.3f}x, rel err {r.rel_err:.1e}"
+                                                         + (f" (vs fp32: stock {r.stock_err32:.1e}, ours "
+                                                            f"{r.ours_err32:.1e})" if r.ours_err32 is not None else "")
                                                          + (f", compile {r.compile_s[0]:.0f} s / {r.compile_s[1]:.0f}"
                                                             " s" if r.compile_s else "")), flush=True)
     print(markdown(rows))
     totals = summary(rows)
     for key, d in totals.items():
-        print(f"{key}: geomean {d['geomean']:.3f}x over {d['n']} phases, lowest {d['lowest']:.3f}x ({d['lowest_at']})")
+        print(f"{key}: geomean {d['geomean']:.3f}x over {d['n']} phases, lowest {d['lowest']:.3f}x ({d['lowest_at']})"
+              + (f"; logits error against fp32, patched / stock: at most {d['err32_ratio_max']:.2f}"
+                 if "err32_ratio_max" in d else ""))
     report = {"summary": totals, "model": args.model, "dtype": args.dtype, "layers": args.layers, "run": run,
               "path": ops.path(), "patch": done, "device": torch.cuda.get_device_name(),
               "phases": [asdict(p) for p in phases], "facts": facts, "rows": [asdict(r) for r in rows]}

@@ -21,7 +21,7 @@ CONFIGS = {
              dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
                   vocab_size=1024, max_position_embeddings=4096)),
 }
-DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
 
 @dataclass(frozen=True)
