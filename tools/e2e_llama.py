@@ -15,7 +15,8 @@
    phase times the forward pass of the stock and the patched model in this process, interleaved round by round:
    eager; replays of a CUDA graph of each (graphs); torch.compile default of each (compile); the stock model under
    torch.compile(mode="max-autotune-no-cudagraphs") against the patched model under torch.compile default
-   (max-autotune). Compares their logits; reports the compilations' seconds.
+   (max-autotune). Compares their logits with each other and each with the same model's in fp32 (the stock
+   model's own rounding is the bound for the patched one's; --no-fp32 skips it); reports the compilations' seconds.
 4. Prints a table, and per mode the geomean and the lowest speed-up over the prefills and over the decode steps;
    with $OUT set, writes $OUT/e2e_<model>_<dtype>.json (and the shapes files, and with --tar-export the export as
    $OUT/export.tar.gz for --export in a later call).
