@@ -58,6 +58,21 @@ def test_reference_and_the_models_composition_agree_up_to_rounding():
     assert torch.allclose(reference(y, Epilogue("silu_mul")), gate * torch.sigmoid(gate) * up)
 
 
+def models_gated(y: torch.Tensor, activation: str) -> torch.Tensor:
+    """What a model computes from separate gate and up outputs: act(gate), then the product, each rounded."""
+    gate, up = split_gate_up(y)
+    return activate(gate.contiguous(), activation) * up.contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_gated_composition_is_the_models_bit_for_bit_without_copying_the_halves(dtype):
+    y = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for name, act in (("silu_mul", "silu"), ("gelu_mul", "gelu_tanh")):
+        out = compose(y, Epilogue(name))
+        assert out.shape == (5, 3, 32) and out.is_contiguous() and out.dtype == dtype
+        assert torch.equal(out, models_gated(y, act)), name
+
+
 def test_the_epilogue_names_the_problem_and_its_output():
     p = Problem(16, 28672, 4096, "nk", "bf16", True, "silu_mul")
     assert p.key == "16_28672_4096:nk:bf16:bias:silu_mul" and p.out_n == 14336
