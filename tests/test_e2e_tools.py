@@ -67,7 +67,7 @@ def test_with_ranges_each_problem_is_recorded_once_over_the_m_its_phases_run(tmp
 def test_phases_every_batch_of_a_range_and_seeded_random_prefills():
     e2e = load_tool("e2e_llama")
     assert e2e.counts("1-4,8,2") == [1, 2, 3, 4, 8]
-    for bad in ("", "0-3", "5-2"):
+    for bad in ("", "0-3", "5-2", "5-2,3", "a", "1-b"):
         with pytest.raises(ValueError):
             e2e.counts(bad)
     args = e2e.parse_args(["--prefill-tokens", "2048", "--prefill-random", "10", "--decode-batches", "1-64"])

@@ -100,8 +100,10 @@ def counts(text: str) -> list[int]:
     out: set[int] = set()
     for item in filter(None, text.split(",")):
         lo, _, hi = item.partition("-")
+        if not (lo.isdigit() and (hi or lo).isdigit()) or not 1 <= int(lo) <= int(hi or lo):
+            raise ValueError(f"{text!r}: expected counts >= 1 such as 1,8,32 or 1-64")
         out.update(range(int(lo), int(hi or lo) + 1))
-    if not out or min(out) < 1:
+    if not out:
         raise ValueError(f"{text!r}: expected counts >= 1 such as 1,8,32 or 1-64")
     return sorted(out)
 
@@ -110,8 +112,8 @@ def phases_of(args) -> list[Phase]:
     """The prefills (--prefill-tokens, plus --prefill-random lengths drawn from --prefill-span) and decode steps."""
     tokens = counts(args.prefill_tokens)
     if args.prefill_random:
-        lo, hi = counts(args.prefill_span)[0], counts(args.prefill_span)[-1]
-        pool = sorted(set(range(lo, hi + 1)) - set(tokens))
+        span = counts(args.prefill_span)
+        pool = sorted(set(span) - set(tokens))
         tokens = sorted(tokens + random.Random(args.seed).sample(pool, min(args.prefill_random, len(pool))))
     prefills = [Phase("prefill" if len(tokens) == 1 else f"prefill{t}", 1, t, 0) for t in tokens]
     return prefills + [Phase(f"decode{b}", b, 1, args.context) for b in counts(args.decode_batches)]
