@@ -167,11 +167,12 @@ def _listed(ms: tuple[int, ...], most: int = 8) -> str:
 
 
 @contextmanager
-def record_gemm_shapes(path: str | Path, model: torch.nn.Module | None = None,
+def record_gemm_shapes(path: str | Path | None, model: torch.nn.Module | None = None,
                        serve_m: tuple[int, int] | None = None) -> Iterator[GemmRecorder]:
-    """Record the GEMMs run inside the block; on leaving it normally, write them to `path` (a shapes file), each
-    problem seen at several M as a range of M, every range widened to hold serve_m=(lo, hi) where given. With
-    `model`, its decoder layers run fused inside the block, as hgemm_ops.patch will run them, and are put back."""
+    """Record the GEMMs run inside the block; on leaving it normally, write them to `path` (a shapes file; None:
+    no file, the recorder it yields holds them), each problem seen at several M as a range of M, every range widened
+    to hold serve_m=(lo, hi) where given. With `model`, its decoder layers run fused inside the block, as
+    hgemm_ops.patch will run them, and are put back."""
     from agent.export.runtime import hgemm_fuse
 
     recorder = GemmRecorder(serve_m)
@@ -183,4 +184,5 @@ def record_gemm_shapes(path: str | Path, model: torch.nn.Module | None = None,
     finally:
         if model is not None:
             hgemm_fuse.unfuse(model)
-    Path(path).write_text(recorder.text())
+    if path is not None:
+        Path(path).write_text(recorder.text())

@@ -151,8 +151,7 @@ def reference(y, epilogue: Epilogue, residual=None):
     if epilogue.residual:
         return y + residual.to(y.dtype)
     if epilogue.gated:
-        gate, up = split_gate_up(y)
-        return activate(gate, epilogue.activation) * up
+        return gated_compose(y, epilogue.activation)
     return activate(y, epilogue.activation)
 
 
@@ -168,7 +167,7 @@ def compose(y, epilogue: Epilogue, residual=None):
 
 def gated_compose(y, activation: str):
     """act(gate) * up of a gated GEMM's output y (gate and up interleaved in blocks of GATE_BLOCK columns), rounding
-    to y's dtype after the activation and after the product, as a model's two ops do; on strided views of the two
-    halves, with no copy of either."""
+    to y's dtype after the activation and after the product, as a model's two ops do (in fp64 for the reference);
+    on strided views of the two halves, with no copy of either."""
     blocks = y.unflatten(-1, (y.shape[-1] // (2 * GATE_BLOCK), 2, GATE_BLOCK))
     return (activate(blocks.select(-2, 0), activation) * blocks.select(-2, 1)).flatten(-2)

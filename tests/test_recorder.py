@@ -100,6 +100,13 @@ def test_calls_run_unchanged_and_nothing_written_on_error(tmp_path):
     assert not (tmp_path / "t.txt").exists()
 
 
+def test_without_a_path_the_recorder_holds_the_problems_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with agent.record_gemm_shapes(None) as rec:
+        torch.mm(torch.randn(4, 16).half(), torch.randn(16, 8).half())
+    assert dict(rec.problems) == {Problem(4, 8, 16, "kn"): 1} and list(tmp_path.iterdir()) == []
+
+
 def test_importing_the_package_does_not_import_torch():
     code = "import sys, agent, agent.cli; assert 'torch' not in sys.modules; agent.record_gemm_shapes"
     out = subprocess.run([sys.executable, "-c", code + "; print('torch' in sys.modules)"], capture_output=True,

@@ -36,7 +36,6 @@ import statistics
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -75,11 +74,10 @@ def record(model, config, phases: list[Phase], folder: Path, device: str, name: 
     phases run (LO-HI_N_K:..., searched in buckets of M) and no file per phase."""
     folder.mkdir(parents=True, exist_ok=True)
     union, merged = folder / "shapes_all.txt", GemmRecorder()
-    with torch.inference_mode(), tempfile.TemporaryDirectory() as scratch:
+    with torch.inference_mode():
         for phase in phases:
             step = make_step(model, model, config, phase, device)  # outside the recorder: a decode's cache fill
-            with record_gemm_shapes(Path(scratch if ranges else folder) / f"shapes_{phase.name}.txt",
-                                    model=model) as rec:
+            with record_gemm_shapes(None if ranges else folder / f"shapes_{phase.name}.txt", model=model) as rec:
                 step()
             merged.problems.update(rec.problems)
             merged.skipped.update(rec.skipped)
