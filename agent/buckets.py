@@ -1,17 +1,19 @@
 """Buckets of M: how `run` splits a range of M into buckets, the M each bucket is searched at, the measured
-neighbour whose leaders seed its search and its candidate budget, its re-timing at both ends, and which kernel
-serves it (its winner where that was at least as fast as cuBLAS at both ends, else cuBLAS).
+neighbour whose leaders seed its search and its candidate budget, its re-timing at probe M, and which kernel
+serves which of its M (its winner where that was at least as fast as cuBLAS, else cuBLAS).
 
 The ladder: bucket upper ends at SERVING_LADDER's sizes up to 512, then steps of at most 1.5x in multiples of 64
 (768, 1152, 1728, 2560, 3840, ...). A range lo-hi becomes the buckets between consecutive ladder points inside it:
 1-512 is 18 buckets (1, 2, 3-4, 5-8, 9-16, 17-24, 25-32, 33-48, 49-64, 65-96, 97-128, 129-160, 161-192, 193-256,
 257-320, 321-384, 385-448, 449-512). A bucket is a Problem whose m_range is its ends and whose m is its middle
 (`representative`): searched and timed there, checked at its ends and at M inside (sandbox.check.edge_shapes),
-and re-timed at both ends once its winner is known (EndChecks).
+and re-timed at its probe M once its winner is known (EndChecks): its ends and PROBES points in between, since
+cuBLAS changes kernels at M values of its own, inside a bucket too. The kernel serves the stretches between
+consecutive probe M where it was at least as fast as cuBLAS at both (`spans`); cuBLAS serves the rest.
 
 Search cost: the first bucket of a series searched gets the run's --max-candidates; each later one starts from
 its nearest searched neighbour's SEEDS best candidates and gets `budget()` candidates in all (16 -> 5), so 1-512
-costs about 16 + 17 x 5 candidates plus two end timings a bucket, not 18 x 16.
+costs about 16 + 17 x 5 candidates plus up to five probe timings a bucket, not 18 x 16.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ SERVING_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 3
 STEP_BEYOND = 1.5  # beyond the ladder: each bucket's upper end at most this times the last one's
 ROUND_BEYOND = 64  # ... in multiples of this many rows
 SEEDS = 3  # the neighbour's best candidates tried first in a bucket
-END_TRIES = 2  # leaders re-timed at a bucket's ends, in order, before the bucket goes to cuBLAS
+END_TRIES = 2  # leaders re-timed at a bucket's probe M, in order, until one serves all of it
+PROBES = 3  # M re-timed inside a bucket besides its ends: at its quarters
 
 
 def ladder_after(m: int) -> int:
@@ -113,43 +116,78 @@ def seeds(store, b: Problem) -> list[Candidate]:
             for c, _ in store.leaders(near)[:SEEDS]]
 
 
-def end_problems(b: Problem) -> list[Problem]:
-    """The bucket's ends as problems of one M each (one where the bucket is a single M)."""
-    return [dataclasses.replace(b, m=m, m_range=None) for m in sorted(set(b.m_span))]
+def probe_ms(b: Problem) -> list[int]:
+    """The M a bucket's leaders are re-timed at: its ends and its quarters (fewer where the bucket is narrow)."""
+    lo, hi = b.m_span
+    return sorted({lo, hi} | {lo + round((hi - lo) * i / (PROBES + 1)) for i in range(1, PROBES + 1)})
 
 
-def ends_pass(b: Problem, ends: dict[int, EvalResult]) -> bool:
-    """At least as fast as cuBLAS (and correct) at both ends of the bucket."""
-    return all((r := ends.get(p.m)) is not None and r.status is Status.OK and (r.speedup or 0.0) >= 1.0
-               for p in end_problems(b))
+def probe_problems(b: Problem) -> list[Problem]:
+    """The bucket's probe M as problems of one M each (one where the bucket is a single M)."""
+    return [dataclasses.replace(b, m=m, m_range=None) for m in probe_ms(b)]
+
+
+def passes(r: EvalResult | None) -> bool:
+    return r is not None and r.status is Status.OK and (r.speedup or 0.0) >= 1.0
+
+
+def spans(b: Problem, timed: dict[int, EvalResult]) -> list[tuple[int, int]]:
+    """The stretches of the bucket a kernel serves: from one probe M to the next where it was correct and at least
+    as fast as cuBLAS at both (a bucket of one M: that M where it passed). Probes not timed (a run from before
+    interior probes) are skipped; both ends must have been timed. Empty: cuBLAS serves the bucket."""
+    lo, hi = b.m_span
+    if lo not in timed or hi not in timed:
+        return []
+    ms = [m for m in probe_ms(b) if m in timed]
+    if len(ms) == 1:
+        return [(lo, lo)] if passes(timed[lo]) else []
+    out: list[tuple[int, int]] = []
+    for a, z in zip(ms, ms[1:], strict=False):
+        if passes(timed[a]) and passes(timed[z]):
+            out = out[:-1] + [(out[-1][0], z)] if out and out[-1][1] == a else out + [(a, z)]
+    return out
+
+
+def rows(pieces: list[tuple[int, int]]) -> int:
+    return sum(z - a + 1 for a, z in pieces)
 
 
 @dataclass(frozen=True)
 class Served:
-    """The kernel that serves a bucket: a candidate, its median speed-up at the representative M and its results
-    at the bucket's ends (M -> result)."""
+    """The kernel that serves a bucket: a candidate, its median speed-up at the representative M, its results at
+    the bucket's probe M (M -> result) and the stretches of the bucket it serves (`spans`)."""
 
     candidate: Candidate
     result: EvalResult
     speedup: float
     ends: dict[int, EvalResult]
+    pieces: tuple[tuple[int, int], ...]
 
     def note(self, b: Problem) -> str:
-        at = ", ".join(f"{self.ends[p.m].speedup:.3f}x at M={p.m}" for p in end_problems(b))
-        return f"{self.speedup:.3f}x at M={b.m}, {at} ({self.candidate.id})"
+        at = ", ".join(f"{r.speedup:.3f}x at M={m}" if r.speedup else f"{r.status.value} at M={m}"
+                       for m, r in sorted(self.ends.items()))
+        part = "" if list(self.pieces) == [b.m_span] else \
+            "; serves M " + ", ".join(f"{a}-{z}" for a, z in self.pieces) + ", cuBLAS the rest"
+        return f"{self.speedup:.3f}x at M={b.m}, {at} ({self.candidate.id}){part}"
+
+    def serves(self, m: int) -> bool:
+        return any(a <= m <= z for a, z in self.pieces)
 
 
 def served(store, b: Problem) -> Served | None:
-    """The candidate serving bucket `b`: the winner, or the next leader, that passed at both ends; None (cuBLAS)."""
+    """The candidate serving bucket `b`: of the winner and the leaders re-timed at its probe M, the one serving the
+    most of it (the winner first on a tie); None where none serves any of it (cuBLAS)."""
     win = store.winner(b)
     if win is None:
         return None
-    ends = store.bucket_ends(b)
+    timed = store.bucket_ends(b)
     order = [(win.candidate, win.result)] + [cr for cr in store.leaders(b) if cr[0].id != win.candidate.id]
-    for c, r in order:
-        if ends_pass(b, ends.get(c.id, {})):
-            return Served(c, r, store.median_speedup(c.id), ends[c.id])
-    return None
+    best = max(((c, r, spans(b, timed.get(c.id, {}))) for c, r in order), key=lambda x: rows(x[2]),
+               default=None)
+    if best is None or not best[2]:
+        return None
+    c, r, pieces = best
+    return Served(c, r, store.median_speedup(c.id), timed[c.id], tuple(pieces))
 
 
 def covering(store, p: Problem) -> Problem | None:
@@ -161,8 +199,8 @@ def covering(store, p: Problem) -> Problem | None:
 
 class EndChecks:
     """A searched bucket's leaders (winner first, at most END_TRIES), each re-checked and re-timed next to cuBLAS at
-    both ends of the bucket (timed honestly: this decides what ships), until one is at least as fast as cuBLAS at
-    both; ends timed before (a resumed run) are not timed again."""
+    the bucket's probe M (timed honestly: this decides what ships), until one is at least as fast as cuBLAS at every
+    one; probes timed before (a resumed run) are not timed again."""
 
     def __init__(self, store, b: Problem, timeout_s: float):
         self.store, self.bucket, self.timeout_s = store, b, timeout_s
@@ -174,24 +212,27 @@ class EndChecks:
         self.settled = False
 
     def next_jobs(self) -> list[EvalJob]:
-        """The next leader's end timings still to run; empty once a leader passed or none is left."""
+        """The next leader's probe timings still to run; empty once a leader passed or none is left."""
         while self.todo:
             c = self.todo[0]
             done = self.store.bucket_ends(self.bucket).get(c.id, {})
-            missing = [p for p in end_problems(self.bucket) if p.m not in done]
+            missing = [p for p in probe_problems(self.bucket) if p.m not in done]
             if missing:
                 cubin = self.store.build(c.id).cubin
                 return [EvalJob(c.id, p, c.family, c.params, cubin, timeout_s=self.timeout_s, honest=True)
                         for p in missing]
             self.todo.pop(0)
-            if ends_pass(self.bucket, done):
+            pieces = spans(self.bucket, done)
+            if pieces == [self.bucket.m_span]:
                 self.verdict, self.todo = c, []
-                self.store.event("bucket", f"{self.bucket.key}: {c.id} at least as fast as cuBLAS at both ends")
+                self.store.event("bucket", f"{self.bucket.key}: {c.id} at least as fast as cuBLAS at every probe M")
                 return []
-            self.store.event("bucket", f"{self.bucket.key}: {c.id} slower than cuBLAS or failed at an end")
+            share = ", ".join(f"{a}-{z}" for a, z in pieces) or "none"
+            self.store.event("bucket", f"{self.bucket.key}: {c.id} slower than cuBLAS or failed at a probe M "
+                                       f"(would serve M {share})")
         if self.verdict is None and not self.settled:
-            self.store.event("bucket", f"{self.bucket.key}: no leader at least as fast as cuBLAS at both ends: "
-                                       "cuBLAS serves it")
+            self.store.event("bucket", f"{self.bucket.key}: no leader at least as fast as cuBLAS at every probe M: "
+                                       "the leader serving most of it serves its share, cuBLAS the rest")
         self.settled = True
         return []
 

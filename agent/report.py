@@ -110,7 +110,7 @@ def show_run(store: RunStore) -> Group:
 
 
 def bucket_lines(store: RunStore) -> list[Text]:
-    """Per bucket of M, what serves it: the kernel at least as fast as cuBLAS at both ends (its ratios there), or
+    """Per bucket of M, what serves it: the kernel at least as fast as cuBLAS at its probe M (its ratios there), or
     cuBLAS."""
     lines = []
     for p in store.problems():
@@ -118,7 +118,7 @@ def bucket_lines(store: RunStore) -> list[Text]:
             continue
         served = buckets.served(store, p)
         lines.append(Text(f"bucket {p.mnk} {p.b_layout}: " + (f"kernel {served.note(p)}" if served else "cuBLAS (no "
-                          "leader at least as fast as cuBLAS at both ends)")))
+                          "leader at least as fast as cuBLAS at two neighbouring probe M)")))
     return lines
 
 

@@ -105,8 +105,10 @@ def test_an_m_inside_a_bucket_is_benched_as_the_export_dispatches_it(tmp_path):
 
 
 def test_a_runs_own_buckets_bench_their_served_kernel(tmp_path):
-    problems = buckets.plan([Problem(24, 256, 512, "nk", m_range=(17, 32))])
+    problems = buckets.plan([Problem(24, 256, 512, "nk", m_range=(9, 32))])
     store = populated_run(tmp_path / "a", problems=tuple(problems), n=3, evaluate=m_dependent_evaluate)
-    assert best_across([store], problems[0]) is None  # 17-24 goes to cuBLAS, whatever its winner ran at M=21
-    _, cid, _ = best_across([store], problems[1])
-    assert cid == buckets.served(store, problems[1]).candidate.id
+    assert best_across([store], problems[0]) is None  # 9-16 goes to cuBLAS, whatever its winner ran at M=13
+    for b in problems[1:]:  # 17-24 served at its stretch 21-24, which holds its representative 21; 25-32 all of it
+        _, cid, _ = best_across([store], b)
+        assert cid == buckets.served(store, b).candidate.id
+    assert buckets.served(store, problems[1]).pieces == ((21, 24),)

@@ -1,5 +1,5 @@
 """agent.buckets: the ladder that splits a range of M, the representative M, merging ranges, the seeded budget,
-and which kernel serves a bucket (at least as fast as cuBLAS at both ends); the loop's bucket flow is in
+and which kernel serves which M of a bucket (at least as fast as cuBLAS at neighbouring probe M); the loop's bucket flow is in
 tests/test_loop.py."""
 
 from __future__ import annotations
@@ -64,31 +64,67 @@ def store_with(tmp_path, bucket: Problem, ratios: dict[str, float]) -> tuple[Run
     return store, cands
 
 
-def test_served_is_the_leader_as_fast_as_cublas_at_both_ends(tmp_path):
+def test_probe_m_are_a_buckets_ends_and_quarters():
+    assert buckets.probe_ms(Problem(21, 256, 512, "nk", m_range=(17, 24))) == [17, 19, 21, 22, 24]
+    assert buckets.probe_ms(Problem(177, 256, 512, "nk", m_range=(161, 192))) == [161, 169, 177, 184, 192]
+    assert buckets.probe_ms(Problem(4, 256, 512, "nk", m_range=(3, 4))) == [3, 4]
+    assert buckets.probe_ms(Problem(1, 256, 512, "nk", m_range=(1, 1))) == [1]
+
+
+def test_spans_are_the_stretches_between_neighbouring_probes_that_both_pass():
+    b = Problem(177, 256, 512, "nk", m_range=(161, 192))
+    at = lambda *ratios: {m: ok("c", r) for m, r in zip(buckets.probe_ms(b), ratios, strict=True)}  # noqa: E731
+    assert buckets.spans(b, at(1.1, 1.0, 1.2, 1.1, 1.3)) == [(161, 192)]
+    assert buckets.spans(b, at(1.1, 1.0, 1.2, 0.9, 1.3)) == [(161, 177)]  # cuBLAS faster at 184: 178-192 theirs
+    assert buckets.spans(b, at(0.9, 1.1, 1.2, 0.9, 1.3)) == [(169, 177)]
+    assert buckets.spans(b, at(1.1, 0.9, 1.2, 0.9, 1.3)) == []  # no two neighbours pass
+    wrong = at(1.1, 1.1, 1.2, 1.1, 1.3) | {184: EvalResult("c", Status.WRONG, "wrong at M=184")}
+    assert buckets.spans(b, wrong) == [(161, 177)]
+    ends_only = {161: ok("c", 1.1), 192: ok("c", 1.05)}  # a run from before interior probes
+    assert buckets.spans(b, ends_only) == [(161, 192)] and buckets.spans(b, {161: ok("c", 1.1)}) == []
+
+
+def test_served_is_the_leader_as_fast_as_cublas_at_every_probe(tmp_path):
     b = Problem(21, 256, 512, "nk", m_range=(17, 24))
     store, (first, second) = store_with(tmp_path, b, {"first": 1.4, "second": 1.2})
-    assert buckets.served(store, b) is None  # not re-timed at its ends yet
+    assert buckets.served(store, b) is None  # not re-timed at its probe M yet
     checks = buckets.EndChecks(store, b, timeout_s=5.0)
     jobs = checks.next_jobs()
     assert {j.cubin for j in jobs} == {b"cubin first"} and {(j.timeout_s, j.honest) for j in jobs} == {(5.0, True)}
-    assert [(j.candidate_id, j.problem) for j in jobs] == [(first.id, Problem(17, 256, 512, "nk")),
-                                                           (first.id, Problem(24, 256, 512, "nk"))]
-    checks.record(jobs[0], ok(first.id, 1.3))
-    checks.record(jobs[1], ok(first.id, 0.97))  # slower than cuBLAS at M = 24: the next leader is timed
+    assert [(j.candidate_id, j.problem) for j in jobs] == [(first.id, Problem(m, 256, 512, "nk"))
+                                                           for m in (17, 19, 21, 22, 24)]
+    for j, ratio in zip(jobs, (1.3, 1.2, 1.1, 1.05, 0.97), strict=True):  # slower than cuBLAS at M = 24
+        checks.record(j, ok(first.id, ratio))
     jobs = checks.next_jobs()
     assert {j.candidate_id for j in jobs} == {second.id}
     for j in jobs:
         checks.record(j, ok(second.id, 1.0))
     assert checks.next_jobs() == [] and checks.verdict == second
     served = buckets.served(store, b)
-    assert served.candidate == second and served.ends[17].speedup == 1.0
-    assert served.note(b) == f"1.200x at M=21, 1.000x at M=17, 1.000x at M=24 ({second.id})"
+    assert served.candidate == second and served.ends[17].speedup == 1.0 and served.pieces == ((17, 24),)
+    assert served.note(b) == (f"1.200x at M=21, 1.000x at M=17, 1.000x at M=19, 1.000x at M=21, 1.000x at M=22, "
+                              f"1.000x at M=24 ({second.id})")
     assert buckets.EndChecks(store, b, 5.0).next_jobs() == []  # a resumed run times nothing again
     assert [e[2] for e in store.events() if e[1] == "bucket"] == [
-        f"{b.key}: {first.id} slower than cuBLAS or failed at an end",
-        f"{b.key}: {second.id} at least as fast as cuBLAS at both ends",
-        f"{b.key}: {first.id} slower than cuBLAS or failed at an end",
-        f"{b.key}: {second.id} at least as fast as cuBLAS at both ends"]
+        f"{b.key}: {first.id} slower than cuBLAS or failed at a probe M (would serve M 17-22)",
+        f"{b.key}: {second.id} at least as fast as cuBLAS at every probe M",
+        f"{b.key}: {first.id} slower than cuBLAS or failed at a probe M (would serve M 17-22)",
+        f"{b.key}: {second.id} at least as fast as cuBLAS at every probe M"]
+
+
+def test_where_no_leader_serves_all_of_a_bucket_the_one_serving_most_serves_its_share(tmp_path):
+    b = Problem(177, 256, 512, "nk", m_range=(161, 192))
+    store, (first, second) = store_with(tmp_path, b, {"first": 1.4, "second": 1.2})
+    checks = buckets.EndChecks(store, b, timeout_s=5.0)
+    for cid, ratios in ((first.id, (0.9, 1.1, 1.1, 1.1, 1.1)), (second.id, (1.1, 1.1, 1.1, 0.95, 1.2))):
+        jobs = checks.next_jobs()
+        for j, ratio in zip(jobs, ratios, strict=True):
+            checks.record(j, ok(cid, ratio))
+    assert checks.next_jobs() == [] and checks.verdict is None
+    served = buckets.served(store, b)  # first serves 169-192 (24 rows), second 161-177 (17)
+    assert served.candidate == first and served.pieces == ((169, 192),)
+    assert served.serves(169) and served.serves(192) and not served.serves(168)
+    assert served.note(b).endswith("; serves M 169-192, cuBLAS the rest")
 
 
 def test_a_bucket_whose_leaders_fail_at_an_end_goes_to_cublas(tmp_path):

@@ -120,20 +120,22 @@ def test_problem_keys_of_calls(tmp_path, monkeypatch):
     assert list(ops.EPILOGUE_CODES) == ["none", "relu", "silu", "gelu_tanh", "silu_mul", "gelu_mul", "residual"]
 
 
-def test_export_serves_the_buckets_as_fast_as_cublas_at_both_ends(tmp_path, monkeypatch):
+def test_export_serves_the_buckets_where_they_are_as_fast_as_cublas(tmp_path, monkeypatch):
     """A range 1-48 and one M inside it, searched with kernels that beat cuBLAS only from M = 20 up: the buckets
-    served at both ends and the single M get kernels with their intervals and launches at every M; the rest cuBLAS,
-    each with its reason; the exported module finds the kernel for any M by its interval."""
+    served at every probe M and the single M get kernels with their intervals and launches at every M; bucket 17-24
+    (slower at its probes 17 and 19) serves its stretch 21-24, cuBLAS 17-19; the rest cuBLAS, each with its reason;
+    the exported module finds the kernel for any M by its interval."""
     monkeypatch.setenv("HGEMM_OPS_COMPILED", "0")
     problems = buckets.plan([Problem(24, 256, 512, "nk", m_range=(1, 48)), Problem(20, 256, 512, "nk")])
     store = populated_run(tmp_path / "r", problems=tuple(problems), n=4, evaluate=m_dependent_evaluate)
     lines = export_run(store, tmp_path / "out")
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert set(manifest["kernels"]) == {"25-32_256_512:nk:f16", "33-48_256_512:nk:f16", "20_256_512:nk:f16"}
-    assert manifest["notes"]["17-24_256_512:nk:f16"] == ("no leader was at least as fast as cuBLAS at both ends of "
-                                                         "the bucket")
-    assert manifest["notes"]["1-1_256_512:nk:f16"] == "no leader was at least as fast as cuBLAS at both ends of " \
-        "the bucket"
+    assert set(manifest["kernels"]) == {"17-24_256_512:nk:f16", "25-32_256_512:nk:f16", "33-48_256_512:nk:f16",
+                                        "20_256_512:nk:f16"}
+    assert manifest["kernels"]["17-24_256_512:nk:f16"]["serves"] == [[21, 24]]
+    assert manifest["notes"]["17-24_256_512:nk:f16"].endswith("; serves M 21-24, cuBLAS the rest")
+    assert manifest["notes"]["1-1_256_512:nk:f16"] == ("no leader was at least as fast as cuBLAS at two "
+                                                       "neighbouring probe M of the bucket")
     entry = manifest["kernels"]["25-32_256_512:nk:f16"]
     assert entry["m_range"] == [25, 32] and entry["serves"] == [[25, 32]] and entry["segments"][0]["m"] == 25
     assert manifest["kernels"]["20_256_512:nk:f16"]["serves"] == [[20, 20]]
@@ -141,11 +143,12 @@ def test_export_serves_the_buckets_as_fast_as_cublas_at_both_ends(tmp_path, monk
     assert entry["candidate"] == served.candidate.id and manifest["notes"]["25-32_256_512:nk:f16"] == \
         f"vs cuBLAS {served.note(problems[6])}"
     assert "serves every M from 25 to 32" in (tmp_path / "out" / entry["file"]).read_text()
-    assert [ln.problem for ln in lines] == problems and sum(ln.kernel_file is not None for ln in lines) == 3
+    assert [ln.problem for ln in lines] == problems and sum(ln.kernel_file is not None for ln in lines) == 4
     ops = load_ops(tmp_path / "out")
     series = "256_512:nk:f16"
     found = {m: ops.INDEX.find(m, series) for m in range(1, 50)}
-    assert {m for m, key in found.items() if key} == set(range(25, 49)) | {20}
+    assert {m for m, key in found.items() if key} == set(range(20, 49))
+    assert found[20] == "20_256_512:nk:f16" and found[21] == found[24] == "17-24_256_512:nk:f16"
     x, w = torch.randn(30, 512).half(), torch.randn(256, 512).half()
     assert ops.explain(x, w, None, "nk") == ("the compiled op is unavailable; the manifest says: kernel "
                                              "25-32_256_512:nk:f16 (M=30 in 25-32)")

@@ -282,10 +282,11 @@ def test_compile_only_runs_compile_nothing_ahead(tmp_path):
     assert ahead.ids == []
 
 
-def test_a_range_is_searched_in_buckets_seeded_by_neighbours_and_timed_at_their_ends(tmp_path):
+def test_a_range_is_searched_in_buckets_seeded_by_neighbours_and_timed_at_their_probe_m(tmp_path):
     """Buckets of 1-48 through a fake GPU worker whose kernels beat cuBLAS only from M = 20 up: the first bucket
     gets the full budget, each later one its neighbour's leaders first and a smaller budget; each bucket's winner
-    is re-timed at both ends, and only buckets at least as fast as cuBLAS at both ends are served by a kernel."""
+    is re-timed at its probe M (ends and quarters), and a kernel serves a bucket's M only between probe M where it
+    was at least as fast as cuBLAS."""
     problems = buckets.plan([Problem(24, 256, 512, "nk", m_range=(1, 48))])
     store = RunStore(tmp_path / "r", create=True)
     store.add_problems(problems)
@@ -304,10 +305,13 @@ def test_a_range_is_searched_in_buckets_seeded_by_neighbours_and_timed_at_their_
         firsts = store.candidates(p)[:3]
         assert all("leader of the neighbouring bucket" in c.rationale for c in firsts)
         assert [c.params for c in firsts] == [c.params for c, _ in store.leaders(before)[:3]]
-    for p in problems:  # the winner, and where it fails at an end the next leader, re-timed at both ends
+    for p in problems:  # the winner, and where it fails at a probe the next leader, re-timed at its probe M
         timed = store.bucket_ends(p)
-        assert set(timed[store.winner(p).candidate.id]) == set(p.m_span) and len(timed) <= buckets.END_TRIES
-        assert {(p.key, m) for m in p.m_span} <= set(ends)
+        probes = buckets.probe_ms(p)
+        assert set(timed[store.winner(p).candidate.id]) == set(probes) and len(timed) <= buckets.END_TRIES
+        assert {(p.key, m) for m in probes} <= set(ends) and set(p.m_span) <= set(probes)
     served = {p.mnk: buckets.served(store, p) for p in problems}
-    assert [k for k, v in served.items() if v] == ["25-32_256_512", "33-48_256_512"]  # 17-24 is slow at M=17
-    assert all(min(r.speedup for r in s.ends.values()) >= 1.0 for s in served.values() if s)
+    assert [k for k, v in served.items() if v] == ["17-24_256_512", "25-32_256_512", "33-48_256_512"]
+    assert served["17-24_256_512"].pieces == ((21, 24),)  # slow at its probes 17 and 19
+    assert all(s.pieces == (tuple(p.m_span),) for p in problems[6:] if (s := served[p.mnk]))
+    assert all(min(r.speedup for m, r in s.ends.items() if s.serves(m)) >= 1.0 for s in served.values() if s)

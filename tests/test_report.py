@@ -93,12 +93,13 @@ def test_show_says_what_serves_each_bucket_of_m(tmp_path):
     from agent.report import show_run
     from tests.helpers import m_dependent_evaluate, populated_run
 
-    problems = buckets.plan([Problem(24, 256, 512, "nk", m_range=(17, 32))])
+    problems = buckets.plan([Problem(24, 256, 512, "nk", m_range=(9, 32))])
     store = populated_run(tmp_path / "r", problems=tuple(problems), n=3, evaluate=m_dependent_evaluate)
-    out = text(show_run(store))
-    assert "bucket 17-24_256_512 nk: cuBLAS (no leader at least as fast as cuBLAS at both ends)" in out
-    served = buckets.served(store, problems[1])
-    assert f"bucket 25-32_256_512 nk: kernel {served.note(problems[1])}" in out
+    out = " ".join(text(show_run(store)).split())  # the long lines wrapped
+    assert "bucket 9-16_256_512 nk: cuBLAS (no leader at least as fast as cuBLAS at two neighbouring probe M)" in out
+    for b in problems[1:]:
+        assert f"bucket {b.mnk} nk: kernel {buckets.served(store, b).note(b)}" in out
+    assert "; serves M 21-24, cuBLAS the rest" in out
 
 
 def test_a_store_from_before_ranges_of_m_opens_and_keeps_buckets_apart(tmp_path):

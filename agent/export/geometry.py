@@ -68,7 +68,8 @@ def _same_maps(first: LaunchSpec, spec: LaunchSpec, m_dims: list[set[int]], m: i
 
 
 def resolve(claims: list[tuple[str, tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
-    """claims: (key, (lo, hi)) of one series, in the run's order -> each key's disjoint intervals, sorted."""
+    """claims: (key, (lo, hi)) of one series, in the run's order (a key may claim several) -> each key's disjoint
+    intervals, sorted; a narrower claim wins where claims overlap."""
     taken: list[tuple[int, int]] = []
     out: dict[str, list[tuple[int, int]]] = {}
     order = sorted(range(len(claims)), key=lambda i: (claims[i][1][1] - claims[i][1][0], i))
@@ -77,6 +78,6 @@ def resolve(claims: list[tuple[str, tuple[int, int]]]) -> dict[str, list[tuple[i
         pieces = [piece]
         for a, b in taken:
             pieces = [q for x, y in pieces for q in ((x, min(y, a - 1)), (max(x, b + 1), y)) if q[0] <= q[1]]
-        out[key] = sorted(pieces)
+        out[key] = sorted(out.get(key, []) + pieces)
         taken += pieces
     return out

@@ -35,14 +35,14 @@ class ExportLine:
 
 def export_run(store: RunStore, out: Path) -> list[ExportLine]:
     """Per problem of the run, its winner (where it beat cuBLAS; for a bucket of M, the leader that was at least as
-    fast as cuBLAS at both ends) with its family's launch rule for the run's GPU at every M it serves."""
+    fast as cuBLAS at its probe M, over the stretches where it was) with its family's launch rule for the run's GPU at every M it serves."""
     out.mkdir(parents=True, exist_ok=True)
     device = DeviceFacts.from_dict(store.get_meta("device"))
     manifest: dict = {"run": store.run_id, "device": device.name, "kernels": {}, "cublas": [], "notes": {}}
     lines, claims = [], {}
     for p in store.problems():
-        claims.setdefault(buckets.series(p), []).append((p.key, p.m_span))
         pick, why = _pick(store, p)
+        claims.setdefault(buckets.series(p), []).extend(_claims(p, pick))
         try:
             launch = launch_table(get_family(pick.candidate.family), pick.candidate.params, p, device) if pick \
                 else None
@@ -83,6 +83,24 @@ def copy_runtime(out: Path) -> None:
     shutil.copyfile(EPILOGUE, out / "hgemm_epilogue.py")
 
 
+def _claims(p: Problem, pick) -> list[tuple[str, tuple[int, int]]]:
+    """The M intervals a problem claims in its series: its span, or a bucket's served stretches under its key and the
+    rest of the bucket under a key no kernel has (cuBLAS serves it)."""
+    if not isinstance(pick, buckets.Served):
+        return [(p.key, p.m_span)]
+    rest = [(p.key + "#cublas", piece) for piece in _gaps(p.m_span, list(pick.pieces))]
+    return [(p.key, piece) for piece in pick.pieces] + rest
+
+
+def _gaps(span: tuple[int, int], pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out, at = [], span[0]
+    for a, z in sorted(pieces):
+        if a > at:
+            out.append((at, a - 1))
+        at = z + 1
+    return out + ([(at, span[1])] if at <= span[1] else [])
+
+
 def _pick(store: RunStore, p: Problem) -> tuple[Winner | buckets.Served | None, str]:
     """The kernel that serves the problem, or None and why cuBLAS does."""
     win = store.winner(p)
@@ -93,8 +111,8 @@ def _pick(store: RunStore, p: Problem) -> tuple[Winner | buckets.Served | None, 
     if (served := buckets.served(store, p)) is not None:
         return served, ""
     timed = store.bucket_ends(p)
-    return None, ("no leader was at least as fast as cuBLAS at both ends of the bucket" if timed
-                  else "its leaders were not re-timed at the bucket's ends")
+    return None, ("no leader was at least as fast as cuBLAS at two neighbouring probe M of the bucket" if timed
+                  else "its leaders were not re-timed at the bucket's probe M")
 
 
 def _header(store, p, cand, result, launch, ratio) -> str:

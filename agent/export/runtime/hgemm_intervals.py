@@ -46,6 +46,10 @@ class Index:
         self.cublas: dict[str, list[tuple[int, int, str]]] = {}
         for key in manifest.get("cublas", []):
             self.cublas.setdefault(series_of(key), []).append((*key_m(key), key))
+        for key, entry in manifest["kernels"].items():  # a bucket its kernel serves a part of: cuBLAS the rest
+            lo, hi = key_m(key)
+            if serves(key, entry) != [(lo, hi)]:
+                self.cublas.setdefault(series_of(key), []).append((lo, hi, key))
         self._starts: dict[str, list[int]] = {}
 
     def find(self, m: int, series: str) -> str | None:
