@@ -1,6 +1,6 @@
 """agent.buckets: the ladder that splits a range of M, the representative M, merging ranges, the seeded budget,
-and which kernel serves which M of a bucket (at least as fast as cuBLAS at neighbouring probe M); the loop's bucket flow is in
-tests/test_loop.py."""
+and which kernel serves which M of a bucket (at least as fast as cuBLAS at neighbouring probe M); the loop's bucket
+flow is in tests/test_loop.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ configuration in its header, `manifest.json` (kernels keyed by problem key, with
 every M they serve and the M intervals they serve, geometry.py), and
 the runtime files (runtime/: the Python module `hgemm_ops.py`, the compiled op's C++ source and build helper, the
 self-check; sandbox/driver.py as `hgemm_driver.py`) that run them on torch tensors and call cuBLAS where no kernel
-beat it."""
+beat it; and the gated fallback's kernel (runtime/hgemm_gated.cu) compiled per dtype and gated epilogue for the run's
+arch, which an unserved gated call runs after cuBLAS's GEMM (`gated_fallbacks`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from agent import buckets
 from agent.export.geometry import GeometryError, launch_table, resolve
 from agent.store import RunStore, Winner
 from core.device import DeviceFacts
+from core.epilogue import GATED
 from core.records import Problem
+from sandbox.build import BASE_OPTIONS, compile_cuda
 from templates import get_family
 
 RUNTIME = Path(__file__).with_name("runtime")  # every file in it is copied as it is
@@ -35,10 +38,13 @@ class ExportLine:
 
 def export_run(store: RunStore, out: Path) -> list[ExportLine]:
     """Per problem of the run, its winner (where it beat cuBLAS; for a bucket of M, the leader that was at least as
-    fast as cuBLAS at its probe M, over the stretches where it was) with its family's launch rule for the run's GPU at every M it serves."""
+    fast as cuBLAS at its probe M, over the stretches where it was) with its family's launch rule for the run's GPU
+    at every M it serves; and the gated fallback's kernels."""
     out.mkdir(parents=True, exist_ok=True)
     device = DeviceFacts.from_dict(store.get_meta("device"))
-    manifest: dict = {"run": store.run_id, "device": device.name, "kernels": {}, "cublas": [], "notes": {}}
+    arch = store.get_meta("arch", "sm_90a")
+    manifest: dict = {"run": store.run_id, "device": device.name, "arch": arch, "kernels": {}, "cublas": [],
+                      "notes": {}, "gated": gated_fallbacks(out, arch)}
     lines, claims = [], {}
     for p in store.problems():
         pick, why = _pick(store, p)
@@ -74,10 +80,27 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
     return lines
 
 
+def gated_fallbacks(out: Path, arch: str) -> dict[str, dict]:
+    """The gated fallback's cubins for `arch`, one per gated epilogue and dtype, written into `out`: the manifest's
+    "gated" entries ('silu_mul:f16' -> cubin and arch). One that NVRTC cannot build here is left out (the export then
+    composes PyTorch's ops on views of the halves, as it did before)."""
+    source = (RUNTIME / "hgemm_gated.cu").read_text()
+    entries = {}
+    for epi, act in GATED.items():
+        for dtype in ("f16", "bf16"):
+            options = (*BASE_OPTIONS, f"-DHGEMM_BF16={int(dtype == 'bf16')}", f"-DHGEMM_GELU={int(act != 'silu')}")
+            build = compile_cuda(source, arch, options=options)
+            if build.ok:
+                name = f"hgemm_gated_{epi}_{dtype}.cubin"
+                (out / name).write_bytes(build.cubin)
+                entries[f"{epi}:{dtype}"] = {"cubin": name, "arch": arch}
+    return entries
+
+
 def copy_runtime(out: Path) -> None:
     """The files an export runs with, beside its manifest: runtime/ as it is, the driver and the epilogues."""
     for f in RUNTIME.iterdir():
-        if f.is_file() and f.suffix in (".py", ".cpp", ".h"):
+        if f.is_file() and f.suffix in (".py", ".cpp", ".h", ".cu"):
             shutil.copyfile(f, out / f.name)
     shutil.copyfile(DRIVER, out / "hgemm_driver.py")
     shutil.copyfile(EPILOGUE, out / "hgemm_epilogue.py")

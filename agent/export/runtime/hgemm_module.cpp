@@ -94,6 +94,23 @@ PyObject* py_add_kernel(PyObject*, PyObject* arg) {
   END_HANDLE_TH_ERRORS
 }
 
+// add_gated(entry: dict): key, arch, cubin (bytes), bf16, epilogue (a gated one's number): the gated fallback's
+// kernel for that dtype and epilogue (hgemm_gated.cu, 256 threads a block).
+PyObject* py_add_gated(PyObject*, PyObject* arg) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(PyDict_Check(arg), "add_gated takes a dict");
+  const auto entry = py::reinterpret_borrow<py::dict>(arg);
+  auto kern = std::make_shared<hgemm::Kernel>();
+  kern->key = entry["key"].cast<std::string>();
+  kern->arch = entry["arch"].cast<std::string>();
+  kern->cubin = entry["cubin"].cast<py::bytes>();
+  const int epilogue = kern->epilogue = entry["epilogue"].cast<int>();
+  kern->block = {256, 1, 1};
+  hgemm::add_gated(entry["bf16"].cast<bool>(), epilogue, std::move(kern));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 // (n, k, nk, bf16, bias, m[, epilogue]) -> the kernel registered for M of that series, or nullptr.
 std::shared_ptr<const hgemm::Kernel> kernel_for(PyObject* const* args, Py_ssize_t nargs, const char* usage) {
   TORCH_CHECK_TYPE(nargs == 6 || nargs == 7, usage);
@@ -213,6 +230,7 @@ PyCFunction fastcall(F f) {
 
 PyMethodDef methods[] = {
     {"add_kernel", py_add_kernel, METH_O, "register one exported kernel (a manifest entry, prepared)"},
+    {"add_gated", py_add_gated, METH_O, "register the gated fallback's kernel for a dtype and gated epilogue"},
     {"kernels", py_kernels, METH_NOARGS, "the problem keys of the registered kernels"},
     {"lookup", fastcall(py_lookup), METH_FASTCALL, "lookup(n, k, nk, bf16, bias, m): the kernel key for that M"},
     {"launch_at", fastcall(py_launch_at), METH_FASTCALL,

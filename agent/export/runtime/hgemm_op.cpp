@@ -7,7 +7,8 @@
 // call runs an exported kernel where its (N, K, layout, dtype, bias) was tuned for an M interval holding its M
 // (a hash lookup of the series, then a binary search of its intervals' starts) and its operands are plain,
 // contiguous, 16-byte aligned CUDA tensors of one device, with no gradient wanted; anything else goes to
-// at::matmul / at::linear. The launch at M (grid, tensor-map dims and boxes) comes from the kernel's segment
+// at::matmul / at::linear (an unserved gated call: cuBLAS's GEMM, then the export's one gated kernel, hgemm_gated.cu,
+// where it fits the GPU; PyTorch's ops otherwise). The launch at M (grid, tensor-map dims and boxes) comes from the kernel's segment
 // holding M (another binary search), as the family's launch rule gave it at that M (agent/export/geometry.py).
 //
 // Per device: each cubin is loaded once into the primary context, its dynamic shared memory raised; one scratch
@@ -265,12 +266,37 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
   return c;
 }
 
-// What the call means, computed by PyTorch: F.linear, torch.matmul, or with a K x N B and a bias the fused addmm
-// (at::linear of B's transpose: torch.addmm(bias, a, b) for a 2-D a, the same folded for more dimensions); then the
-// epilogue's ops, as a model runs them (core/epilogue.py's composition).
-at::Tensor fallback(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
-                    int64_t epilogue = hgemm::kNone, const std::optional<at::Tensor>& residual = std::nullopt) {
-  at::Tensor y = nk ? at::linear(a, b, bias) : bias && bias->defined() ? at::linear(a, b.t(), bias) : at::matmul(a, b);
+// act(gate) * up of y (an unfused gated GEMM's output) by the export's gated kernel, y read once; nullopt where
+// none is registered for y's dtype and the epilogue, its cubin does not fit this GPU, or y is not a plain tensor.
+std::optional<at::Tensor> gated_kernel(const at::Tensor& y, int64_t epilogue) {
+  const auto kern = hgemm::find_gated(y.scalar_type() == at::kBFloat16, static_cast<int>(epilogue));
+  if (!kern || !y.is_cuda() || !y.is_contiguous() || y.dim() < 1 || y.size(-1) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(y.const_data_ptr()) % 16 != 0)
+    return std::nullopt;
+  c10::DeviceGuard guard(y.device());
+  std::vector<int64_t> shape(y.sizes().begin(), y.sizes().end());
+  shape.back() /= 2;
+  CUfunction fn = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    fn = function_for(device_state(y.get_device()), *kern);
+  }
+  if (!fn) return std::nullopt;
+  at::Tensor out = at::empty(shape, y.options());
+  long long blocks = y.numel() / 16;  // 8 gate and 8 up columns each
+  if (blocks == 0) return out;
+  const unsigned threads = kern->block[0];
+  const auto grid = static_cast<unsigned>(std::min<long long>((blocks + threads - 1) / threads, 1 << 20));
+  void* y_ptr = const_cast<void*>(y.const_data_ptr());
+  void* out_ptr = out.data_ptr();
+  void* params[3] = {&y_ptr, &out_ptr, &blocks};
+  check(driver().LaunchKernel(fn, grid, 1, 1, threads, 1, 1, 0, current_stream(y.get_device()), params, nullptr),
+        "cuLaunchKernel");
+  return out;
+}
+
+// The epilogue's ops on an unfused GEMM's output y, as a model runs them (core/epilogue.py's composition).
+at::Tensor compose(const at::Tensor& y, int64_t epilogue, const std::optional<at::Tensor>& residual) {
   auto act = [](const at::Tensor& x, bool silu) { return silu ? at::silu(x) : at::gelu(x, "tanh"); };
   switch (epilogue) {
     case hgemm::kRelu:
@@ -291,12 +317,26 @@ at::Tensor fallback(const at::Tensor& a, const at::Tensor& b, const std::optiona
   }
 }
 
+// What the call means, computed by PyTorch: F.linear, torch.matmul, or with a K x N B and a bias the fused addmm
+// (at::linear of B's transpose: torch.addmm(bias, a, b) for a 2-D a, the same folded for more dimensions); then the
+// epilogue's ops (compose).
+at::Tensor fallback(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
+                    int64_t epilogue = hgemm::kNone, const std::optional<at::Tensor>& residual = std::nullopt) {
+  at::Tensor y = nk ? at::linear(a, b, bias) : bias && bias->defined() ? at::linear(a, b.t(), bias) : at::matmul(a, b);
+  return epilogue == hgemm::kNone ? y : compose(y, epilogue, residual);
+}
+
 at::Tensor run(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
                int64_t epilogue = hgemm::kNone, const std::optional<at::Tensor>& residual = std::nullopt) {
   const at::Tensor* bp = bias && bias->defined() ? &*bias : nullptr;
   const at::Tensor* rp = residual && residual->defined() ? &*residual : nullptr;
   if (auto kern = choose(a, b, bp, nk, static_cast<int>(epilogue), rp, nullptr))
     if (auto c = launch(*kern, a, b, bp, rp)) return *c;
+  if (hgemm::gated(epilogue)) {  // cuBLAS's GEMM, then act(gate) * up in one kernel where the export has it
+    const at::Tensor y = fallback(a, b, bias, nk);
+    if (auto c = gated_kernel(y, epilogue)) return *c;
+    return compose(y, epilogue, residual);
+  }
   return fallback(a, b, bias, nk, epilogue, residual);
 }
 

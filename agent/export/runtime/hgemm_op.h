@@ -80,6 +80,10 @@ class IntervalTable {
 void add_kernel(const ProblemKey& series, const std::vector<std::pair<int64_t, int64_t>>& serves,
                 std::shared_ptr<Kernel> kernel);
 std::vector<std::string> kernel_keys();
+// The gated fallback's kernel for a dtype and gated epilogue (hgemm_gated.cu: act(gate) * up of an unfused GEMM's
+// output, read once), replacing the one registered before; find_gated: it, or nullptr.
+void add_gated(bool bf16, int epilogue, std::shared_ptr<Kernel> kernel);
+std::shared_ptr<const Kernel> find_gated(bool bf16, int epilogue);
 // The kernel registered for M of the series, or nullptr; its interval in *lo, *hi where given.
 std::shared_ptr<const Kernel> find_kernel(const ProblemKey& series, int64_t m, int64_t* lo = nullptr,
                                           int64_t* hi = nullptr);

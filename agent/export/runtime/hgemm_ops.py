@@ -106,6 +106,10 @@ def compiled():
             ext = _sibling("hgemm_build").load(HERE, build_root)
             for key, entry in MANIFEST["kernels"].items():
                 ext.add_kernel(_prepared(key, entry))
+            for key, entry in MANIFEST.get("gated", {}).items():
+                epi, dtype = key.split(":")
+                ext.add_gated({"key": key, "arch": entry["arch"], "cubin": (HERE / entry["cubin"]).read_bytes(),
+                               "bf16": dtype == "bf16", "epilogue": EPILOGUE_CODES[epi]})
         except Exception as e:  # no compiler, no ninja, a failed build or load: the Python path still works
             text = str(e).strip().splitlines() or [type(e).__name__]
             reason = next((ln for ln in text if "error" in ln.lower()), text[-1])[:200]
@@ -168,6 +172,30 @@ def _kernel(entry: dict):
     return _loaded[key]
 
 
+def _gated(y: torch.Tensor, epi: str) -> torch.Tensor | None:
+    """act(gate) * up of an unfused gated GEMM's output y by the export's gated kernel (hgemm_gated.cu, y read once)
+    through CuPy, or None where the export has none for y's dtype and this GPU."""
+    entry = MANIFEST.get("gated", {}).get(f"{epi}:{'bf16' if y.dtype == torch.bfloat16 else 'f16'}")
+    if entry is None or not _usable(y) or y.dim() < 1 or y.shape[-1] % 16:
+        return None
+    major, minor = torch.cuda.get_device_capability(y.device)
+    if entry["arch"] != ("sm_90a" if major == 9 else f"sm_{major}{minor}"):
+        return None
+    import cupy
+    import numpy
+
+    if entry["cubin"] not in _loaded:
+        _loaded[entry["cubin"]] = cupy.RawModule(path=str(HERE / entry["cubin"])).get_function("hgemm")
+    out = torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=y.dtype, device=y.device)
+    blocks = y.numel() // 16  # 8 gate and 8 up columns each
+    if blocks:
+        stream = torch.cuda.current_stream(y.device).cuda_stream
+        with cupy.cuda.Device(y.device.index), cupy.cuda.ExternalStream(stream):
+            _loaded[entry["cubin"]]((min(-(-blocks // 256), 1 << 20),), (256,),
+                                    (numpy.uint64(y.data_ptr()), numpy.uint64(out.data_ptr()), numpy.int64(blocks)))
+    return out
+
+
 def _usable(*tensors: torch.Tensor) -> bool:
     device = tensors[0].device
     return (device.type == "cuda" and not torch.compiler.is_compiling()
@@ -180,12 +208,16 @@ def fallback(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout
              residual: torch.Tensor | None = None) -> torch.Tensor:
     """What the call means, computed by PyTorch (cuBLAS): F.linear, torch.matmul, or with a K x N B and a bias the
     fused addmm (F.linear of B's transpose: torch.addmm(bias, a, b) for a 2-D a); then the epilogue's ops as a model
-    runs them."""
+    runs them (an unserved gated call on a GPU: the export's one gated kernel where it has one, `_gated`)."""
     if layout == "nk":
         y = F.linear(a, b, bias)
     else:
         y = torch.matmul(a, b) if bias is None else F.linear(a, b.t(), bias)
-    return y if epi == "none" else epilogue.compose(y, epilogue.Epilogue(epi), residual)
+    if epi == "none":
+        return y
+    fused = epilogue.Epilogue(epi)
+    out = _gated(y, epi) if fused.gated and not torch.compiler.is_compiling() else None
+    return out if out is not None else epilogue.compose(y, fused, residual)
 
 
 def python_run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str, epi: str = "none",

@@ -19,6 +19,7 @@ struct ProblemHash {
 std::mutex mutex;  // guards the registry
 std::unordered_map<ProblemKey, hgemm::IntervalTable, ProblemHash> kernels;  // series -> kernels by M
 uint64_t next_id = 1;
+std::shared_ptr<const hgemm::Kernel> gated_kernels[2][2];  // [bf16][gelu_mul]
 
 }  // namespace
 
@@ -82,6 +83,18 @@ void add_kernel(const ProblemKey& series, const std::vector<std::pair<int64_t, i
   kernel->id = next_id++;
   std::shared_ptr<const Kernel> registered = std::move(kernel);
   for (const auto& [lo, hi] : serves) kernels[series].insert(lo, hi, registered);
+}
+
+void add_gated(bool bf16, int epilogue, std::shared_ptr<Kernel> kernel) {
+  TORCH_CHECK_VALUE(gated(epilogue), "add_gated: not a gated epilogue: ", epilogue);
+  std::lock_guard<std::mutex> lock(mutex);
+  kernel->id = next_id++;
+  gated_kernels[bf16][epilogue == kGeluMul] = std::move(kernel);
+}
+
+std::shared_ptr<const Kernel> find_gated(bool bf16, int epilogue) {
+  std::lock_guard<std::mutex> lock(mutex);
+  return gated(epilogue) ? gated_kernels[bf16][epilogue == kGeluMul] : nullptr;
 }
 
 std::vector<std::string> kernel_keys() {
