@@ -120,3 +120,12 @@ def test_calls_through_the_export_are_counted_by_whether_a_kernel_ran():
     x, w1, w2 = torch.randn(2, 8), torch.randn(16, 8), torch.randn(4, 16)
     assert e2e.kernel_calls(Ops, lambda: Ops._eager.linear(Ops._eager.linear(x, w1), w2)) == (1, 2)
     assert Ops._eager is Path  # put back
+
+
+def test_timing_alternates_the_order_and_drops_a_first_round(monkeypatch):
+    e2e = load_tool("e2e_llama")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    e2e.timed({"ref": lambda: calls.append("ref"), "ours": lambda: calls.append("ours")}, rounds=3, inner=1)
+    assert calls == ["ours", "ref", "ref", "ours", "ours", "ref", "ref", "ours"]  # round 0 is warm-up
+    assert set(e2e.timed({"a": lambda: None}, rounds=4, inner=2)) == {"a"}

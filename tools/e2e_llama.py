@@ -151,16 +151,17 @@ def search(shapes: Path, args) -> str:
 
 def timed(fns: dict[str, callable], rounds: int, inner: int) -> dict[str, float]:
     """Milliseconds per call of each function (host clock around `inner` calls and a synchronize), interleaved
-    round by round; the median round."""
+    round by round, the order reversed every other round, after one round not counted; the median round."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for r in range(rounds + 1):
+        for name, fn in list(fns.items())[::1 if r % 2 else -1]:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(inner):
                 fn()
             torch.cuda.synchronize()
-            times[name].append((time.perf_counter() - t0) * 1e3 / inner)
+            if r:
+                times[name].append((time.perf_counter() - t0) * 1e3 / inner)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

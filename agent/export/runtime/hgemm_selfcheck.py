@@ -26,9 +26,10 @@ def served_ms(ops: types.SimpleNamespace, key: str, rng: random.Random) -> list[
 
 
 def operands(ops: types.SimpleNamespace, key: str, m: int | None = None) -> tuple:
-    """(a, b, bias, layout, epilogue, residual) for a call of the kernel `key` at M (its lowest by default)."""
-    low, n, k, layout, dtype, bias, epi = ops.parse_key(key)
-    m = low if m is None else m
+    """(a, b, bias, layout, epilogue, residual) for a call of the kernel `key` at M (by default the lowest it serves:
+    a bucket's kernel may serve only a stretch of it)."""
+    _, n, k, layout, dtype, bias, epi = ops.parse_key(key)
+    m = ops.intervals.serves(key, ops.MANIFEST["kernels"][key])[0][0] if m is None else m
     fused = ops.epilogue.Epilogue(epi)
     dt, std = ops.DTYPES[dtype], (16 / k ** 0.5) ** 0.5 if fused.gated else 1.0  # gated: act(gate) * up in range
     a = (torch.randn(m, k, device="cuda") * std).to(dt)
