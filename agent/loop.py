@@ -12,8 +12,8 @@ candidate, so idle GPUs take its candidates while the previous shape's last eval
 budget is its share of what is left when it starts (shapes are searched cheapest first, so what the small ones leave
 goes to the costly ones); it stops proposing early enough for its re-measurement and its profiles to fit in that
 share too, and no profile starts once its share is spent. A bucket of M (agent/buckets.py) starts from its searched
-neighbour's leaders, with a smaller candidate budget, and after its re-measurement its leaders are re-timed at both
-ends of the bucket.
+neighbour's leaders, with a smaller candidate budget, and after its re-measurement its leaders are re-timed at the
+bucket's probe M (its share keeps room for that too).
 
 What happens is told to an observer as typed events (agent/events.py) as it happens: the view draws them.
 """
@@ -195,9 +195,9 @@ class SearchLoop:
                 if left > 0:  # where a shape's time went, for runs that give some shapes few candidates
                     self.store.event("budget", f"{s.problem.key}: time share spent after {len(s.state.tried)} "
                                      f"candidates ({len(s.state.pending)} in flight); {reserve:.1f} s kept for "
-                                     f"{self._follow_up_words()}")
+                                     f"{self._follow_up_words(s)}")
                     self._cut(s, f"its time share was spent ({reserve:.0f} s of it kept for "
-                                 f"{self._follow_up_words()})")
+                                 f"{self._follow_up_words(s)})")
                 s.phase = "drain"
                 return
             n = min(left, self._depth() - len(self.pending))
@@ -243,20 +243,26 @@ class SearchLoop:
         if got < s.limit:
             self.observe(ShapeCut(s.problem, got, s.limit, why))
 
-    def _follow_up_words(self) -> str:
-        return "re-measurement and profiles" if self.profiles.on else "re-measurement"
+    def _follow_up_words(self, s: _Shape) -> str:
+        probes = s.problem.m_range is not None and self.executor.measures
+        words = ["re-measurement"] + ["probe timings"] * probes + ["profiles"] * self.profiles.on
+        return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
     def _follow_up_reserve(self, s: _Shape) -> float:
         """Seconds to keep back from the shape's budget for its follow-up, so that it is charged to the shape and
         not to the shapes after it. Successive halving over k leaders measures k + ceil(k / 2) times, at the shape's
-        mean evaluation time, spread over the GPUs; then its leaders are profiled, where profiles are on."""
+        mean evaluation time, spread over the GPUs; a bucket's winner is then timed at each of its probe M; then its
+        leaders are profiled, where profiles are on."""
         walls = [r.wall_s for _, _, r in s.state.tried if r.status is Status.OK and r.wall_s > 0]
         if not walls:
             return 0.0
+        mean = sum(walls) / len(walls) / self.executor.slots
         reserve = self.profiles.reserve_s(s.problem)
         if len(walls) >= 2:
             leaders = min(self.remeasure_top, len(walls))
-            reserve += (leaders + (leaders + 1) // 2) * sum(walls) / len(walls) / self.executor.slots
+            reserve += (leaders + (leaders + 1) // 2) * mean
+        if s.problem.m_range is not None and self.executor.measures:
+            reserve += len(buckets.probe_ms(s.problem)) * mean
         return reserve
 
     def _searched(self, s: _Shape, cand: Candidate, build: BuildResult | None, result: EvalResult) -> None:

@@ -315,3 +315,22 @@ def test_a_range_is_searched_in_buckets_seeded_by_neighbours_and_timed_at_their_
     assert served["17-24_256_512"].pieces == ((21, 24),)  # slow at its probes 17 and 19
     assert all(s.pieces == (tuple(p.m_span),) for p in problems[6:] if (s := served[p.mnk]))
     assert all(min(r.speedup for m, r in s.ends.items() if s.serves(m)) >= 1.0 for s in served.values() if s)
+
+
+def test_a_bucket_keeps_room_in_its_budget_for_its_probe_timings(tmp_path):
+    """The same 2 s evaluations in a 12 s share: a bucket of M also times its winner at its five probe M, so it stops
+    proposing after 2 candidates where a shape of one M goes on to 4."""
+    def slow(job):
+        return dataclasses.replace(fake_evaluate(job), wall_s=2.0)
+
+    tried = {}
+    for p in (P, dataclasses.replace(P, m_range=(P.m - 8, P.m + 8))):
+        store = RunStore(tmp_path / p.key.replace(":", "_"), create=True)
+        store.add_problems([p])
+        SearchLoop(store, RunConfig(budget_minutes=0.2, max_candidates=10), BuiltinProposer(), "sm_90a",
+                   slow).run([p])
+        tried[p.m_range] = len(store.results(p))
+        spent = [m for _, kind, m in store.events() if kind == "budget"]
+    assert tried == {None: 4, (P.m - 8, P.m + 8): 2}
+    assert spent == [f"{p.key}: time share spent after 2 candidates (0 in flight); 16.0 s kept for re-measurement "
+                     "and probe timings"]

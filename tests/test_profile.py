@@ -353,7 +353,8 @@ def test_a_profile_is_charged_to_its_shape_and_none_starts_past_its_share(tmp_pa
     store = RunStore(tmp_path / "r", create=True)
     store.add_problems([P])
     loop = SearchLoop(store, RunConfig(max_candidates=50, profile=True, budget_minutes=0.05), BuiltinProposer(),
-                      "sm_90a", lambda j: dataclasses.replace(fake_evaluate(j), wall_s=0.01), profiler=slow_profile)
+                      "sm_90a", lambda j: time.sleep(0.1) or dataclasses.replace(fake_evaluate(j), wall_s=0.1),
+                      profiler=slow_profile)  # 50 evaluations of 0.1 s outlast the 3 s share, however fast builds are
     loop.profiles.walls = [1.0]  # as if the run had timed a profile at a second
     loop.run([P])
     [cut] = [m for _, kind, m in store.events() if kind == "budget"]
