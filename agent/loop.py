@@ -42,6 +42,7 @@ from agent.events import (
     ShapeStarted,
 )
 from agent.events import ignore as ignore_events
+from agent.pace import Pace
 from agent.profiles import PROFILE_TOP, LeaderProfiles
 from agent.proposers.base import Proposer, SearchState, arm_of
 from agent.store import RunStore, Winner
@@ -115,7 +116,7 @@ class SearchLoop:
         # cheapest first (by the roofline floor): what a shape leaves of its share goes to the shapes after it, so
         # the time small shapes do not need goes to the costly ones, whose evaluations take longest
         waiting = sorted(enumerate(problems), key=lambda item: floor_us(item[1], self.device))
-        active, summaries = [], {}
+        active, summaries, pace = [], {}, Pace(started, deadline)
         while waiting or active:
             for s in [s for s in active if s.jobs == 0 and s.phase != "search"]:
                 if s.phase == "drain":
@@ -123,6 +124,9 @@ class SearchLoop:
                 if s.jobs == 0:  # nothing (more) to wait for
                     i = next(i for i, a in enumerate(active) if a is s)
                     summaries[s.index] = self._summary(active.pop(i))
+                    if warning := pace.check(time.monotonic(), len(summaries), len(waiting)):
+                        self.store.event("budget", warning)
+                        self.observe(Notice("budget", warning))
             current = next((s for s in active if s.phase == "search"), None)
             if current is None and waiting and self._room():
                 index, problem = waiting.pop(0)

@@ -1,0 +1,39 @@
+"""agent.pace: a run says once, early, when its budget cannot reach every shape at the pace so far."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from agent.config import RunConfig
+from agent.events import Notice
+from agent.loop import SearchLoop
+from agent.pace import Pace
+from agent.proposers.builtin import BuiltinProposer
+from agent.store import RunStore
+from core.records import Problem
+from tests.helpers import fake_evaluate
+
+
+def test_the_pace_is_judged_after_three_shapes_and_said_once():
+    pace = Pace(started=0.0, deadline=300.0)
+    assert pace.check(now=20.0, done=2, waiting=100) is None  # too early to tell
+    assert pace.check(now=30.0, done=3, waiting=20) is None  # 20 x 10 s fit in 270 s
+    said = pace.check(now=30.0, done=3, waiting=100)  # 100 x 10 s do not
+    assert said.startswith("at 10.0 s a shape so far, the 4.5 minutes left reach at most about 27 of the 100 shapes")
+    assert said.endswith("--budget-minutes 17.2 or more would reach them all")
+    assert pace.check(now=40.0, done=4, waiting=99) is None  # once
+
+
+def test_a_run_too_short_for_its_shapes_says_so(tmp_path):
+    import time
+
+    problems = [Problem(64 * (i + 1), 64, 64) for i in range(12)]
+    store = RunStore(tmp_path / "r", create=True)
+    store.add_problems(problems)
+    seen = []
+    SearchLoop(store, RunConfig(budget_minutes=0.02, max_candidates=2), BuiltinProposer(), "sm_90a",
+               lambda j: time.sleep(0.15) or dataclasses.replace(fake_evaluate(j), wall_s=0.15),
+               seen.append).run(problems)
+    notices = [e.message for e in seen if isinstance(e, Notice) and e.topic == "budget"]
+    assert len(notices) == 1 and "shapes still waiting" in notices[0]
+    assert [m for _, kind, m in store.events() if kind == "budget" and "still waiting" in m] == notices
