@@ -146,13 +146,46 @@ def geomean(xs: list[float]) -> float:
     return statistics.geometric_mean(xs) if xs else float("nan")
 
 
+def by_series(rows: list[BenchRow]) -> list[dict]:
+    """Per series benched at several M (the same N, K, layout, dtype, bias and epilogue): how many M, how many ran a
+    kernel, the geomean of each ratio and the lowest honest one with its M, in the rows' order."""
+    groups: dict[tuple, list[BenchRow]] = {}
+    for r in rows:
+        groups.setdefault((r.shape.split("_", 1)[1], r.b_layout, r.dtype), []).append(r)
+    out = []
+    for (nk, layout, dtype), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        low = min(rs, key=lambda r: r.ratio_honest if r.ratio_honest else r.ratio_warm)
+        out.append({"series": f"{nk}:{layout}:{dtype}", "m_values": len(rs),
+                    "on_kernels": sum(r.kernel != "cuBLAS" for r in rs),
+                    "honest": geomean([r.ratio_honest or float("nan") for r in rs]),
+                    "warm": geomean([r.ratio_warm for r in rs]), "cold": geomean([r.ratio_cold for r in rs]),
+                    "cupti": geomean([r.ratio_cupti or float("nan") for r in rs]),
+                    "lowest": low.ratio_honest or low.ratio_warm, "lowest_m": int(low.shape.split("_")[0])})
+    return out
+
+
+def series_table(series: list[dict]):
+    from rich.table import Table
+
+    t = Table(title="per series benched at several M (geomeans; lowest by the honest ratio)")
+    for col in ("series", "M values", "on our kernels", "honest", "lowest (at M)", "warm", "cold", "CUPTI"):
+        t.add_column(col)
+    for s in series:
+        t.add_row(s["series"], str(s["m_values"]), str(s["on_kernels"]), f"{s['honest']:.3f}x",
+                  f"{s['lowest']:.3f}x ({s['lowest_m']})", f"{s['warm']:.3f}x", f"{s['cold']:.3f}x",
+                  f"{s['cupti']:.3f}x")
+    return t
+
+
 def write_outputs(rows: list[BenchRow], folder: Path, device: dict) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     data = {"device": device, "rows": [asdict(r) for r in rows],
             "geomean_honest": geomean([r.ratio_honest or float("nan") for r in rows]),
             "geomean_warm": geomean([r.ratio_warm for r in rows]),
             "geomean_cold": geomean([r.ratio_cold for r in rows]),
-            "geomean_cupti": geomean([r.ratio_cupti or float("nan") for r in rows])}
+            "geomean_cupti": geomean([r.ratio_cupti or float("nan") for r in rows]), "series": by_series(rows)}
     out = [folder / "bench.json"]
     out[0].write_text(json.dumps(data, indent=1))
     try:

@@ -278,6 +278,8 @@ def cmd_bench(args) -> int:
     finally:
         pool.close()
     console.print(bench.rows_table(rows, f"bench on {device.name} (device time, same process)"))
+    if series := bench.by_series(rows):
+        console.print(bench.series_table(series))
     for path in bench.write_outputs(rows, folder, device.to_dict()):
         console.print(f"wrote {path}")
     return 0

@@ -6,7 +6,7 @@ import dataclasses
 import json
 
 from agent import buckets
-from agent.bench import bench_offline, best_across, geomean, write_outputs
+from agent.bench import BenchRow, bench_offline, best_across, by_series, geomean, write_outputs
 from core.records import BaselineJob, EvalResult, Problem, Status, Timing
 from tests.helpers import fake_evaluate, m_dependent_evaluate, populated_run
 
@@ -112,3 +112,18 @@ def test_a_runs_own_buckets_bench_their_served_kernel(tmp_path):
         _, cid, _ = best_across([store], b)
         assert cid == buckets.served(store, b).candidate.id
     assert buckets.served(store, problems[1]).pieces == ((21, 24),)
+
+
+def test_series_benched_at_several_m_get_a_line_each():
+    def row(m, n, ratio, kernel="cuBLAS", dtype="f16"):
+        return BenchRow(f"{m}_{n}_64", "nk", kernel, 10 / ratio, 10, 11 / ratio, 11, ratio, ratio, 1.0, 50.0,
+                        ratio, dtype=dtype, ratio_honest=ratio)
+
+    rows = [row(1, 128, 1.2, "a/k1"), row(7, 128, 0.99), row(30, 128, 1.44, "a/k2"), row(3, 256, 1.0),
+            row(5, 128, 1.1, "a/k3", "bf16"), row(9, 128, 1.0, dtype="bf16"), row(64, 512, 1.3, "a/k4")]
+    series = by_series(rows)  # 64_512 was benched at one M: no line
+    assert [s["series"] for s in series] == ["128_64:nk:f16", "128_64:nk:bf16"]
+    first = series[0]
+    assert (first["m_values"], first["on_kernels"], first["lowest"], first["lowest_m"]) == (3, 2, 0.99, 7)
+    assert abs(first["honest"] - geomean([1.2, 0.99, 1.44])) < 1e-12 and first["warm"] == first["honest"]
+    assert json.loads(json.dumps(series)) == series  # as bench.json keeps them

@@ -4,7 +4,8 @@ are no bucket's middle to bench them at. The same seed always writes the same fi
     python tools/range_bench.py --out DIR [--seed 0] [--hi 256] [--per-series 64]
     python -m agent run --shapes DIR/ranges.txt --no-profile        # on the GPU
     python -m agent export RUN
-    python -m agent bench RUN --shapes DIR/bench.txt               # geomean of ours (kernel or cuBLAS) / cuBLAS
+    python -m agent bench RUN --shapes DIR/bench.txt               # geomean of ours (kernel or cuBLAS) / cuBLAS,
+                                                                   # and a line per (N, K, dtype)
 
 ranges.txt: `1-HI_N_K:nk:DTYPE` for each (N, K) of Llama-3-8B's projections (q/o 4096 x 4096, k/v 1024 x 4096,
 gate/up 14336 x 4096, down 4096 x 14336), fp16 and bf16. bench.txt: per (N, K, dtype) `--per-series` M values,
