@@ -1,15 +1,14 @@
 // The compiled HGEMM op of an hgemm-agent export (built by hgemm_build.py with torch.utils.cpp_extension and the
-// host compiler; no CUDA toolkit: hgemm_cuda.h opens the CUDA driver at run time).
+// host compiler; no CUDA toolkit: hgemm_cuda.h opens the CUDA driver at run time): routing and launches.
+// hgemm_library.cpp registers the ops (hgemm::mm, hgemm::linear, hgemm::fused_linear) on top of what is here;
+// hgemm_table.cpp keeps the kernels by M interval; hgemm_module.cpp is the Python side.
 //
-// Registers hgemm::mm(a, b, bias=None) (torch.matmul with a K x N B; with a bias, torch.addmm as transformers'
-// Conv1D calls it) and hgemm::linear(x, w, bias=None) (F.linear) with
-// TORCH_LIBRARY; hgemm_module.cpp adds Python entry points that skip the dispatcher's Python argument parsing. A
-// call runs an exported kernel where its (N, K, layout, dtype, bias) was tuned for an M interval holding its M
-// (a hash lookup of the series, then a binary search of its intervals' starts) and its operands are plain,
-// contiguous, 16-byte aligned CUDA tensors of one device, with no gradient wanted; anything else goes to
-// at::matmul / at::linear (an unserved gated call: cuBLAS's GEMM, then the export's one gated kernel, hgemm_gated.cu,
-// where it fits the GPU; PyTorch's ops otherwise). The launch at M (grid, tensor-map dims and boxes) comes from the kernel's segment
-// holding M (another binary search), as the family's launch rule gave it at that M (agent/export/geometry.py).
+// A call runs an exported kernel where its (N, K, layout, dtype, bias, epilogue) was tuned for an M interval holding
+// its M (a hash lookup of the series, then a binary search of its intervals' starts) and its operands are plain,
+// contiguous, 16-byte aligned CUDA tensors of one device; anything else goes to at::matmul / at::linear and the
+// epilogue's ops (an unserved gated call: cuBLAS's GEMM, then the export's one gated kernel, hgemm_gated.cu, where it
+// fits the GPU). The launch at M (grid, tensor-map dims and boxes) comes from the kernel's segment holding M
+// (another binary search), as the family's launch rule gave it at that M (agent/export/geometry.py).
 //
 // Per device: each cubin is loaded once into the primary context, its dynamic shared memory raised; one scratch
 // buffer and one zeroed counter array serve every kernel that asks for them (the kernels leave the counters zeroed).
@@ -25,8 +24,6 @@
 #include <mutex>
 #include <unordered_map>
 
-#include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
@@ -36,9 +33,6 @@
 #include <ATen/ops/relu.h>
 #include <ATen/ops/silu.h>
 #include <c10/core/DeviceGuard.h>
-#include <c10/core/GradMode.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
-#include <torch/library.h>
 
 #include "hgemm_cuda.h"
 
@@ -171,56 +165,6 @@ CUstream current_stream(int device) {
   return static_cast<CUstream>(stream);
 }
 
-// ---- routing ------------------------------------------------------------------------------------------------------
-// The kernel for a @ B (B given K x N, or N x K when nk) + bias, then the epilogue (R the residual), or nullptr with
-// the reason in *why.
-std::shared_ptr<const Kernel> choose(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bias, bool nk,
-                                     int epilogue, const at::Tensor* residual, std::string* why) {
-  auto no = [&](auto&& reason) {
-    if (why) *why = reason;
-    return std::shared_ptr<const Kernel>();
-  };
-  if (b.dim() != 2 || a.dim() < 1) return no("B is not a matrix");
-  const int64_t k = a.size(-1), n = b.size(nk ? 0 : 1);
-  if (b.size(nk ? 1 : 0) != k || k == 0) return no("A's last dimension is not B's K");
-  const auto dtype = a.scalar_type();
-  if (dtype != at::kHalf && dtype != at::kBFloat16) return no("dtype is neither float16 nor bfloat16");
-  if (b.scalar_type() != dtype || (bias && bias->scalar_type() != dtype) ||
-      (residual && residual->scalar_type() != dtype))
-    return no("operands of mixed dtypes");
-  const int64_t m = a.numel() / k;
-  const ProblemKey series{n, k, nk, dtype == at::kBFloat16, bias != nullptr, epilogue};
-  int64_t lo = 0, hi = 0;
-  std::shared_ptr<const Kernel> kern = hgemm::find_kernel(series, m, &lo, &hi);
-  if (!kern) {
-    if (!why) return kern;
-    const auto tuned = hgemm::describe_series(series);
-    return no(tuned ? "M=" + std::to_string(m) + " not tuned (tuned M: " + *tuned + ")" : "shape not tuned");
-  }
-  auto tuned_but = [&](const char* reason) {
-    if (why) *why = std::string(reason) + " (tuned: " + kern->key + ")";
-    return std::shared_ptr<const Kernel>();
-  };
-  if (bias && (bias->dim() != 1 || bias->size(0) != n)) return tuned_but("bias is not a vector of N");
-  if (epilogue == hgemm::kResidual) {
-    std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end() - 1);
-    shape.push_back(n);
-    if (!residual || residual->sizes() != at::IntArrayRef(shape)) return tuned_but("the residual is not M x N");
-  }
-  const at::Tensor* operands[4] = {&a, &b, bias, residual};
-  for (const at::Tensor* t : operands)
-    if (t && !t->is_contiguous()) return tuned_but("an operand is not contiguous");
-  for (const at::Tensor* t : operands)
-    if (t && reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 != 0)
-      return tuned_but("an operand is not 16-byte aligned");
-  for (const at::Tensor* t : operands)
-    if (t && (!t->is_cuda() || t->device() != a.device())) return tuned_but("operands are not on one CUDA device");
-  if (why)
-    *why = "kernel " + kern->key + " (M=" + std::to_string(m) + " in " + std::to_string(lo) +
-           (hi != lo ? "-" + std::to_string(hi) : "") + ")";
-  return kern;
-}
-
 // Runs the kernel; nullopt where its cubin does not fit this GPU.
 std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const at::Tensor& b,
                                  const at::Tensor* bias, const at::Tensor* residual) {
@@ -295,6 +239,60 @@ std::optional<at::Tensor> gated_kernel(const at::Tensor& y, int64_t epilogue) {
   return out;
 }
 
+}  // namespace
+
+namespace hgemm {
+
+// ---- routing ------------------------------------------------------------------------------------------------------
+// The kernel for a @ B (B given K x N, or N x K when nk) + bias, then the epilogue (R the residual), or nullptr with
+// the reason in *why.
+std::shared_ptr<const Kernel> choose(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bias, bool nk,
+                                     int epilogue, const at::Tensor* residual, std::string* why) {
+  auto no = [&](auto&& reason) {
+    if (why) *why = reason;
+    return std::shared_ptr<const Kernel>();
+  };
+  if (b.dim() != 2 || a.dim() < 1) return no("B is not a matrix");
+  const int64_t k = a.size(-1), n = b.size(nk ? 0 : 1);
+  if (b.size(nk ? 1 : 0) != k || k == 0) return no("A's last dimension is not B's K");
+  const auto dtype = a.scalar_type();
+  if (dtype != at::kHalf && dtype != at::kBFloat16) return no("dtype is neither float16 nor bfloat16");
+  if (b.scalar_type() != dtype || (bias && bias->scalar_type() != dtype) ||
+      (residual && residual->scalar_type() != dtype))
+    return no("operands of mixed dtypes");
+  const int64_t m = a.numel() / k;
+  const ProblemKey series{n, k, nk, dtype == at::kBFloat16, bias != nullptr, epilogue};
+  int64_t lo = 0, hi = 0;
+  std::shared_ptr<const Kernel> kern = hgemm::find_kernel(series, m, &lo, &hi);
+  if (!kern) {
+    if (!why) return kern;
+    const auto tuned = hgemm::describe_series(series);
+    return no(tuned ? "M=" + std::to_string(m) + " not tuned (tuned M: " + *tuned + ")" : "shape not tuned");
+  }
+  auto tuned_but = [&](const char* reason) {
+    if (why) *why = std::string(reason) + " (tuned: " + kern->key + ")";
+    return std::shared_ptr<const Kernel>();
+  };
+  if (bias && (bias->dim() != 1 || bias->size(0) != n)) return tuned_but("bias is not a vector of N");
+  if (epilogue == hgemm::kResidual) {
+    std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end() - 1);
+    shape.push_back(n);
+    if (!residual || residual->sizes() != at::IntArrayRef(shape)) return tuned_but("the residual is not M x N");
+  }
+  const at::Tensor* operands[4] = {&a, &b, bias, residual};
+  for (const at::Tensor* t : operands)
+    if (t && !t->is_contiguous()) return tuned_but("an operand is not contiguous");
+  for (const at::Tensor* t : operands)
+    if (t && reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 != 0)
+      return tuned_but("an operand is not 16-byte aligned");
+  for (const at::Tensor* t : operands)
+    if (t && (!t->is_cuda() || t->device() != a.device())) return tuned_but("operands are not on one CUDA device");
+  if (why)
+    *why = "kernel " + kern->key + " (M=" + std::to_string(m) + " in " + std::to_string(lo) +
+           (hi != lo ? "-" + std::to_string(hi) : "") + ")";
+  return kern;
+}
+
 // The epilogue's ops on an unfused GEMM's output y, as a model runs them (core/epilogue.py's composition).
 at::Tensor compose(const at::Tensor& y, int64_t epilogue, const std::optional<at::Tensor>& residual) {
   auto act = [](const at::Tensor& x, bool silu) { return silu ? at::silu(x) : at::gelu(x, "tanh"); };
@@ -321,13 +319,13 @@ at::Tensor compose(const at::Tensor& y, int64_t epilogue, const std::optional<at
 // (at::linear of B's transpose: torch.addmm(bias, a, b) for a 2-D a, the same folded for more dimensions); then the
 // epilogue's ops (compose).
 at::Tensor fallback(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
-                    int64_t epilogue = hgemm::kNone, const std::optional<at::Tensor>& residual = std::nullopt) {
+                    int64_t epilogue, const std::optional<at::Tensor>& residual) {
   at::Tensor y = nk ? at::linear(a, b, bias) : bias && bias->defined() ? at::linear(a, b.t(), bias) : at::matmul(a, b);
   return epilogue == hgemm::kNone ? y : compose(y, epilogue, residual);
 }
 
 at::Tensor run(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
-               int64_t epilogue = hgemm::kNone, const std::optional<at::Tensor>& residual = std::nullopt) {
+               int64_t epilogue, const std::optional<at::Tensor>& residual) {
   const at::Tensor* bp = bias && bias->defined() ? &*bias : nullptr;
   const at::Tensor* rp = residual && residual->defined() ? &*residual : nullptr;
   if (auto kern = choose(a, b, bp, nk, static_cast<int>(epilogue), rp, nullptr))
@@ -338,120 +336,6 @@ at::Tensor run(const at::Tensor& a, const at::Tensor& b, const std::optional<at:
     return compose(y, epilogue, residual);
   }
   return fallback(a, b, bias, nk, epilogue, residual);
-}
-
-// ---- the registered ops ---------------------------------------------------------------------------------------------
-at::Tensor mm_cuda(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias) {
-  return run(a, b, bias, false);
-}
-at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  return run(x, w, bias, true);
-}
-// Every other backend, and meta / fake tensors (shapes for torch.compile): what the op means.
-at::Tensor mm_plain(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias) {
-  return fallback(a, b, bias, false);
-}
-at::Tensor linear_plain(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  return fallback(x, w, bias, true);
-}
-at::Tensor fused_cuda(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                      int64_t epilogue, const std::optional<at::Tensor>& residual) {
-  return run(x, w, bias, true, epilogue, residual);
-}
-at::Tensor fused_plain(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                       int64_t epilogue, const std::optional<at::Tensor>& residual) {
-  return fallback(x, w, bias, true, epilogue, residual);
-}
-
-bool wants_grad(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
-                const std::optional<at::Tensor>& residual = std::nullopt) {
-  auto wants = [](const std::optional<at::Tensor>& t) { return t && t->defined() && t->requires_grad(); };
-  return c10::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad() || wants(bias) || wants(residual));
-}
-
-using OpSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
-
-// hgemm::linear where nk, else hgemm::mm (both take a, b, bias).
-const c10::TypedOperatorHandle<OpSignature>& registered(bool nk) {
-  static const auto mm = c10::Dispatcher::singleton().findSchemaOrThrow("hgemm::mm", "").typed<OpSignature>();
-  static const auto linear =
-      c10::Dispatcher::singleton().findSchemaOrThrow("hgemm::linear", "").typed<OpSignature>();
-  return nk ? linear : mm;
-}
-
-// Where a gradient is wanted the call is what it means in PyTorch, differentiated as usual; otherwise below autograd.
-template <bool NK>
-at::Tensor autograd(c10::DispatchKeySet ks, const at::Tensor& a, const at::Tensor& b,
-                    const std::optional<at::Tensor>& bias) {
-  if (wants_grad(a, b, bias)) return fallback(a, b, bias, NK);
-  at::AutoDispatchBelowADInplaceOrView below;
-  return registered(NK).redispatch(ks & c10::after_autograd_keyset, a, b, bias);
-}
-
-using FusedSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
-                                  const std::optional<at::Tensor>&);
-
-const c10::TypedOperatorHandle<FusedSignature>& registered_fused() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("hgemm::fused_linear", "").typed<FusedSignature>();
-  return op;
-}
-
-at::Tensor autograd_fused(c10::DispatchKeySet ks, const at::Tensor& x, const at::Tensor& w,
-                          const std::optional<at::Tensor>& bias, int64_t epilogue,
-                          const std::optional<at::Tensor>& residual) {
-  if (wants_grad(x, w, bias, residual)) return fallback(x, w, bias, true, epilogue, residual);
-  at::AutoDispatchBelowADInplaceOrView below;
-  return registered_fused().redispatch(ks & c10::after_autograd_keyset, x, w, bias, epilogue, residual);
-}
-
-}  // namespace
-
-TORCH_LIBRARY(hgemm, m) {
-  m.def("mm(Tensor a, Tensor b, Tensor? bias=None) -> Tensor", {at::Tag::flexible_layout});
-  m.def("linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor", {at::Tag::flexible_layout});
-  // epilogue: core/epilogue.py's EPILOGUES index (hgemm_op.h); w N x K (gated: gate and up interleaved)
-  m.def("fused_linear(Tensor x, Tensor w, Tensor? bias, int epilogue, Tensor? residual=None) -> Tensor",
-        {at::Tag::flexible_layout});
-}
-TORCH_LIBRARY_IMPL(hgemm, CUDA, m) {
-  m.impl("mm", &mm_cuda);
-  m.impl("linear", &linear_cuda);
-  m.impl("fused_linear", &fused_cuda);
-}
-TORCH_LIBRARY_IMPL(hgemm, CompositeExplicitAutograd, m) {
-  m.impl("mm", &mm_plain);
-  m.impl("linear", &linear_plain);
-  m.impl("fused_linear", &fused_plain);
-}
-TORCH_LIBRARY_IMPL(hgemm, Autograd, m) {
-  m.impl("mm", &autograd<false>);
-  m.impl("linear", &autograd<true>);
-  m.impl("fused_linear", &autograd_fused);
-}
-
-namespace hgemm {
-
-at::Tensor call(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
-                int64_t epilogue, const std::optional<at::Tensor>& residual) {
-  static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
-                                            c10::DispatchKey::FuncTorchBatched,
-                                            c10::DispatchKey::FuncTorchGradWrapper,
-                                            c10::DispatchKey::Functionalize});
-  auto is_wrapped = [&](const std::optional<at::Tensor>& t) { return t && t->key_set().has_any(wrapped); };
-  if (c10::impl::TorchDispatchModeTLS::any_modes_set() || a.key_set().has_any(wrapped) ||
-      b.key_set().has_any(wrapped) || is_wrapped(bias) || is_wrapped(residual))
-    return epilogue == kNone && !residual ? registered(nk).call(a, b, bias)
-                                          : registered_fused().call(a, b, bias, epilogue, residual);
-  if (wants_grad(a, b, bias, residual)) return fallback(a, b, bias, nk, epilogue, residual);
-  return run(a, b, bias, nk, epilogue, residual);
-}
-
-std::string explain(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
-                    int64_t epilogue, const std::optional<at::Tensor>& residual) {
-  std::string why;
-  choose(a, b, bias ? &*bias : nullptr, nk, static_cast<int>(epilogue), residual ? &*residual : nullptr, &why);
-  return why;
 }
 
 }  // namespace hgemm

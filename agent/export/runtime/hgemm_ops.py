@@ -2,9 +2,10 @@
 
 This file is copied as `hgemm_ops.py` next to `manifest.json` (kernels keyed by problem, `M_N_K:layout:dtype[:bias]`
 or `LO-HI_N_K:...` for a bucket of M, each with the M intervals it serves and its launch at every M of them), the
-kernels' `.cu` / `.cubin` files, the compiled op's sources (`hgemm_op.cpp`, `hgemm_module.cpp`, their headers)
-with its build helper `hgemm_build.py`, `hgemm_intervals.py` (which kernel serves an M, and its launch there) and
-`hgemm_driver.py` (tensor maps and launches by ctypes).
+kernels' `.cu` / `.cubin` files, the compiled op's sources (`hgemm_op.cpp`, `hgemm_library.cpp`,
+`hgemm_table.cpp`, `hgemm_module.cpp`, their headers) with its build helper `hgemm_build.py`, `hgemm_intervals.py`
+(which kernel serves an M, and its launch there), `hgemm_driver.py` (tensor maps and launches by ctypes) and the
+gated fallback's kernel (`hgemm_gated.cu`, its cubins per dtype and epilogue).
 
 - `mm(a, b, bias=None)` is `torch.matmul(a, b)` (a (*, K), b K x N), with a bias `torch.addmm(bias, a, b)` (the
   bias fused); `linear(x, w, bias=None)` is `F.linear` (w N x K); `fused_linear(x, w, bias, epilogue,
