@@ -143,6 +143,8 @@ def test_export_serves_the_buckets_where_they_are_as_fast_as_cublas(tmp_path, mo
     assert entry["candidate"] == served.candidate.id and manifest["notes"]["25-32_256_512:nk:f16"] == \
         f"vs cuBLAS {served.note(problems[6])}"
     assert "serves every M from 25 to 32" in (tmp_path / "out" / entry["file"]).read_text()
+    part = manifest["kernels"]["17-24_256_512:nk:f16"]["file"]
+    assert "serves M 21-24 of the bucket 17-24 (cuBLAS the rest)" in (tmp_path / "out" / part).read_text()
     assert [ln.problem for ln in lines] == problems and sum(ln.kernel_file is not None for ln in lines) == 4
     ops = load_ops(tmp_path / "out")
     series = "256_512:nk:f16"

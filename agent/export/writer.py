@@ -62,7 +62,8 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
         cand, result, ratio = pick.candidate, pick.result, pick.speedup
         build = store.build(cand.id)
         stem = "hgemm_" + p.key.replace(":", "_")
-        (out / f"{stem}.cu").write_text(_header(store, p, cand, result, launch, ratio) + build.source)
+        pieces = list(pick.pieces) if isinstance(pick, buckets.Served) else [p.m_span]
+        (out / f"{stem}.cu").write_text(_header(store, p, cand, result, launch, ratio, pieces) + build.source)
         (out / f"{stem}.cubin").write_bytes(build.cubin)
         manifest["kernels"][p.key] = {
             "file": f"{stem}.cu", "cubin": f"{stem}.cubin", "arch": build.arch, "candidate": cand.id, **launch,
@@ -138,15 +139,17 @@ def _pick(store: RunStore, p: Problem) -> tuple[Winner | buckets.Served | None, 
                   else "its leaders were not re-timed at the bucket's probe M")
 
 
-def _header(store, p, cand, result, launch, ratio) -> str:
+def _header(store, p, cand, result, launch, ratio, pieces) -> str:
     dtype = {"f16": "fp16", "bf16": "bf16"}[p.dtype]
     lo, hi = p.m_span
+    serves = f"every M from {lo} to {hi}" if pieces == [(lo, hi)] else \
+        "M " + ", ".join(f"{a}-{z}" for a, z in pieces) + f" of the bucket {lo}-{hi} (cuBLAS the rest)"
     grid, block, smem = tuple(launch["grid"]), tuple(launch["block"]), launch["smem_bytes"]
     return (
         f"// hgemm-agent export: run {store.run_id}, candidate {cand.id}, family {cand.family}\n"
         f"// C[M,N] = A[M,K] @ B{' + bias[N]' if p.bias else ''}, M={p.m} N={p.n} K={p.k}, B layout {p.b_layout} "
         f"({'K x N' if p.b_layout == 'kn' else 'N x K'} row-major), {dtype} in, fp32 accumulate, {dtype} out\n"
-        + (f"// serves every M from {lo} to {hi}: the launch below is M={p.m}'s; the grid and the tensor maps' "
+        + (f"// serves {serves}: the launch below is M={p.m}'s; the grid and the tensor maps' "
            "dims and boxes at each M are in manifest.json (segments, m_dims)\n" if p.m_range else "")
         + f"// params: {json.dumps(cand.params, sort_keys=True)}\n"
         f"// launch: hgemm<<<dim3{grid}, dim3{block}, {smem}>>>(A, B, C, M, N, K"
