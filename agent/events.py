@@ -51,7 +51,7 @@ class Remeasured:
 
 @dataclass(frozen=True)
 class BucketEndTimed:
-    """A bucket's leader re-checked and re-timed next to cuBLAS at one end `m` of the bucket (agent/buckets.py)."""
+    """A bucket's leader re-checked and re-timed next to cuBLAS at one of the bucket's probe M, `m` (buckets.py)."""
 
     problem: Problem
     candidate: Candidate

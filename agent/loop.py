@@ -317,7 +317,7 @@ class SearchLoop:
             self._remeasure_round(s)
 
     def _settle(self, s: _Shape) -> None:
-        """After the re-measurement: a bucket's leaders re-timed at its ends (agent.buckets.EndChecks); then
+        """After the re-measurement: a bucket's leaders re-timed at its probe M (agent.buckets.EndChecks); then
         profiles."""
         if s.problem.m_range is not None and s.ends is None and self.executor.measures:
             s.ends = buckets.EndChecks(self.store, s.problem, self.config.kernel_timeout_s)

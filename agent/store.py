@@ -248,7 +248,7 @@ class RunStore:
              + ("WHERE c.problem_key = ? " if problem else "") + "GROUP BY r.status")
         return dict(self.db.execute(q, (problem.key,) if problem else ()).fetchall())
 
-    # a bucket's leaders re-timed at the bucket's ends (agent.buckets.EndChecks)
+    # a bucket's leaders re-timed at the bucket's probe M (agent.buckets.EndChecks)
     def add_bucket_end(self, bucket: Problem, cid: str, m: int, r: EvalResult) -> None:
         self.db.execute("INSERT INTO bucket_ends (problem_key, candidate_id, m, record) VALUES (?, ?, ?, ?)",
                         (bucket.key, cid, m, r.to_json()))

@@ -80,8 +80,8 @@ class LiveView:
             case Profiling(candidate=c):
                 self.last = f"{c.id}: profiling with Nsight Compute"
             case BucketEndTimed(candidate=c, m=m, result=r):
-                self.last = f"{c.id} at the bucket's end M={m}: {r.status.value} {fmt_ratio(r.speedup)} {r.reason[:80]}"
-                self.last = self.last.rstrip()
+                said = f"{r.status.value} {fmt_ratio(r.speedup)} {r.reason[:80]}"
+                self.last = f"{c.id} at the bucket's probe M={m}: {said}".rstrip()
             case ShapeCut(problem=p, got=got, asked=asked, why=why):
                 self._row(p.key).note = f"{got} of {asked}: {why}"
                 self.say(f"{p.key}: {got} of {asked} candidates: {why}")

@@ -115,4 +115,4 @@ def test_a_bucket_end_timing_is_a_line_of_its_own():
     bucket = Problem(21, 64, 64, m_range=(17, 24))
     c = Candidate(bucket, "naive", {})
     view(BucketEndTimed(bucket, c, 17, result(c.id, 10.0)))
-    assert out.export_text().splitlines()[1] == f"17-24_64_64:kn:f16: {c.id} at the bucket's end M=17: ok 1.200x"
+    assert out.export_text().splitlines()[1] == f"17-24_64_64:kn:f16: {c.id} at the bucket's probe M=17: ok 1.200x"
