@@ -42,7 +42,7 @@ from agent.events import (
     ShapeStarted,
 )
 from agent.events import ignore as ignore_events
-from agent.pace import Pace
+from agent.pace import Pace, follow_up_reserve, follow_up_words
 from agent.profiles import PROFILE_TOP, LeaderProfiles
 from agent.proposers.base import Proposer, SearchState, arm_of
 from agent.store import RunStore, Winner
@@ -248,26 +248,13 @@ class SearchLoop:
             self.observe(ShapeCut(s.problem, got, s.limit, why))
 
     def _follow_up_words(self, s: _Shape) -> str:
-        probes = s.problem.m_range is not None and self.executor.measures
-        words = ["re-measurement"] + ["probe timings"] * probes + ["profiles"] * self.profiles.on
-        return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+        return follow_up_words(s.problem.m_range is not None and self.executor.measures, self.profiles.on)
 
     def _follow_up_reserve(self, s: _Shape) -> float:
-        """Seconds to keep back from the shape's budget for its follow-up, so that it is charged to the shape and
-        not to the shapes after it. Successive halving over k leaders measures k + ceil(k / 2) times, at the shape's
-        mean evaluation time, spread over the GPUs; a bucket's winner is then timed at each of its probe M; then its
-        leaders are profiled, where profiles are on."""
         walls = [r.wall_s for _, _, r in s.state.tried if r.status is Status.OK and r.wall_s > 0]
-        if not walls:
-            return 0.0
-        mean = sum(walls) / len(walls) / self.executor.slots
-        reserve = self.profiles.reserve_s(s.problem)
-        if len(walls) >= 2:
-            leaders = min(self.remeasure_top, len(walls))
-            reserve += (leaders + (leaders + 1) // 2) * mean
-        if s.problem.m_range is not None and self.executor.measures:
-            reserve += len(buckets.probe_ms(s.problem)) * mean
-        return reserve
+        probes = len(buckets.probe_ms(s.problem)) if s.problem.m_range is not None and self.executor.measures else 0
+        return follow_up_reserve(walls, self.executor.slots, self.remeasure_top, probes,
+                                 self.profiles.reserve_s(s.problem) if walls else 0.0)
 
     def _searched(self, s: _Shape, cand: Candidate, build: BuildResult | None, result: EvalResult) -> None:
         s.state.pending.discard(cand.id)

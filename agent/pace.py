@@ -1,4 +1,8 @@
-"""Whether a run's budget reaches every shape: after a few shapes, the pace so far against the shapes still waiting.
+"""A run's time: what a shape keeps back from its share for its follow-up, and whether the budget reaches every shape
+(after a few shapes, the pace so far against the shapes still waiting).
+
+A shape stops proposing once the time left in its share is what its follow-up needs (`follow_up_reserve`), so that
+the follow-up is charged to it and not to the shapes after it.
 
 Shapes are searched cheapest first, and each takes at least its first candidate and its follow-up however small its
 share; a budget too short for the list leaves the last (the costliest) shapes with nothing. `Pace` says so once, as
@@ -33,3 +37,23 @@ class Pace:
         return (f"at {per:.1f} s a shape so far, the {left / 60:.1f} minutes left reach at most about {reach} of the "
                 f"{waiting} shapes still waiting (the costliest come last and get no candidate); --budget-minutes "
                 f"{minutes:g} or more would reach them all")
+
+
+def follow_up_reserve(walls: list[float], slots: int, remeasure_top: int, probes: int, profiles_s: float) -> float:
+    """Seconds to keep back for a shape's follow-up, given the wall times of its evaluations so far (none: nothing
+    kept): successive halving over k leaders measures k + ceil(k / 2) times, at the mean evaluation time spread over
+    the GPUs; a bucket's winner is then timed at each of its `probes` M; then the leaders' profiles (`profiles_s`)."""
+    if not walls:
+        return 0.0
+    mean = sum(walls) / len(walls) / slots
+    reserve = profiles_s + probes * mean
+    if len(walls) >= 2:
+        leaders = min(remeasure_top, len(walls))
+        reserve += (leaders + (leaders + 1) // 2) * mean
+    return reserve
+
+
+def follow_up_words(probes: bool, profiles: bool) -> str:
+    """What the reserve is kept for, in words."""
+    words = ["re-measurement"] + ["probe timings"] * probes + ["profiles"] * profiles
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]

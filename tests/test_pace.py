@@ -1,4 +1,5 @@
-"""agent.pace: a run says once, early, when its budget cannot reach every shape at the pace so far."""
+"""agent.pace: what a shape keeps back from its share for its follow-up, and a run that says once, early, when its
+budget cannot reach every shape at the pace so far."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 from agent.config import RunConfig
 from agent.events import Notice
 from agent.loop import SearchLoop
-from agent.pace import Pace
+from agent.pace import Pace, follow_up_reserve, follow_up_words
 from agent.proposers.builtin import BuiltinProposer
 from agent.store import RunStore
 from core.records import Problem
@@ -37,3 +38,13 @@ def test_a_run_too_short_for_its_shapes_says_so(tmp_path):
     notices = [e.message for e in seen if isinstance(e, Notice) and e.topic == "budget"]
     assert len(notices) == 1 and "shapes still waiting" in notices[0]
     assert [m for _, kind, m in store.events() if kind == "budget" and "still waiting" in m] == notices
+
+
+def test_the_follow_up_reserve_counts_re_measurement_probes_and_profiles():
+    assert follow_up_reserve([], 1, 4, 5, 3.0) == 0.0  # nothing measured yet: nothing to go by
+    assert follow_up_reserve([2.0], 1, 4, 0, 0.0) == 0.0  # one candidate: no re-measurement
+    assert follow_up_reserve([2.0], 1, 4, 5, 0.0) == 10.0  # a bucket: its winner at five probe M
+    assert follow_up_reserve([2.0, 2.0, 2.0, 2.0, 2.0], 1, 4, 0, 0.0) == 12.0  # 4 leaders: 6 measurements
+    assert follow_up_reserve([2.0, 2.0], 2, 4, 5, 1.5) == 1.5 + 5 + 3  # two GPUs share the measurements
+    assert follow_up_words(False, False) == "re-measurement"
+    assert follow_up_words(True, True) == "re-measurement, probe timings and profiles"
