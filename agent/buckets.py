@@ -132,11 +132,12 @@ def passes(r: EvalResult | None) -> bool:
 
 
 def spans(b: Problem, timed: dict[int, EvalResult]) -> list[tuple[int, int]]:
-    """The stretches of the bucket a kernel serves: from one probe M to the next where it was correct and at least
-    as fast as cuBLAS at both (a bucket of one M: that M where it passed). Probes not timed (a run from before
-    interior probes) are skipped; both ends must have been timed. Empty: cuBLAS serves the bucket."""
+    """The stretches of the bucket a kernel serves: from one probe M to the next where it was at least as fast as
+    cuBLAS at both (a bucket of one M: that M where it passed). None where it failed a check at any probe M (wrong
+    there, it is trusted nowhere in the bucket). Probes not timed (a run from before interior probes) are skipped;
+    both ends must have been timed. Empty: cuBLAS serves the bucket."""
     lo, hi = b.m_span
-    if lo not in timed or hi not in timed:
+    if lo not in timed or hi not in timed or any(r.status is not Status.OK for r in timed.values()):
         return []
     ms = [m for m in probe_ms(b) if m in timed]
     if len(ms) == 1:

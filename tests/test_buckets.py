@@ -79,7 +79,7 @@ def test_spans_are_the_stretches_between_neighbouring_probes_that_both_pass():
     assert buckets.spans(b, at(0.9, 1.1, 1.2, 0.9, 1.3)) == [(169, 177)]
     assert buckets.spans(b, at(1.1, 0.9, 1.2, 0.9, 1.3)) == []  # no two neighbours pass
     wrong = at(1.1, 1.1, 1.2, 1.1, 1.3) | {184: EvalResult("c", Status.WRONG, "wrong at M=184")}
-    assert buckets.spans(b, wrong) == [(161, 177)]
+    assert buckets.spans(b, wrong) == []  # wrong at one M: trusted at none
     ends_only = {161: ok("c", 1.1), 192: ok("c", 1.05)}  # a run from before interior probes
     assert buckets.spans(b, ends_only) == [(161, 192)] and buckets.spans(b, {161: ok("c", 1.1)}) == []
 
