@@ -54,6 +54,13 @@ def test_the_compiled_op_registers_them_and_refuses_an_epilogue_that_is_not_gate
     assert torch.equal(ops.fused_linear(x, w, None, "silu_mul"), compose(F.linear(x, w), Epilogue("silu_mul")))
 
 
+def test_an_export_missing_a_gated_cubin_still_loads_its_compiled_op(tmp_path, op_build_dir):
+    folder = with_gated(small_export(tmp_path / "out", ["16_24_8:nk:f16"]))
+    (folder / "hgemm_gated_silu_mul_f16.cubin").unlink()
+    ops = load_ops(folder)
+    assert ops.compiled() is not None and ops.path() == "compiled"
+
+
 def kernels_run(fn) -> list[str]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()

@@ -108,6 +108,8 @@ def compiled():
             for key, entry in MANIFEST["kernels"].items():
                 ext.add_kernel(_prepared(key, entry))
             for key, entry in MANIFEST.get("gated", {}).items():
+                if not (HERE / entry["cubin"]).is_file():  # a copied export without it: PyTorch's ops serve
+                    continue
                 epi, dtype = key.split(":")
                 ext.add_gated({"key": key, "arch": entry["arch"], "cubin": (HERE / entry["cubin"]).read_bytes(),
                                "bf16": dtype == "bf16", "epilogue": EPILOGUE_CODES[epi]})
@@ -177,7 +179,7 @@ def _gated(y: torch.Tensor, epi: str) -> torch.Tensor | None:
     """act(gate) * up of an unfused gated GEMM's output y by the export's gated kernel (hgemm_gated.cu, y read once)
     through CuPy, or None where the export has none for y's dtype and this GPU."""
     entry = MANIFEST.get("gated", {}).get(f"{epi}:{'bf16' if y.dtype == torch.bfloat16 else 'f16'}")
-    if entry is None or not _usable(y) or y.dim() < 1 or y.shape[-1] % 16:
+    if entry is None or not _usable(y) or y.dim() < 1 or y.shape[-1] % 16 or not (HERE / entry["cubin"]).is_file():
         return None
     major, minor = torch.cuda.get_device_capability(y.device)
     if entry["arch"] != ("sm_90a" if major == 9 else f"sm_{major}{minor}"):
