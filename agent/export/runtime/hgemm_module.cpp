@@ -16,6 +16,18 @@ void fill(std::array<T, N>& out, const std::vector<int64_t>& values, const char*
   for (size_t i = 0; i < values.size(); ++i) out[i] = static_cast<T>(values[i]);
 }
 
+// A kernel record with what every registration names: key, arch, cubin (bytes), epilogue (hgemm::Epilogue's number).
+std::shared_ptr<hgemm::Kernel> kernel_record(const py::dict& entry, const char* verb) {
+  auto kern = std::make_shared<hgemm::Kernel>();
+  kern->key = entry["key"].cast<std::string>();
+  kern->arch = entry["arch"].cast<std::string>();
+  kern->cubin = entry["cubin"].cast<py::bytes>();
+  kern->epilogue = entry["epilogue"].cast<int>();
+  TORCH_CHECK_VALUE(kern->epilogue >= 0 && kern->epilogue < hgemm::kEpilogues, verb, ": unknown epilogue ",
+                    kern->epilogue);
+  return kern;
+}
+
 // add_kernel(entry: dict): key, n, k, nk, bf16, bias, epilogue (hgemm::Epilogue's number), serves (the [lo, hi] M intervals it serves), arch, cubin
 // (bytes), segments (dicts: m, grid, boxes (one per tensor map)), block, smem_bytes, workspace_bytes, counters,
 // tensor_maps (dicts: operand 0-2, dims, m_dims (the dims that are the call's M), strides (bytes, all but the
@@ -24,14 +36,8 @@ PyObject* py_add_kernel(PyObject*, PyObject* arg) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(PyDict_Check(arg), "add_kernel takes a dict");
   const auto entry = py::reinterpret_borrow<py::dict>(arg);
-  auto kern = std::make_shared<hgemm::Kernel>();
-  kern->key = entry["key"].cast<std::string>();
-  kern->arch = entry["arch"].cast<std::string>();
-  kern->cubin = entry["cubin"].cast<py::bytes>();
+  auto kern = kernel_record(entry, "add_kernel");
   kern->n = entry["n"].cast<int64_t>(), kern->k = entry["k"].cast<int64_t>();
-  kern->epilogue = entry["epilogue"].cast<int>();
-  TORCH_CHECK_VALUE(kern->epilogue >= 0 && kern->epilogue < hgemm::kEpilogues, "add_kernel: unknown epilogue ",
-                    kern->epilogue);
   const auto block = entry["block"].cast<std::vector<int64_t>>();
   TORCH_CHECK_VALUE(block.size() == 3, "add_kernel: grid and block take 3 values");
   fill(kern->block, block, "block");
@@ -100,11 +106,8 @@ PyObject* py_add_gated(PyObject*, PyObject* arg) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(PyDict_Check(arg), "add_gated takes a dict");
   const auto entry = py::reinterpret_borrow<py::dict>(arg);
-  auto kern = std::make_shared<hgemm::Kernel>();
-  kern->key = entry["key"].cast<std::string>();
-  kern->arch = entry["arch"].cast<std::string>();
-  kern->cubin = entry["cubin"].cast<py::bytes>();
-  const int epilogue = kern->epilogue = entry["epilogue"].cast<int>();
+  auto kern = kernel_record(entry, "add_gated");
+  const int epilogue = kern->epilogue;
   kern->block = {256, 1, 1};
   hgemm::add_gated(entry["bf16"].cast<bool>(), epilogue, std::move(kern));
   Py_RETURN_NONE;
