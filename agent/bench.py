@@ -57,16 +57,10 @@ def best_across(stores: list[RunStore], problem: Problem) -> tuple[RunStore, str
     found = []
     for s in stores:
         if problem.key in {p.key for p in s.problems()} and (
-                win := _served_at(s, problem) if problem.m_range else s.winner(problem)):
+                win := buckets.serving(s, problem, problem.m) if problem.m_range else s.winner(problem)):
             found.append((s, win.candidate.id, win.speedup))
     top = max(found, key=lambda x: x[2], default=None)
     return top if top and top[2] > 1.0 else None
-
-
-def _served_at(store: RunStore, b: Problem) -> buckets.Served | None:
-    """A bucket's served kernel where it serves the bucket's representative M."""
-    served = buckets.served(store, b)
-    return served if served and served.serves(b.m) else None
 
 
 def row_from(problem: Problem, kernel: str, r: EvalResult, note: str = "", device: DeviceFacts = H200) -> BenchRow:
@@ -88,8 +82,8 @@ def dispatched(stores: list[RunStore], problem: Problem) -> tuple[RunStore, str,
     an export of that run dispatches there ("cublas" where the bucket goes to cuBLAS)."""
     for s in stores:
         if problem.key not in {p.key for p in s.problems()} and (b := buckets.covering(s, problem)):
-            served = buckets.served(s, b)
-            return s, served.candidate.id if served and served.serves(problem.m) else "cublas", b
+            served = buckets.serving(s, b, problem.m)
+            return s, served.candidate.id if served else "cublas", b
     return None
 
 

@@ -191,6 +191,12 @@ def served(store, b: Problem) -> Served | None:
     return Served(c, r, store.median_speedup(c.id), timed[c.id], tuple(pieces))
 
 
+def serving(store, b: Problem, m: int) -> Served | None:
+    """The bucket's served kernel where it serves M (else None: cuBLAS runs that M)."""
+    s = served(store, b)
+    return s if s is not None and s.serves(m) else None
+
+
 def covering(store, p: Problem) -> Problem | None:
     """The run's bucket whose range holds p's M (p of one M, the same series), or None."""
     s = series(p)

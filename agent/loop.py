@@ -254,7 +254,7 @@ class SearchLoop:
         walls = [r.wall_s for _, _, r in s.state.tried if r.status is Status.OK and r.wall_s > 0]
         probes = len(buckets.probe_ms(s.problem)) if s.problem.m_range is not None and self.executor.measures else 0
         return follow_up_reserve(walls, self.executor.slots, self.remeasure_top, probes,
-                                 self.profiles.reserve_s(s.problem) if walls else 0.0)
+                                 self.profiles.reserve_s(s.problem) if walls else 0.0)  # no store query before
 
     def _searched(self, s: _Shape, cand: Candidate, build: BuildResult | None, result: EvalResult) -> None:
         s.state.pending.discard(cand.id)

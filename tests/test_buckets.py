@@ -124,6 +124,7 @@ def test_where_no_leader_serves_all_of_a_bucket_the_one_serving_most_serves_its_
     served = buckets.served(store, b)  # first serves 169-192 (24 rows), second 161-177 (17)
     assert served.candidate == first and served.pieces == ((169, 192),)
     assert served.serves(169) and served.serves(192) and not served.serves(168)
+    assert buckets.serving(store, b, 169) == served and buckets.serving(store, b, 168) is None
     assert served.note(b).endswith("; serves M 169-192, cuBLAS the rest")
 
 

@@ -88,3 +88,21 @@ def test_an_unserved_gated_call_is_the_models_composition_bit_for_bit_on_the_gpu
                 assert got.shape == (rows, n // 2) and torch.equal(got, want), (dtype, epi, rows, n, k)
             names = kernels_run(lambda x=x, w=w, epi=epi: ops.fused_linear(x, w, None, epi))
             assert "hgemm" in names, names  # the export's gated kernel ran, not PyTorch's two ops
+
+
+def test_a_gated_kernel_that_does_not_build_is_left_out_with_its_reason(tmp_path, monkeypatch):
+    from agent.export import writer
+    from core.records import BuildResult
+
+    def build(source, arch, options):  # the SiLU kernels build, the GELU ones do not
+        if "-DHGEMM_GELU=1" in options:
+            return BuildResult("", False, arch, source, error="NVRTC refused it")
+        return BuildResult("", True, arch, source, cubin=b"\x7fELF " + " ".join(options).encode())
+
+    monkeypatch.setattr(writer, "compile_cuda", build)
+    notes = {}
+    entries = writer.gated_fallbacks(tmp_path, "sm_90a", notes)
+    assert set(entries) == {"silu_mul:f16", "silu_mul:bf16"}
+    assert all((tmp_path / e["cubin"]).is_file() for e in entries.values())
+    assert notes == {f"gated gelu_mul:{d}": "the gated fallback's kernel did not build: NVRTC refused it"
+                     for d in ("f16", "bf16")}

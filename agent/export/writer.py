@@ -44,7 +44,8 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
     device = DeviceFacts.from_dict(store.get_meta("device"))
     arch = store.get_meta("arch", "sm_90a")
     manifest: dict = {"run": store.run_id, "device": device.name, "arch": arch, "kernels": {}, "cublas": [],
-                      "notes": {}, "gated": gated_fallbacks(out, arch)}
+                      "notes": {}}
+    manifest["gated"] = gated_fallbacks(out, arch, manifest["notes"])
     lines, claims = [], {}
     for p in store.problems():
         pick, why = _pick(store, p)
@@ -81,10 +82,10 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
     return lines
 
 
-def gated_fallbacks(out: Path, arch: str) -> dict[str, dict]:
+def gated_fallbacks(out: Path, arch: str, notes: dict | None = None) -> dict[str, dict]:
     """The gated fallback's cubins for `arch`, one per gated epilogue and dtype, written into `out`: the manifest's
-    "gated" entries ('silu_mul:f16' -> cubin and arch). One that NVRTC cannot build here is left out (the export then
-    composes PyTorch's ops on views of the halves, as it did before)."""
+    "gated" entries ('silu_mul:f16' -> cubin and arch). One that NVRTC cannot build here is left out, and why goes
+    into `notes` (that call then composes PyTorch's ops on views of the halves)."""
     source = (RUNTIME / "hgemm_gated.cu").read_text()
     entries = {}
     for epi, act in GATED.items():
@@ -95,6 +96,8 @@ def gated_fallbacks(out: Path, arch: str) -> dict[str, dict]:
                 name = f"hgemm_gated_{epi}_{dtype}.cubin"
                 (out / name).write_bytes(build.cubin)
                 entries[f"{epi}:{dtype}"] = {"cubin": name, "arch": arch}
+            elif notes is not None:
+                notes[f"gated {epi}:{dtype}"] = f"the gated fallback's kernel did not build: {build.error}"
     return entries
 
 

@@ -157,15 +157,19 @@ def _prepared(key: str, entry: dict) -> dict:
 _loaded: dict[str, object] = {}
 
 
+def _arch(device=None) -> str:
+    """The arch an exported cubin must have been built for to run on this GPU."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return "sm_90a" if major == 9 else f"sm_{major}{minor}"
+
+
 def _kernel(entry: dict):
     import cupy
 
     key = entry["file"]
     if key not in _loaded:
-        major, minor = torch.cuda.get_device_capability()
-        arch = "sm_90a" if major == 9 else f"sm_{major}{minor}"
         cubin = HERE / entry["cubin"]
-        if entry["arch"] == arch and cubin.is_file():
+        if entry["arch"] == _arch() and cubin.is_file():
             module = cupy.RawModule(path=str(cubin))
         else:  # another GPU: compile the source for it
             module = cupy.RawModule(code=(HERE / entry["file"]).read_text(), options=("-std=c++17",), backend="nvrtc")
@@ -179,10 +183,8 @@ def _gated(y: torch.Tensor, epi: str) -> torch.Tensor | None:
     """act(gate) * up of an unfused gated GEMM's output y by the export's gated kernel (hgemm_gated.cu, y read once)
     through CuPy, or None where the export has none for y's dtype and this GPU."""
     entry = MANIFEST.get("gated", {}).get(f"{epi}:{'bf16' if y.dtype == torch.bfloat16 else 'f16'}")
-    if entry is None or not _usable(y) or y.dim() < 1 or y.shape[-1] % 16 or not (HERE / entry["cubin"]).is_file():
-        return None
-    major, minor = torch.cuda.get_device_capability(y.device)
-    if entry["arch"] != ("sm_90a" if major == 9 else f"sm_{major}{minor}"):
+    if (entry is None or not _usable(y) or y.dim() < 1 or y.shape[-1] % 16 or not (HERE / entry["cubin"]).is_file()
+            or entry["arch"] != _arch(y.device)):
         return None
     import cupy
     import numpy
@@ -219,7 +221,7 @@ def fallback(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout
     if epi == "none":
         return y
     fused = epilogue.Epilogue(epi)
-    out = _gated(y, epi) if fused.gated and not torch.compiler.is_compiling() else None
+    out = _gated(y, epi) if fused.gated else None  # None under torch.compile's tracing too (_usable)
     return out if out is not None else epilogue.compose(y, fused, residual)
 
 
