@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call: a search over a shape suite, then `bench` on it (logs, the run store and the tuning database land
 # in $OUT). Each family's first PREBUILD settings a shape (default 8; 0: none) are compiled before the run.
+# The run is a default one (profiles off unless RUN_ARGS has --profile); after bench, tools/honest_gap.py on the run.
 # Usage on the GPU machine: [LAYOUT=nk] [PREBUILD=8] [RUN_ARGS=--no-db] bash tools/gpu_devsuite.sh SHAPES_FILE
-#   BUDGET_MINUTES MAX_CANDIDATES      (RUN_ARGS: more options of `agent run`; --no-db: the run without the learner)
+#   BUDGET_MINUTES MAX_CANDIDATES      (RUN_ARGS: more options of `agent run`; --no-db: the run without the learner,
+#   --profile: Nsight Compute on each shape's leaders)
 . tools/gpu_env.sh
 export HGEMM_AGENT_CACHE=$PWD/.cache/cubins
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -13,10 +15,10 @@ if [ "${PREBUILD:-8}" != 0 ]; then  # PREBUILD=0: nothing compiled before the ru
     --cache "$HGEMM_AGENT_CACHE" > "$OUT/devsuite_${L}_prebuild.log" 2>&1
   echo "prebuild rc=$? $(( $(date +%s) - T0 )) s: $(tail -1 "$OUT/devsuite_${L}_prebuild.log")"
 fi
-timeout $(( ${2%.*} * 60 + 150 )) python3 -m agent run --shapes "$1" --budget-minutes "$2" --max-candidates "$3" --no-profile \
+timeout $(( ${2%.*} * 60 + 150 )) python3 -m agent run --shapes "$1" --budget-minutes "$2" --max-candidates "$3" \
   --b-layout "$L" ${RUN_ARGS:-} > "$OUT/devsuite_${L}_run.log" 2>&1
 echo "run rc=$? $(( $(date +%s) - T0 )) s"; R=$(ls -t runs | grep -v gitkeep | head -1)
-timeout 200 python3 -m agent bench "$R" > "$OUT/devsuite_${L}_bench.log" 2>&1; echo "bench rc=$? $(( $(date +%s) - T0 )) s"
+timeout ${BENCH_TIMEOUT:-200} python3 -m agent bench "$R" > "$OUT/devsuite_${L}_bench.log" 2>&1; echo "bench rc=$? $(( $(date +%s) - T0 )) s"
 cp "runs/$R/run.sqlite" "$OUT/devsuite_${L}.sqlite"; cp "runs/$R/bench/bench.json" "$OUT/devsuite_${L}_bench.json"
 case " ${RUN_ARGS:-} " in *" --no-db "*)  # the run kept no tuning rows: import its results for the analyses
   python3 -m agent db --db "$OUT/tuning.sqlite" --import "$R" > /dev/null ;; esac
@@ -47,8 +49,14 @@ print(f"GPU busy {busy:.0f} s of {t1 - t0:.0f} s ({busy / (t1 - t0):.0%}); evalu
       f"{sorted(wall.values())[len(wall) // 2]:.2f} s, each shape's first {sum(firsts) / max(1, len(firsts)):.2f} s "
       f"on average; builds {cached[0]} of {cached[1]} from the cache, the rest {cached[2] or 0:.0f} s of NVRTC; "
       f"candidates by family {fam}")
+per = [n for (_, n) in db.execute("SELECT p.key, COUNT(c.id) FROM problems p LEFT JOIN candidates c "
+                                  "ON c.problem_key = p.key GROUP BY p.key")]
+print(f"shapes searched {sum(n > 0 for n in per)} of {len(per)}; candidates a shape min {min(per)}, median "
+      f"{sorted(per)[len(per) // 2]}, {sum(n < 12 for n in per)} shapes under 12; "
+      f"{db.execute('SELECT COUNT(*) FROM profiles').fetchone()[0]} profiles")
 cut = [m for (m,) in db.execute("SELECT message FROM events WHERE kind = 'budget' ORDER BY ts")]
 if cut:  # shapes that stopped proposing short of the candidates, on time
     print(f"{len(cut)} shapes cut short by their time share: " + "; ".join(cut[:6]) + ("; ..." if len(cut) > 6 else ""))
 PY
+python3 tools/honest_gap.py "runs/$R" --markdown > "$OUT/devsuite_${L}_gap.md"; head -12 "$OUT/devsuite_${L}_gap.md"
 tail -42 "$OUT/devsuite_${L}_bench.log"
