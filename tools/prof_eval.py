@@ -1,7 +1,9 @@
 """Where a candidate's evaluation spends its time: cProfile over the GPU worker's evaluate (in this process), for the
 family's first setting on each shape, after one evaluation to warm up.
 
-    python3 tools/prof_eval.py [--shapes 64_64_64,1024_1024_1024,4096_4096_4096] [--repeat 4] [--top 28]
+    python3 tools/prof_eval.py [--shapes 64_64_64,1024_1024_1024,4096_4096_4096] [--repeat 4] [--top 28] [--honest]
+
+(--honest: the evaluation a re-measurement runs, every operand refilled before each launch.)
 
 Prints per shape the wall seconds of each evaluation and the functions with the most cumulative time.
 """
@@ -31,12 +33,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--family", default="sm90_wgmma")
     ap.add_argument("--repeat", type=int, default=4)
     ap.add_argument("--top", type=int, default=28)
+    ap.add_argument("--honest", action="store_true", help="profile the honest re-measurement's evaluation")
     args = ap.parse_args(argv)
     ctx = GpuContext(0)
     family = get_family(args.family)
     for problem in parse_shape_list(args.shapes):
         params = family.space(problem, ctx.facts)[0]
-        job = EvalJob("profiled", problem, family.name, params, compile_cuda(family.render(params, problem)).cubin)
+        job = EvalJob("profiled", problem, family.name, params, compile_cuda(family.render(params, problem)).cubin,
+                      honest=args.honest)
         ctx.evaluate(job, lambda s: None)
         prof, walls = cProfile.Profile(), []
         for _ in range(args.repeat):

@@ -360,13 +360,17 @@ def test_reuse_under_the_line_is_accepted_and_ranked_on_honest_time(pool, gpu_ca
 
 @pytest.mark.gpu
 @pytest.mark.gpu_alone
-@pytest.mark.xfail(strict=True, reason="on the H200 (docs/notebook.md, 2026-12-03 session 19) honest / warm came "
-                   "out 0.94 for the memo fixture and 0.98 for the plain naive kernel: the honest figure of these "
-                   "~0.1 ms kernels runs faster than the warm one, unexplained")
+@pytest.mark.xfail(strict=True, reason="on the H200 (docs/notebook.md, session 22) the memo's own costs outweigh "
+                   "what it skips: its warm time 1.29x and its honest time 1.59x the plain kernel's, so the fixture "
+                   "does not yet reuse 8% of its time")
 def test_the_reuse_shows_as_the_gap_between_the_first_screen_and_the_honest_figure(pool, gpu_cache):
-    gaps = {}
+    """Against the same kernel without the memo: about 8% faster warm, the same honestly. (Each kernel's own honest /
+    warm ratio moves with the shape's L2 and neighbour effects, up to 15% for short kernels, and so does cuBLAS's:
+    the reuse shows against a kernel that does the same work without it.)"""
+    results = {}
     for cand in (reuse_candidate(), Candidate(Problem(*SHAPE, "kn"), "naive", dict(PARAMS))):
-        result = evaluate_honestly(pool, gpu_cache, cand)
-        gaps[cand.rationale or "naive"] = result.honest.median_us / result.warm.median_us
-    assert gaps["partial_memo"] > 1.04, gaps  # about 8% of the work reused in the warm graphs
-    assert abs(gaps["naive"] - 1) < 0.03, gaps  # no reuse: first screen and honest figure agree
+        results[cand.rationale or "naive"] = evaluate_honestly(pool, gpu_cache, cand)
+    memo, plain = results["partial_memo"], results["naive"]
+    warm, honest = memo.warm.median_us / plain.warm.median_us, memo.honest.median_us / plain.honest.median_us
+    assert warm < 0.96, (warm, honest)  # the memo pays in the warm graphs
+    assert abs(honest - 1) < 0.03, (warm, honest)  # and buys nothing where every launch has new operands
