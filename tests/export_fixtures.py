@@ -41,3 +41,27 @@ def export_folder(folder: Path, kernels: dict[str, dict], cublas: tuple[str, ...
     kernels = {k: {"file": "fake.cu", "cubin": "fake.cubin", "arch": "sm_90a", **e} for k, e in kernels.items()}
     (folder / "manifest.json").write_text(json.dumps({"run": "test", "kernels": kernels, "cublas": list(cublas)}))
     return folder
+
+
+def with_helper_kernels(folder: Path, section: str, arch: str = "sm_90a") -> Path:
+    """The export in `folder` with its helper kernels of one manifest section ("gated": the gated fallback's, "norm":
+    the RMSNorm's) built for `arch` and listed in its manifest."""
+    from agent.export.writer import gated_fallbacks, norm_kernels
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest[section] = {"gated": gated_fallbacks, "norm": norm_kernels}[section](folder, arch)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def helper_ops_on_this_gpu(folder: Path, section: str, compiled: bool, monkeypatch):
+    """A small export in `folder` with one section of helper kernels built for this GPU's arch, loaded through the
+    compiled op (compiled=True) or the Python launch path."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    monkeypatch.setenv("HGEMM_OPS_COMPILED", "1" if compiled else "0")
+    ops = load_ops(with_helper_kernels(small_export(folder, ["16_24_8:nk:f16"]), section,
+                                       "sm_90a" if major == 9 else f"sm_{major}{minor}"))
+    assert ops.path() == ("compiled" if compiled else "python")
+    return ops

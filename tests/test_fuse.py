@@ -15,6 +15,39 @@ from agent.recorder import record_gemm_shapes
 from core.epilogue import Epilogue, compose
 
 
+class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm, as it is written there."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's: times (1 + weight), in fp32. Not Llama's."""
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class WeightlessNorm(RMSNorm):
+    """Llama's formula without its weight: the same as Llama's only where the weight is all ones."""
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+
+
 class Attention(nn.Module):
     """q/k/v/o projections around causal attention with grouped KV heads, as Llama's (no rotary)."""
 
@@ -47,10 +80,10 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, hidden: int, inter: int, act: nn.Module, bias: bool):
+    def __init__(self, hidden: int, inter: int, act: nn.Module, bias: bool, norm=RMSNorm):
         super().__init__()
         self.self_attn, self.mlp = Attention(hidden, 4, 2, bias), MLP(hidden, inter, act)
-        self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.input_layernorm, self.post_attention_layernorm = norm(hidden), norm(hidden)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
         residual = hidden_states
@@ -67,10 +100,11 @@ class TupleLayer(Layer):
 
 
 class Model(nn.Module):
-    def __init__(self, layers: int = 2, act: nn.Module | None = None, bias: bool = False, layer=Layer):
+    def __init__(self, layers: int = 2, act: nn.Module | None = None, bias: bool = False, layer=Layer, norm=RMSNorm):
         super().__init__()
         self.embed = nn.Embedding(50, 64)
-        self.layers = nn.ModuleList(layer(64, 96, act or nn.SiLU(), bias) for _ in range(layers))
+        self.layers = nn.ModuleList(layer(64, 96, act or nn.SiLU(), bias, norm) for _ in range(layers))
+        self.norm = norm(64)
         self.lm_head = nn.Linear(64, 50, bias=False)
 
     def forward(self, ids):
@@ -78,7 +112,7 @@ class Model(nn.Module):
         for layer in self.layers:
             out = layer(h, attention_mask=None)
             h = out[0] if isinstance(out, tuple) else out
-        return self.lm_head(h)
+        return self.lm_head(self.norm(h))
 
 
 class TorchOps:
@@ -95,6 +129,11 @@ class TorchOps:
     def fused_linear(cls, x, w, bias, epilogue, residual):
         cls.calls.append((epilogue, tuple(w.shape)))
         return compose(F.linear(x, w, bias), Epilogue(epilogue), residual)
+
+    @classmethod
+    def rms_norm(cls, x, w, eps):
+        cls.calls.append(("rms_norm", tuple(w.shape)))
+        return hgemm_fuse.llama_rms_norm(x, w, eps)
 
 
 def model_and_ids(**kw):
@@ -118,20 +157,24 @@ def test_each_fusion_is_recognised_and_the_logits_match(bias, act, epilogue):
         ref = model(ids)
     params = dict(model.named_parameters())
     before, size = {n: p.detach().clone() for n, p in params.items()}, storage_bytes(model)
-    assert hgemm_fuse.fuse(model, TorchOps) == {"qkv": 2, "gate_up": 2, "o_residual": 2, "down_residual": 2}
+    assert hgemm_fuse.fuse(model, TorchOps) == {"qkv": 2, "gate_up": 2, "o_residual": 2, "down_residual": 2,
+                                                "rms_norm": 5}  # two a layer, and the final norm
     assert storage_bytes(model) == size  # merged buffers replace the parameters' storage: nothing held twice
     assert hgemm_fuse.fuse(model, TorchOps) == dict.fromkeys(hgemm_fuse.KINDS, 0)  # fused once
     TorchOps.calls = []
     with torch.no_grad():
         out = model(ids)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
-    # per layer: q/k/v in one GEMM of N = 64 + 32 + 32, o_proj + residual, gate/up gated (N = 2 x 96), down + residual
-    assert TorchOps.calls[:4] == [("none", (128, 64)), ("residual", (64, 64)), (epilogue, (192, 64)),
-                                  ("residual", (64, 96))]
+    # per layer: the norm, q/k/v in one GEMM of N = 64 + 32 + 32, o_proj + residual, the norm, gate/up gated
+    # (N = 2 x 96), down + residual; the final norm
+    layer = [("rms_norm", (64,)), ("none", (128, 64)), ("residual", (64, 64)), ("rms_norm", (64,)),
+             (epilogue, (192, 64)), ("residual", (64, 96))]
+    assert TorchOps.calls == layer + layer + [("rms_norm", (64,))]
     described = hgemm_fuse.describe(model)
-    assert described[0].startswith("layers.0: q/k/v as one GEMM, gate/up as one gated GEMM")
-    assert epilogue in described[0]
-    assert hgemm_fuse.unfuse(model) == 2 and hgemm_fuse.describe(model) == []
+    assert described[0].startswith("layers.0: q/k/v as one GEMM, gate/up as one gated GEMM, o_proj + residual, "
+                                   "down_proj + residual, 2 RMSNorms in one kernel each")
+    assert epilogue in described[0] and described[-1] == "norm: RMSNorm in one kernel"
+    assert hgemm_fuse.unfuse(model) == 3 and hgemm_fuse.describe(model) == []
     for n, p in model.named_parameters():  # the same parameter objects, bit for bit, each its own storage again
         assert p is params[n] and torch.equal(p, before[n]), n
     assert storage_bytes(model) == size
@@ -140,10 +183,12 @@ def test_each_fusion_is_recognised_and_the_logits_match(bias, act, epilogue):
 
 
 def test_what_is_not_recognised_stays_as_it_is():
-    model, ids = model_and_ids(act=nn.ReLU(), layer=TupleLayer)  # an activation with no gated epilogue, a tuple
+    # an activation with no gated epilogue, a layer that returns a tuple, Gemma's norm
+    model, ids = model_and_ids(act=nn.ReLU(), layer=TupleLayer, norm=GemmaRMSNorm)
     with torch.no_grad():
         ref = model(ids)
-    assert hgemm_fuse.fuse(model, TorchOps) == {"qkv": 2, "gate_up": 0, "o_residual": 0, "down_residual": 0}
+    assert hgemm_fuse.fuse(model, TorchOps) == {"qkv": 2, "gate_up": 0, "o_residual": 0, "down_residual": 0,
+                                                "rms_norm": 0}
     with torch.no_grad():
         assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
     hgemm_fuse.unfuse(model)
@@ -171,3 +216,17 @@ def test_the_recorder_names_the_fused_problems(tmp_path):
     assert lines == ["18_128_64:nk:f16:bias", "18_64_64:nk:f16:residual", "18_192_64:nk:f16:silu_mul",
                      "18_64_96:nk:f16:residual"]  # lm_head's N = 50 is no kernel shape
     assert hgemm_fuse.describe(model) == []  # put back
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_only_llamas_rms_norm_is_recognised_and_it_is_bit_identical(dtype):
+    torch.manual_seed(1)
+    norm = RMSNorm(40, eps=1e-5).to(dtype)
+    assert hgemm_fuse.rms_norm_eps(norm) == 1e-5
+    x = torch.randn(2, 3, 40, dtype=dtype) * 4
+    assert torch.equal(hgemm_fuse.llama_rms_norm(x, norm.weight, 1e-5), norm(x))
+    for other in (GemmaRMSNorm(40), WeightlessNorm(40), nn.LayerNorm(40), nn.Linear(40, 40)):
+        assert hgemm_fuse.rms_norm_eps(other.to(dtype)) is None, type(other).__name__
+    ones = WeightlessNorm(40)
+    nn.init.ones_(ones.weight)  # here the two formulas agree: either computes what the module computes
+    assert hgemm_fuse.rms_norm_eps(ones) == 1e-6

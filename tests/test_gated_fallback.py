@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from agent.export import export_run
 from agent.export.writer import gated_fallbacks
 from core.epilogue import Epilogue, compose
-from tests.export_fixtures import load_ops, small_export
+from tests.export_fixtures import helper_ops_on_this_gpu, load_ops, small_export, with_helper_kernels
 from tests.helpers import populated_run
 
 KEYS = ("silu_mul:f16", "silu_mul:bf16", "gelu_mul:f16", "gelu_mul:bf16")
@@ -36,26 +36,19 @@ def test_an_export_ships_them_in_its_manifest(tmp_path):
     assert (tmp_path / "out" / "hgemm_gated.cu").is_file()  # its source beside them
 
 
-def with_gated(folder, arch: str = "sm_90a"):
-    manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["gated"] = gated_fallbacks(folder, arch)
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-    return folder
-
-
-def test_the_compiled_op_registers_them_and_refuses_an_epilogue_that_is_not_gated(tmp_path, op_build_dir):
-    ops = load_ops(with_gated(small_export(tmp_path / "out", ["16_24_8:nk:f16"])))
+def test_the_compiled_op_registers_them_and_refuses_a_key_that_is_no_helper_kernels(tmp_path, op_build_dir):
+    ops = load_ops(with_helper_kernels(small_export(tmp_path / "out", ["16_24_8:nk:f16"]), "gated"))
     ext = ops.compiled()
     assert ext is not None, "the C++ extension did not build (see the warning)"
-    entry = {"key": "relu:f16", "arch": "sm_90a", "cubin": b"\x7fELF", "bf16": False, "epilogue": 1}
-    with pytest.raises(ValueError, match="not a gated epilogue"):
-        ext.add_gated(entry)
+    entry = {"key": "relu:f16", "arch": "sm_90a", "cubin": b"\x7fELF"}
+    with pytest.raises(ValueError, match="not a helper kernel's key: relu:f16"):
+        ext.add_helper(entry)
     x, w = torch.randn(5, 8).half(), torch.randn(32, 8).half()  # CPU tensors: PyTorch's composition
     assert torch.equal(ops.fused_linear(x, w, None, "silu_mul"), compose(F.linear(x, w), Epilogue("silu_mul")))
 
 
 def test_an_export_missing_a_gated_cubin_still_loads_its_compiled_op(tmp_path, op_build_dir):
-    folder = with_gated(small_export(tmp_path / "out", ["16_24_8:nk:f16"]))
+    folder = with_helper_kernels(small_export(tmp_path / "out", ["16_24_8:nk:f16"]), "gated")
     (folder / "hgemm_gated_silu_mul_f16.cubin").unlink()
     ops = load_ops(folder)
     assert ops.compiled() is not None and ops.path() == "compiled"
@@ -72,11 +65,7 @@ def kernels_run(fn) -> list[str]:
 @pytest.mark.parametrize("compiled", [True, False])
 def test_an_unserved_gated_call_is_the_models_composition_bit_for_bit_on_the_gpu(tmp_path, op_build_dir,
                                                                                  monkeypatch, compiled):
-    major, minor = torch.cuda.get_device_capability()
-    arch = "sm_90a" if major == 9 else f"sm_{major}{minor}"
-    monkeypatch.setenv("HGEMM_OPS_COMPILED", "1" if compiled else "0")
-    ops = load_ops(with_gated(small_export(tmp_path / "out", ["16_24_8:nk:f16"]), arch))
-    assert ops.path() == ("compiled" if compiled else "python")
+    ops = helper_ops_on_this_gpu(tmp_path / "out", "gated", compiled, monkeypatch)
     torch.manual_seed(0)
     for dtype in (torch.float16, torch.bfloat16):
         for epi in ("silu_mul", "gelu_mul"):

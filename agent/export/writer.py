@@ -3,8 +3,9 @@ configuration in its header, `manifest.json` (kernels keyed by problem key, with
 every M they serve and the M intervals they serve, geometry.py), and
 the runtime files (runtime/: the Python module `hgemm_ops.py`, the compiled op's C++ source and build helper, the
 self-check; sandbox/driver.py as `hgemm_driver.py`) that run them on torch tensors and call cuBLAS where no kernel
-beat it; and the gated fallback's kernel (runtime/hgemm_gated.cu) compiled per dtype and gated epilogue for the run's
-arch, which an unserved gated call runs after cuBLAS's GEMM (`gated_fallbacks`)."""
+beat it; the gated fallback's kernel (runtime/hgemm_gated.cu) compiled per dtype and gated epilogue for the run's
+arch, which an unserved gated call runs after cuBLAS's GEMM (`gated_fallbacks`), and the RMSNorm kernel
+(runtime/hgemm_norm.cu) per dtype, which a patched model's Llama-style RMSNorm runs (`norm_kernels`)."""
 
 from __future__ import annotations
 
@@ -39,13 +40,14 @@ class ExportLine:
 def export_run(store: RunStore, out: Path) -> list[ExportLine]:
     """Per problem of the run, its winner (where it beat cuBLAS; for a bucket of M, the leader that was at least as
     fast as cuBLAS at its probe M, over the stretches where it was) with its family's launch rule for the run's GPU
-    at every M it serves; and the gated fallback's kernels."""
+    at every M it serves; the gated fallback's kernels and the RMSNorm kernel."""
     out.mkdir(parents=True, exist_ok=True)
     device = DeviceFacts.from_dict(store.get_meta("device"))
     arch = store.get_meta("arch", "sm_90a")
     manifest: dict = {"run": store.run_id, "device": device.name, "arch": arch, "kernels": {}, "cublas": [],
                       "notes": {}}
     manifest["gated"] = gated_fallbacks(out, arch, manifest["notes"])
+    manifest["norm"] = norm_kernels(out, arch, manifest["notes"])
     lines, claims = [], {}
     for p in store.problems():
         pick, why = _pick(store, p)
@@ -82,29 +84,46 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
     return lines
 
 
-def gated_fallbacks(out: Path, arch: str, notes: dict | None = None) -> dict[str, dict]:
-    """The gated fallback's cubins for `arch`, one per gated epilogue and dtype, written into `out`: the manifest's
-    "gated" entries ('silu_mul:f16' -> cubin and arch). One that NVRTC cannot build here is left out, and why goes
-    into `notes` (that call then composes PyTorch's ops on views of the halves)."""
-    source = (RUNTIME / "hgemm_gated.cu").read_text()
-    entries = {}
-    for epi, act in GATED.items():
-        for dtype in ("f16", "bf16"):
-            options = (*BASE_OPTIONS, f"-DHGEMM_BF16={int(dtype == 'bf16')}", f"-DHGEMM_GELU={int(act != 'silu')}")
-            build = compile_cuda(source, arch, options=options)
-            if build.ok:
-                name = f"hgemm_gated_{epi}_{dtype}.cubin"
-                (out / name).write_bytes(build.cubin)
-                entries[f"{epi}:{dtype}"] = {"cubin": name, "arch": arch}
-            elif notes is not None:
-                notes[f"gated {epi}:{dtype}"] = f"the gated fallback's kernel did not build: {build.error}"
+def _runtime_cubins(out: Path, arch: str, notes: dict | None, source: str, variants: dict[str, tuple[str, ...]],
+                    kind: str, what: str) -> dict[str, dict]:
+    """runtime/`source`, after runtime/hgemm_dtype.cuh's text, compiled for `arch` once per variant (key -> its -D
+    options), written into `out` as hgemm_<source's stem>_<key>.cubin: the manifest entries (key -> cubin and arch).
+    One that NVRTC cannot build here is left out, and why goes into `notes` under "`kind` KEY" ("the `what` kernel
+    did not build: ...")."""
+    text = (RUNTIME / "hgemm_dtype.cuh").read_text() + (RUNTIME / source).read_text()
+    stem, entries = Path(source).stem, {}
+    for key, defines in variants.items():
+        build = compile_cuda(text, arch, options=(*BASE_OPTIONS, *defines))
+        if build.ok:
+            name = f"{stem}_{key.replace(':', '_')}.cubin"
+            (out / name).write_bytes(build.cubin)
+            entries[key] = {"cubin": name, "arch": arch}
+        elif notes is not None:
+            notes[f"{kind} {key}"] = f"the {what} kernel did not build: {build.error}"
     return entries
+
+
+def gated_fallbacks(out: Path, arch: str, notes: dict | None = None) -> dict[str, dict]:
+    """The gated fallback's cubins for `arch`, one per gated epilogue and dtype: the manifest's "gated" entries
+    ('silu_mul:f16' -> cubin and arch). One that does not build is left out (that call then composes PyTorch's ops
+    on views of the halves)."""
+    return _runtime_cubins(out, arch, notes, "hgemm_gated.cu", {
+        f"{epi}:{dtype}": (f"-DHGEMM_BF16={int(dtype == 'bf16')}", f"-DHGEMM_GELU={int(act != 'silu')}")
+        for epi, act in GATED.items() for dtype in ("f16", "bf16")}, "gated", "gated fallback's")
+
+
+def norm_kernels(out: Path, arch: str, notes: dict | None = None) -> dict[str, dict]:
+    """The RMSNorm kernel's cubins for `arch` (runtime/hgemm_norm.cu, which a patched model's Llama-style RMSNorm
+    runs), one per dtype: the manifest's "norm" entries ('rms_norm:f16' -> cubin and arch). One that does not build
+    is left out (those norms then run as the model's own ops)."""
+    return _runtime_cubins(out, arch, notes, "hgemm_norm.cu", {
+        f"rms_norm:{dtype}": (f"-DHGEMM_BF16={int(dtype == 'bf16')}",) for dtype in ("f16", "bf16")}, "norm", "RMSNorm")
 
 
 def copy_runtime(out: Path) -> None:
     """The files an export runs with, beside its manifest: runtime/ as it is, the driver and the epilogues."""
     for f in RUNTIME.iterdir():
-        if f.is_file() and f.suffix in (".py", ".cpp", ".h", ".cu"):
+        if f.is_file() and f.suffix in (".py", ".cpp", ".h", ".cu", ".cuh"):
             shutil.copyfile(f, out / f.name)
     shutil.copyfile(DRIVER, out / "hgemm_driver.py")
     shutil.copyfile(EPILOGUE, out / "hgemm_epilogue.py")

@@ -11,7 +11,10 @@ Qwen2 (q/k/v with biases) and any decoder built the same way. What `fuse(model, 
   interleaved in blocks of 8 rows (hgemm_epilogue.interleave_gate_up), the only copy: gate_proj's and up_proj's
   parameters keep their identity but give up their storage until `unfuse` writes it back, bit for bit;
 - o_residual, down_residual: where the layer's forward returns a tensor (transformers 5's decoder layers), the
-  layer runs as the same steps with the residual adds fused into o_proj and down_proj (`residual` epilogue).
+  layer runs as the same steps with the residual adds fused into o_proj and down_proj (`residual` epilogue);
+- rms_norm: every module of the model (in a decoder layer or not) that computes Llama's RMSNorm (a probe call at
+  fuse time matches `llama_rms_norm` bit for bit; Gemma's 1 + weight does not) runs as `ops.rms_norm`, one kernel
+  where the model runs eight; only where `ops` has rms_norm.
 
 `ops` computes: `ops.linear(x, w, bias)` (F.linear) and `ops.fused_linear(x, w, bias, epilogue, residual)` (and
 may carry `ops.epilogue`, core/epilogue.py as the export ships it);
@@ -28,7 +31,7 @@ import weakref
 import torch
 from torch import nn
 
-KINDS = ("qkv", "gate_up", "o_residual", "down_residual")
+KINDS = ("qkv", "gate_up", "o_residual", "down_residual", "rms_norm")
 _fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder layer -> _Layer (what fuse changed)
 _forwards: weakref.WeakSet = weakref.WeakSet()  # every module whose forward a fused layer replaced
 
@@ -49,6 +52,38 @@ def gated_epilogue(act: nn.Module) -> str | None:
     if (isinstance(act, nn.GELU) and act.approximate == "tanh") or "GELUTanh" in name or name == "PytorchGELUTanh":
         return "gelu_mul"
     return None
+
+
+def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward, op for op: x in fp32 times rsqrt(mean(x^2) + eps), rounded to x's dtype,
+    times weight."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rms_norm_eps(m: nn.Module) -> float | None:
+    """The epsilon of a module that computes Llama's RMSNorm with its one parameter `weight` (checked by a probe
+    call against llama_rms_norm: the same values bit for bit), or None."""
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    w = getattr(m, "weight", None)
+    if (not isinstance(eps, float) or not isinstance(w, nn.Parameter) or w.dim() != 1 or w.numel() == 0
+            or w.is_meta or "forward" in m.__dict__ or list(m.children()) or len(list(m.parameters())) != 1):
+        return None
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(3, w.numel(), generator=gen).to(device=w.device, dtype=w.dtype) * 3
+    try:
+        with torch.no_grad():
+            out = type(m).forward(m, x)
+    except Exception:  # a forward that takes more than one tensor, or not this one
+        return None
+    ref = llama_rms_norm(x, w.detach(), eps)
+    return eps if isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref) else None
+
+
+def _norm(layer: _Layer, m: nn.Module, eps: float, ops) -> None:
+    layer.set_forward(m, lambda x: ops.rms_norm(x, m.weight, eps))
+    layer.kinds.append("rms_norm")
 
 
 def _plain_linear(m) -> bool:
@@ -207,10 +242,11 @@ def decoder_layers(model: nn.Module):
             yield name, m
 
 
-def fuse(model: nn.Module, ops) -> dict[str, int]:
-    """Fuse every recognised decoder layer of `model` (once; a fused layer is left alone); returns how many of each
-    kind (KINDS) were fused."""
+def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
+    """Fuse every recognised decoder layer of `model` and, where `norms` and `ops` has rms_norm, every Llama-style
+    RMSNorm (once; a fused layer is left alone); returns how many of each kind (KINDS) were fused."""
     counts = dict.fromkeys(KINDS, 0)
+    norms = norms and hasattr(ops, "rms_norm")
     for name, module in list(decoder_layers(model)):
         if module in _fused:
             continue
@@ -220,8 +256,17 @@ def fuse(model: nn.Module, ops) -> dict[str, int]:
             _gate_up(layer, module.mlp, ops)
             if _returns_tensor(module):
                 _residuals(layer, module, ops)
+            for norm in (module.input_layernorm, module.post_attention_layernorm):
+                eps = rms_norm_eps(norm) if norms and not owns(norm) else None
+                if eps is not None:
+                    _norm(layer, norm, eps, ops)
         for kind in layer.kinds:
             counts[kind] += 1
+    for name, module in list(model.named_modules()) if norms else ():  # the norms outside decoder layers
+        eps = None if module in _fused or owns(module) else rms_norm_eps(module)
+        if eps is not None:
+            _norm(_fused.setdefault(module, _Layer(name)), module, eps, ops)
+            counts["rms_norm"] += 1
     return counts
 
 
@@ -251,7 +296,7 @@ def owns(module: nn.Module) -> bool:
 def describe(model: nn.Module) -> list[str]:
     """One line per fused layer: its name and what runs fused there."""
     words = {"qkv": "q/k/v as one GEMM", "gate_up": "gate/up as one gated GEMM", "o_residual": "o_proj + residual",
-             "down_residual": "down_proj + residual"}
+             "down_residual": "down_proj + residual", "rms_norm": "RMSNorm in one kernel"}
     lines = []
     for module in model.modules():
         layer = _fused.get(module)
@@ -259,5 +304,8 @@ def describe(model: nn.Module) -> list[str]:
             extra = ""
             if "gate_up" in layer.kinds:
                 extra = f" ({gated_epilogue(module.mlp.act_fn)})"
-            lines.append(f"{layer.name}: " + ", ".join(words[k] for k in layer.kinds) + extra)
+            kinds = [k for k in KINDS if k in layer.kinds]
+            norms = layer.kinds.count("rms_norm")
+            lines.append(f"{layer.name}: " + ", ".join(words[k] if k != "rms_norm" or norms == 1 else
+                                                       f"{norms} RMSNorms in one kernel each" for k in kinds) + extra)
     return lines

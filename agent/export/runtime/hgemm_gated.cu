@@ -4,32 +4,8 @@
 // Each thread takes 8-column blocks: y's 16-byte gate block 2i and up block 2i + 1, out's block i (a grid-stride
 // loop over the rows x n / 8 blocks). Rounded as a model's two ops round: the activation in fp32 (PyTorch's CUDA
 // formula) rounded to the dtype, then the product of the two rounded values in fp32, rounded.
-// Compiled by NVRTC once per dtype and activation with -DHGEMM_BF16=0|1 -DHGEMM_GELU=0|1 (agent/export/writer.py);
-// no headers needed.
-
-struct __align__(16) Block {
-    unsigned short h[8];
-};
-
-__device__ __forceinline__ float to_f32(unsigned short h) {
-#if HGEMM_BF16
-    return __uint_as_float((unsigned int)h << 16);  // a bf16 is the upper half of the fp32 of the same value
-#else
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-#endif
-}
-
-__device__ __forceinline__ unsigned short rounded(float f) {
-    unsigned short h;
-#if HGEMM_BF16
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#else
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#endif
-    return h;
-}
+// Compiled by NVRTC once per dtype and activation with -DHGEMM_BF16=0|1 -DHGEMM_GELU=0|1, hgemm_dtype.cuh's text in
+// front of it (Block, to_f32, rounded; agent/export/writer.py).
 
 __device__ __forceinline__ float act(float x) {
 #if HGEMM_GELU

@@ -2,6 +2,8 @@
 // mm / linear / fused_linear entry points that take tensors positionally and call hgemm::call directly, without the
 // dispatcher's Python argument parsing (hgemm_ops.py calls these in eager mode; torch.compile sees the registered
 // ops instead).
+#include <algorithm>
+
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "hgemm_op.h"
@@ -16,13 +18,14 @@ void fill(std::array<T, N>& out, const std::vector<int64_t>& values, const char*
   for (size_t i = 0; i < values.size(); ++i) out[i] = static_cast<T>(values[i]);
 }
 
-// A kernel record with what every registration names: key, arch, cubin (bytes), epilogue (hgemm::Epilogue's number).
+// A kernel record with what every registration names: key, arch, cubin (bytes), and where given the epilogue
+// (hgemm::Epilogue's number; none by default).
 std::shared_ptr<hgemm::Kernel> kernel_record(const py::dict& entry, const char* verb) {
   auto kern = std::make_shared<hgemm::Kernel>();
   kern->key = entry["key"].cast<std::string>();
   kern->arch = entry["arch"].cast<std::string>();
   kern->cubin = entry["cubin"].cast<py::bytes>();
-  kern->epilogue = entry["epilogue"].cast<int>();
+  kern->epilogue = entry.contains("epilogue") ? entry["epilogue"].cast<int>() : hgemm::kNone;
   TORCH_CHECK_VALUE(kern->epilogue >= 0 && kern->epilogue < hgemm::kEpilogues, verb, ": unknown epilogue ",
                     kern->epilogue);
   return kern;
@@ -100,17 +103,36 @@ PyObject* py_add_kernel(PyObject*, PyObject* arg) {
   END_HANDLE_TH_ERRORS
 }
 
-// add_gated(entry: dict): key, arch, cubin (bytes), bf16, epilogue (a gated one's number): the gated fallback's
-// kernel for that dtype and epilogue (hgemm_gated.cu, 256 threads a block).
-PyObject* py_add_gated(PyObject*, PyObject* arg) {
+// add_helper(entry: dict): key ("silu_mul:f16", "rms_norm:bf16": the manifest's), arch, cubin (bytes): one of the
+// export's helper kernels (hgemm_gated.cu, hgemm_norm.cu; 256 threads a block).
+PyObject* py_add_helper(PyObject*, PyObject* arg) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(PyDict_Check(arg), "add_gated takes a dict");
-  const auto entry = py::reinterpret_borrow<py::dict>(arg);
-  auto kern = kernel_record(entry, "add_gated");
-  const int epilogue = kern->epilogue;
+  TORCH_CHECK_TYPE(PyDict_Check(arg), "add_helper takes a dict");
+  auto kern = kernel_record(py::reinterpret_borrow<py::dict>(arg), "add_helper");
+  static const std::vector<std::string> keys = {"silu_mul:f16", "silu_mul:bf16", "gelu_mul:f16", "gelu_mul:bf16",
+                                                "rms_norm:f16", "rms_norm:bf16"};
+  TORCH_CHECK_VALUE(std::find(keys.begin(), keys.end(), kern->key) != keys.end(),
+                    "add_helper: not a helper kernel's key: ", kern->key);
   kern->block = {256, 1, 1};
-  hgemm::add_gated(entry["bf16"].cast<bool>(), epilogue, std::move(kern));
+  hgemm::add_helper(std::move(kern));
   Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// rms_norm(x, w, eps) -> Llama's RMSNorm by the export's kernel, or None where it does not serve the call
+PyObject* py_rms_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == 3 && THPVariable_Check(args[0]) && THPVariable_Check(args[1]),
+                   "rms_norm(x, w, eps) takes two tensors and a float, positionally");
+  const double eps = PyFloat_AsDouble(args[2]);
+  if (PyErr_Occurred()) throw py::error_already_set();
+  std::optional<at::Tensor> out;
+  {
+    py::gil_scoped_release no_gil;
+    out = hgemm::rms_norm(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), eps);
+  }
+  if (!out) Py_RETURN_NONE;
+  return THPVariable_Wrap(std::move(*out));
   END_HANDLE_TH_ERRORS
 }
 
@@ -233,7 +255,7 @@ PyCFunction fastcall(F f) {
 
 PyMethodDef methods[] = {
     {"add_kernel", py_add_kernel, METH_O, "register one exported kernel (a manifest entry, prepared)"},
-    {"add_gated", py_add_gated, METH_O, "register the gated fallback's kernel for a dtype and gated epilogue"},
+    {"add_helper", py_add_helper, METH_O, "register one of the export's helper kernels (gated fallback, RMSNorm)"},
     {"kernels", py_kernels, METH_NOARGS, "the problem keys of the registered kernels"},
     {"lookup", fastcall(py_lookup), METH_FASTCALL, "lookup(n, k, nk, bf16, bias, m): the kernel key for that M"},
     {"launch_at", fastcall(py_launch_at), METH_FASTCALL,
@@ -242,6 +264,7 @@ PyMethodDef methods[] = {
     {"linear", fastcall(py_linear), METH_FASTCALL, "linear(x, w, bias=None): F.linear(x, w, bias)"},
     {"fused_linear", fastcall(py_fused_linear), METH_FASTCALL,
      "fused_linear(x, w, bias, epilogue, residual): F.linear(x, w, bias), then the epilogue (its number)"},
+    {"rms_norm", fastcall(py_rms_norm), METH_FASTCALL, "rms_norm(x, w, eps): Llama's RMSNorm, or None"},
     {"explain", fastcall(py_explain), METH_FASTCALL, "explain(a, b, bias, nk): the kernel a call runs, or why not"},
     {nullptr, nullptr, 0, nullptr}};
 

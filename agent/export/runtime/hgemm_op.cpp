@@ -7,7 +7,7 @@
 // its M (a hash lookup of the series, then a binary search of its intervals' starts) and its operands are plain,
 // contiguous, 16-byte aligned CUDA tensors of one device; anything else goes to at::matmul / at::linear and the
 // epilogue's ops (an unserved gated call: cuBLAS's GEMM, then the export's one gated kernel, hgemm_gated.cu, where it
-// fits the GPU). The launch at M (grid, tensor-map dims and boxes) comes from the kernel's segment holding M
+// fits the GPU). rms_norm runs the export's RMSNorm kernel (hgemm_norm.cu) for a patched model's norms. The launch at M (grid, tensor-map dims and boxes) comes from the kernel's segment holding M
 // (another binary search), as the family's launch rule gave it at that M (agent/export/geometry.py).
 //
 // Per device: each cubin is loaded once into the primary context, its dynamic shared memory raised; one scratch
@@ -26,6 +26,7 @@
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/matmul.h>
@@ -210,32 +211,43 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
   return c;
 }
 
+// The helper kernel registered under `key` as this GPU runs it (x's device current), or nullptr where none is or its
+// cubin does not fit the GPU.
+CUfunction helper_function(const std::string& key, const at::Tensor& x) {
+  const auto kern = hgemm::find_helper(key);
+  if (!kern) return nullptr;
+  std::lock_guard<std::mutex> lock(mutex);
+  return function_for(device_state(x.get_device()), *kern);
+}
+
+void launch_helper(CUfunction fn, unsigned grid, const at::Tensor& x, void** params) {
+  check(driver().LaunchKernel(fn, grid, 1, 1, 256, 1, 1, 0, current_stream(x.get_device()), params, nullptr),
+        "cuLaunchKernel");
+}
+
+bool plain_cuda(const at::Tensor& t) {
+  return t.is_cuda() && t.is_contiguous() && t.dim() >= 1 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+}
+
+const char* dtype_name(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? "bf16" : "f16"; }
+
 // act(gate) * up of y (an unfused gated GEMM's output) by the export's gated kernel, y read once; nullopt where
 // none is registered for y's dtype and the epilogue, its cubin does not fit this GPU, or y is not a plain tensor.
 std::optional<at::Tensor> gated_kernel(const at::Tensor& y, int64_t epilogue) {
-  const auto kern = hgemm::find_gated(y.scalar_type() == at::kBFloat16, static_cast<int>(epilogue));
-  if (!kern || !y.is_cuda() || !y.is_contiguous() || y.dim() < 1 || y.size(-1) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(y.const_data_ptr()) % 16 != 0)
-    return std::nullopt;
+  if (!hgemm::gated(static_cast<int>(epilogue)) || !plain_cuda(y) || y.size(-1) % 16 != 0) return std::nullopt;
   c10::DeviceGuard guard(y.device());
+  CUfunction fn = helper_function(std::string(epilogue == hgemm::kGeluMul ? "gelu_mul:" : "silu_mul:") +
+                                      dtype_name(y), y);
+  if (!fn) return std::nullopt;
   std::vector<int64_t> shape(y.sizes().begin(), y.sizes().end());
   shape.back() /= 2;
-  CUfunction fn = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    fn = function_for(device_state(y.get_device()), *kern);
-  }
-  if (!fn) return std::nullopt;
   at::Tensor out = at::empty(shape, y.options());
   long long blocks = y.numel() / 16;  // 8 gate and 8 up columns each
   if (blocks == 0) return out;
-  const unsigned threads = kern->block[0];
-  const auto grid = static_cast<unsigned>(std::min<long long>((blocks + threads - 1) / threads, 1 << 20));
   void* y_ptr = const_cast<void*>(y.const_data_ptr());
   void* out_ptr = out.data_ptr();
   void* params[3] = {&y_ptr, &out_ptr, &blocks};
-  check(driver().LaunchKernel(fn, grid, 1, 1, threads, 1, 1, 0, current_stream(y.get_device()), params, nullptr),
-        "cuLaunchKernel");
+  launch_helper(fn, static_cast<unsigned>(std::min<long long>((blocks + 255) / 256, 1 << 20)), y, params);
   return out;
 }
 
@@ -336,6 +348,29 @@ at::Tensor run(const at::Tensor& a, const at::Tensor& b, const std::optional<at:
     return compose(y, epilogue, residual);
   }
   return fallback(a, b, bias, nk, epilogue, residual);
+}
+
+std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t h = x.dim() >= 1 ? x.size(-1) : 0;
+  if (!plain_cuda(x) || !plain_cuda(w) || w.dim() != 1 || w.size(0) != h || h % 8 != 0 || h == 0 ||
+      h > (int64_t{1} << 30) || w.scalar_type() != x.scalar_type() || w.device() != x.device() ||
+      (x.scalar_type() != at::kHalf && x.scalar_type() != at::kBFloat16))
+    return std::nullopt;
+  c10::DeviceGuard guard(x.device());
+  CUfunction fn = helper_function(std::string("rms_norm:") + dtype_name(x), x);
+  if (!fn) return std::nullopt;
+  at::Tensor out = at::empty_like(x);
+  const int64_t rows = x.numel() / h;
+  if (rows == 0) return out;
+  TORCH_CHECK_VALUE(rows < (int64_t{1} << 31), "rms_norm: more rows than one grid holds");
+  void* x_ptr = const_cast<void*>(x.const_data_ptr());
+  void* w_ptr = const_cast<void*>(w.const_data_ptr());
+  void* out_ptr = out.data_ptr();
+  int hidden = static_cast<int>(h);
+  float epsilon = static_cast<float>(eps);
+  void* params[5] = {&x_ptr, &w_ptr, &out_ptr, &hidden, &epsilon};
+  launch_helper(fn, static_cast<unsigned>(rows), x, params);  // a block a row
+  return out;
 }
 
 }  // namespace hgemm

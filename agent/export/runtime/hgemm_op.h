@@ -80,10 +80,14 @@ class IntervalTable {
 void add_kernel(const ProblemKey& series, const std::vector<std::pair<int64_t, int64_t>>& serves,
                 std::shared_ptr<Kernel> kernel);
 std::vector<std::string> kernel_keys();
-// The gated fallback's kernel for a dtype and gated epilogue (hgemm_gated.cu: act(gate) * up of an unfused GEMM's
-// output, read once), replacing the one registered before; find_gated: it, or nullptr.
-void add_gated(bool bf16, int epilogue, std::shared_ptr<Kernel> kernel);
-std::shared_ptr<const Kernel> find_gated(bool bf16, int epilogue);
+// The export's helper kernels by key, 256 threads a block: the gated fallback's ("silu_mul:f16", hgemm_gated.cu:
+// act(gate) * up of an unfused GEMM's output, read once) and the RMSNorm's ("rms_norm:bf16", hgemm_norm.cu);
+// add_helper replaces the one registered before under its key, find_helper returns it, or nullptr.
+void add_helper(std::shared_ptr<Kernel> kernel);
+std::shared_ptr<const Kernel> find_helper(const std::string& key);
+// Llama's RMSNorm of x (rows x h) with weight w by the export's kernel; nullopt where none is registered for the
+// dtype, its cubin does not fit this GPU, or x and w are not contiguous CUDA tensors of one dtype with h % 8 == 0.
+std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 // The kernel registered for M of the series, or nullptr; its interval in *lo, *hi where given.
 std::shared_ptr<const Kernel> find_kernel(const ProblemKey& series, int64_t m, int64_t* lo = nullptr,
                                           int64_t* hi = nullptr);

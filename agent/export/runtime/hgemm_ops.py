@@ -5,12 +5,14 @@ or `LO-HI_N_K:...` for a bucket of M, each with the M intervals it serves and it
 kernels' `.cu` / `.cubin` files, the compiled op's sources (`hgemm_op.cpp`, `hgemm_library.cpp`,
 `hgemm_table.cpp`, `hgemm_module.cpp`, their headers) with its build helper `hgemm_build.py`, `hgemm_intervals.py`
 (which kernel serves an M, and its launch there), `hgemm_driver.py` (tensor maps and launches by ctypes) and the
-gated fallback's kernel (`hgemm_gated.cu`, its cubins per dtype and epilogue).
+gated fallback's kernel (`hgemm_gated.cu`, its cubins per dtype and epilogue) and the RMSNorm kernel
+(`hgemm_norm.cu`, its cubins per dtype).
 
 - `mm(a, b, bias=None)` is `torch.matmul(a, b)` (a (*, K), b K x N), with a bias `torch.addmm(bias, a, b)` (the
   bias fused); `linear(x, w, bias=None)` is `F.linear` (w N x K); `fused_linear(x, w, bias, epilogue,
   residual=None)` is F.linear followed by a fused epilogue (hgemm_epilogue.py: relu, silu, gelu_tanh, silu_mul /
-  gelu_mul on a gate/up-interleaved w, residual: + R), computed in one kernel where one was exported for it.
+  gelu_mul on a gate/up-interleaved w, residual: + R), computed in one kernel where one was exported for it;
+  `rms_norm(x, weight, eps)` is Llama's RMSNorm in one kernel (hgemm_norm.cu).
 - `patch(model, matmul=False, fuse=True)` fuses the model's decoder layers (hgemm_fuse.py: q/k/v as one GEMM,
   gate/up as one gated GEMM, o_proj and down_proj with the residual add), then routes each other `nn.Linear` whose
   (N, K, dtype, bias) was tuned through `linear`, and each transformers `Conv1D` (GPT-2's projections: x @ W + b
@@ -107,12 +109,9 @@ def compiled():
             ext = _sibling("hgemm_build").load(HERE, build_root)
             for key, entry in MANIFEST["kernels"].items():
                 ext.add_kernel(_prepared(key, entry))
-            for key, entry in MANIFEST.get("gated", {}).items():
-                if not (HERE / entry["cubin"]).is_file():  # a copied export without it: PyTorch's ops serve
-                    continue
-                epi, dtype = key.split(":")
-                ext.add_gated({"key": key, "arch": entry["arch"], "cubin": (HERE / entry["cubin"]).read_bytes(),
-                               "bf16": dtype == "bf16", "epilogue": EPILOGUE_CODES[epi]})
+            for key, entry in _helpers().items():
+                if (HERE / entry["cubin"]).is_file():  # a copied export without it: PyTorch's ops serve
+                    ext.add_helper({"key": key, "arch": entry["arch"], "cubin": (HERE / entry["cubin"]).read_bytes()})
         except Exception as e:  # no compiler, no ninja, a failed build or load: the Python path still works
             text = str(e).strip().splitlines() or [type(e).__name__]
             reason = next((ln for ln in text if "error" in ln.lower()), text[-1])[:200]
@@ -179,25 +178,59 @@ def _kernel(entry: dict):
     return _loaded[key]
 
 
+def _helpers() -> dict[str, dict]:
+    """The export's helper kernels by key: the gated fallback's ('silu_mul:f16') and the RMSNorm's ('rms_norm:f16')."""
+    return {**MANIFEST.get("gated", {}), **MANIFEST.get("norm", {})}
+
+
+def _helper(name: str, x: torch.Tensor):
+    """The helper kernel `name`:x's dtype through CuPy, or None where the export has none that runs on x's GPU."""
+    entry = _helpers().get(f"{name}:{DTYPE_NAMES.get(x.dtype)}")
+    if entry is None or not (HERE / entry["cubin"]).is_file() or entry["arch"] != _arch(x.device):
+        return None
+    if entry["cubin"] not in _loaded:
+        import cupy
+
+        _loaded[entry["cubin"]] = cupy.RawModule(path=str(HERE / entry["cubin"])).get_function("hgemm")
+    return _loaded[entry["cubin"]]
+
+
+def _launch_helper(fn, grid: int, x: torch.Tensor, *args) -> None:
+    import cupy
+
+    with cupy.cuda.Device(x.device.index), cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream):
+        fn((grid,), (256,), args)
+
+
 def _gated(y: torch.Tensor, epi: str) -> torch.Tensor | None:
     """act(gate) * up of an unfused gated GEMM's output y by the export's gated kernel (hgemm_gated.cu, y read once)
     through CuPy, or None where the export has none for y's dtype and this GPU."""
-    entry = MANIFEST.get("gated", {}).get(f"{epi}:{'bf16' if y.dtype == torch.bfloat16 else 'f16'}")
-    if (entry is None or not _usable(y) or y.dim() < 1 or y.shape[-1] % 16 or not (HERE / entry["cubin"]).is_file()
-            or entry["arch"] != _arch(y.device)):
+    fn = _helper(epi, y) if _usable(y) and y.dim() >= 1 and y.shape[-1] % 16 == 0 else None
+    if fn is None:
         return None
-    import cupy
     import numpy
 
-    if entry["cubin"] not in _loaded:
-        _loaded[entry["cubin"]] = cupy.RawModule(path=str(HERE / entry["cubin"])).get_function("hgemm")
     out = torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=y.dtype, device=y.device)
     blocks = y.numel() // 16  # 8 gate and 8 up columns each
     if blocks:
-        stream = torch.cuda.current_stream(y.device).cuda_stream
-        with cupy.cuda.Device(y.device.index), cupy.cuda.ExternalStream(stream):
-            _loaded[entry["cubin"]]((min(-(-blocks // 256), 1 << 20),), (256,),
-                                    (numpy.uint64(y.data_ptr()), numpy.uint64(out.data_ptr()), numpy.int64(blocks)))
+        _launch_helper(fn, min(-(-blocks // 256), 1 << 20), y, numpy.uint64(y.data_ptr()),
+                       numpy.uint64(out.data_ptr()), numpy.int64(blocks))
+    return out
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """Llama's RMSNorm by the export's kernel (hgemm_norm.cu) through CuPy, or None where it does not serve."""
+    h = x.shape[-1] if x.dim() else 0
+    fn = _helper("rms_norm", x) if (_usable(x, w) and w.dim() == 1 and h and w.shape[0] == h and h % 8 == 0
+                                    and x.numel() // h < 2**31) else None
+    if fn is None:
+        return None
+    import numpy
+
+    out = torch.empty_like(x)
+    if x.numel():
+        _launch_helper(fn, x.numel() // h, x, numpy.uint64(x.data_ptr()), numpy.uint64(w.data_ptr()),
+                       numpy.uint64(out.data_ptr()), numpy.int32(h), numpy.float32(eps))
     return out
 
 
@@ -265,6 +298,8 @@ class PythonPath:
     def fused_linear(x, w, bias, code: int, residual) -> torch.Tensor:
         return python_run(x, w, bias, "nk", epilogue.EPILOGUES[code], residual)
 
+    rms_norm = staticmethod(_rms_norm)
+
 
 class _Unresolved:
     """Before the first call: pick the compiled op or the Python path, then step aside."""
@@ -282,6 +317,10 @@ class _Unresolved:
         if torch.compiler.is_compiling():
             return fallback(x, w, bias, "nk", epilogue.EPILOGUES[code], residual)
         return _resolve().fused_linear(x, w, bias, code, residual)
+
+    @staticmethod
+    def rms_norm(x, w, eps):
+        return _resolve().rms_norm(x, w, eps)
 
 
 _eager = _Unresolved  # the compiled op's module, or PythonPath, once resolved
@@ -321,11 +360,23 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ep
 _patching = _sibling("hgemm_patch")
 
 
-def patch(model: nn.Module, matmul: bool = False, fuse: bool = True) -> dict[str, int]:
-    """Fuse `model`'s decoder layers (fuse=True: hgemm_fuse), route its other tuned nn.Linear and Conv1D layers
-    through the exported op (and with matmul=True its tuned F.linear / matmul calls); returns how many of each kind
-    (hgemm_patch.patch). `unpatch(model)` restores the model exactly."""
-    return _patching.patch(sys.modules[__name__], model, matmul, fuse)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm (transformers' LlamaRMSNorm: x in fp32 times rsqrt(mean(x^2) + eps), rounded to x's dtype,
+    times weight) in one kernel where the export has one for x's dtype and GPU and x, weight are plain contiguous
+    tensors of that dtype (hgemm_norm.cu); otherwise, and under torch.compile, PyTorch's ops as the model runs them."""
+    if _usable(x, weight):  # plain CUDA tensors of one dtype, no gradient wanted, not under torch.compile
+        out = _eager.rms_norm(x, weight, eps)
+        if out is not None:
+            return out
+    return _patching.fuse.llama_rms_norm(x, weight, eps)
+
+
+def patch(model: nn.Module, matmul: bool = False, fuse: bool = True, norms: bool = True) -> dict[str, int]:
+    """Fuse `model`'s decoder layers (fuse=True: hgemm_fuse) and its Llama-style RMSNorms (fuse and norms: each one
+    kernel, `rms_norm`), route its other tuned nn.Linear and Conv1D layers through the exported op (and with
+    matmul=True its tuned F.linear / matmul calls); returns how many of each kind (hgemm_patch.patch).
+    `unpatch(model)` restores the model exactly."""
+    return _patching.patch(sys.modules[__name__], model, matmul, fuse, norms)
 
 
 def unpatch(model: nn.Module) -> int:

@@ -19,7 +19,7 @@ struct ProblemHash {
 std::mutex mutex;  // guards the registry
 std::unordered_map<ProblemKey, hgemm::IntervalTable, ProblemHash> kernels;  // series -> kernels by M
 uint64_t next_id = 1;
-std::shared_ptr<const hgemm::Kernel> gated_kernels[2][2];  // [bf16][gelu_mul]
+std::unordered_map<std::string, std::shared_ptr<const hgemm::Kernel>> helpers;  // "silu_mul:f16", "rms_norm:bf16"
 
 }  // namespace
 
@@ -85,16 +85,16 @@ void add_kernel(const ProblemKey& series, const std::vector<std::pair<int64_t, i
   for (const auto& [lo, hi] : serves) kernels[series].insert(lo, hi, registered);
 }
 
-void add_gated(bool bf16, int epilogue, std::shared_ptr<Kernel> kernel) {
-  TORCH_CHECK_VALUE(gated(epilogue), "add_gated: not a gated epilogue: ", epilogue);
+void add_helper(std::shared_ptr<Kernel> kernel) {
   std::lock_guard<std::mutex> lock(mutex);
   kernel->id = next_id++;
-  gated_kernels[bf16][epilogue == kGeluMul] = std::move(kernel);
+  helpers[kernel->key] = std::move(kernel);
 }
 
-std::shared_ptr<const Kernel> find_gated(bool bf16, int epilogue) {
+std::shared_ptr<const Kernel> find_helper(const std::string& key) {
   std::lock_guard<std::mutex> lock(mutex);
-  return gated(epilogue) ? gated_kernels[bf16][epilogue == kGeluMul] : nullptr;
+  auto it = helpers.find(key);
+  return it == helpers.end() ? nullptr : it->second;
 }
 
 std::vector<std::string> kernel_keys() {
