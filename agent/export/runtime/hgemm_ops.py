@@ -5,8 +5,8 @@ or `LO-HI_N_K:...` for a bucket of M, each with the M intervals it serves and it
 kernels' `.cu` / `.cubin` files, the compiled op's sources (`hgemm_op.cpp`, `hgemm_library.cpp`,
 `hgemm_table.cpp`, `hgemm_module.cpp`, their headers) with its build helper `hgemm_build.py`, `hgemm_intervals.py`
 (which kernel serves an M, and its launch there), `hgemm_driver.py` (tensor maps and launches by ctypes) and the
-gated fallback's kernel (`hgemm_gated.cu`, its cubins per dtype and epilogue) and the RMSNorm kernel
-(`hgemm_norm.cu`, its cubins per dtype).
+helper kernels (`hgemm_helpers.py` runs them on the Python path): the gated fallback's (`hgemm_gated.cu`, its cubins
+per dtype and epilogue) and the RMSNorm's (`hgemm_norm.cu`, its cubins per dtype).
 
 - `mm(a, b, bias=None)` is `torch.matmul(a, b)` (a (*, K), b K x N), with a bias `torch.addmm(bias, a, b)` (the
   bias fused); `linear(x, w, bias=None)` is `F.linear` (w N x K); `fused_linear(x, w, bias, epilogue,
@@ -109,7 +109,7 @@ def compiled():
             ext = _sibling("hgemm_build").load(HERE, build_root)
             for key, entry in MANIFEST["kernels"].items():
                 ext.add_kernel(_prepared(key, entry))
-            for key, entry in _helpers().items():
+            for key, entry in _helpers.entries.items():
                 if (HERE / entry["cubin"]).is_file():  # a copied export without it: PyTorch's ops serve
                     ext.add_helper({"key": key, "arch": entry["arch"], "cubin": (HERE / entry["cubin"]).read_bytes()})
         except Exception as e:  # no compiler, no ninja, a failed build or load: the Python path still works
@@ -162,6 +162,9 @@ def _arch(device=None) -> str:
     return "sm_90a" if major == 9 else f"sm_{major}{minor}"
 
 
+_helpers = _sibling("hgemm_helpers").Helpers(MANIFEST, HERE, _arch, DTYPE_NAMES)  # the gated and RMSNorm kernels
+
+
 def _kernel(entry: dict):
     import cupy
 
@@ -178,60 +181,15 @@ def _kernel(entry: dict):
     return _loaded[key]
 
 
-def _helpers() -> dict[str, dict]:
-    """The export's helper kernels by key: the gated fallback's ('silu_mul:f16') and the RMSNorm's ('rms_norm:f16')."""
-    return {**MANIFEST.get("gated", {}), **MANIFEST.get("norm", {})}
-
-
-def _helper(name: str, x: torch.Tensor):
-    """The helper kernel `name`:x's dtype through CuPy, or None where the export has none that runs on x's GPU."""
-    entry = _helpers().get(f"{name}:{DTYPE_NAMES.get(x.dtype)}")
-    if entry is None or not (HERE / entry["cubin"]).is_file() or entry["arch"] != _arch(x.device):
-        return None
-    if entry["cubin"] not in _loaded:
-        import cupy
-
-        _loaded[entry["cubin"]] = cupy.RawModule(path=str(HERE / entry["cubin"])).get_function("hgemm")
-    return _loaded[entry["cubin"]]
-
-
-def _launch_helper(fn, grid: int, x: torch.Tensor, *args) -> None:
-    import cupy
-
-    with cupy.cuda.Device(x.device.index), cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream):
-        fn((grid,), (256,), args)
-
-
 def _gated(y: torch.Tensor, epi: str) -> torch.Tensor | None:
     """act(gate) * up of an unfused gated GEMM's output y by the export's gated kernel (hgemm_gated.cu, y read once)
     through CuPy, or None where the export has none for y's dtype and this GPU."""
-    fn = _helper(epi, y) if _usable(y) and y.dim() >= 1 and y.shape[-1] % 16 == 0 else None
-    if fn is None:
-        return None
-    import numpy
-
-    out = torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=y.dtype, device=y.device)
-    blocks = y.numel() // 16  # 8 gate and 8 up columns each
-    if blocks:
-        _launch_helper(fn, min(-(-blocks // 256), 1 << 20), y, numpy.uint64(y.data_ptr()),
-                       numpy.uint64(out.data_ptr()), numpy.int64(blocks))
-    return out
+    return _helpers.gated(y, epi) if _usable(y) else None
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
     """Llama's RMSNorm by the export's kernel (hgemm_norm.cu) through CuPy, or None where it does not serve."""
-    h = x.shape[-1] if x.dim() else 0
-    fn = _helper("rms_norm", x) if (_usable(x, w) and w.dim() == 1 and h and w.shape[0] == h and h % 8 == 0
-                                    and x.numel() // h < 2**31) else None
-    if fn is None:
-        return None
-    import numpy
-
-    out = torch.empty_like(x)
-    if x.numel():
-        _launch_helper(fn, x.numel() // h, x, numpy.uint64(x.data_ptr()), numpy.uint64(w.data_ptr()),
-                       numpy.uint64(out.data_ptr()), numpy.int32(h), numpy.float32(eps))
-    return out
+    return _helpers.rms_norm(x, w, eps) if _usable(x, w) else None
 
 
 def _usable(*tensors: torch.Tensor) -> bool:

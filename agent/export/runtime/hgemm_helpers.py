@@ -1,0 +1,71 @@
+"""The export's helper kernels on the Python launch path, through CuPy: the gated fallback's (hgemm_gated.cu: act(gate)
+* up of an unfused gated GEMM's output, read once) and the RMSNorm's (hgemm_norm.cu: Llama's RMSNorm in one kernel),
+their cubins listed in the manifest's "gated" and "norm" sections by key ('silu_mul:f16', 'rms_norm:bf16'). Shipped
+beside hgemm_ops.py, which makes one `Helpers` for its export and checks the operands (plain contiguous CUDA tensors
+of one dtype, no gradient wanted, not under torch.compile) before calling it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+THREADS = 256  # both kernels' block
+
+
+class Helpers:
+    def __init__(self, manifest: dict, folder: Path, arch_of, dtype_names: dict):
+        self.entries = {**manifest.get("gated", {}), **manifest.get("norm", {})}  # key -> cubin, arch
+        self.folder, self.arch_of, self.dtype_names = folder, arch_of, dtype_names
+        self.loaded: dict[str, object] = {}
+
+    def function(self, name: str, x: torch.Tensor):
+        """The kernel `name`:x's dtype, or None where the export has none that runs on x's GPU."""
+        entry = self.entries.get(f"{name}:{self.dtype_names.get(x.dtype)}")
+        if entry is None or not (self.folder / entry["cubin"]).is_file() or entry["arch"] != self.arch_of(x.device):
+            return None
+        if entry["cubin"] not in self.loaded:
+            import cupy
+
+            self.loaded[entry["cubin"]] = cupy.RawModule(path=str(self.folder / entry["cubin"])).get_function("hgemm")
+        return self.loaded[entry["cubin"]]
+
+    @staticmethod
+    def launch(fn, grid: int, x: torch.Tensor, *args) -> None:
+        """fn on `grid` blocks on PyTorch's current stream of x's device (so that CUDA graphs capture it)."""
+        import cupy
+
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        with cupy.cuda.Device(x.device.index), cupy.cuda.ExternalStream(stream):
+            fn((grid,), (THREADS,), args)
+
+    def gated(self, y: torch.Tensor, epi: str) -> torch.Tensor | None:
+        """act(gate) * up of y (rows x 2n, gate and up interleaved in blocks of 8 columns), or None where no kernel
+        serves it."""
+        fn = self.function(epi, y) if y.dim() >= 1 and y.shape[-1] % 16 == 0 else None
+        if fn is None:
+            return None
+        import numpy
+
+        out = torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=y.dtype, device=y.device)
+        blocks = y.numel() // 16  # 8 gate and 8 up columns each
+        if blocks:
+            self.launch(fn, min(-(-blocks // THREADS), 1 << 20), y, numpy.uint64(y.data_ptr()),
+                        numpy.uint64(out.data_ptr()), numpy.int64(blocks))
+        return out
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """Llama's RMSNorm of x (rows x h) with weight w, a block a row, or None where no kernel serves it."""
+        h = x.shape[-1] if x.dim() else 0
+        fn = self.function("rms_norm", x) if (w.dim() == 1 and h and w.shape[0] == h and h % 8 == 0
+                                              and x.numel() // h < 2**31) else None
+        if fn is None:
+            return None
+        import numpy
+
+        out = torch.empty_like(x)
+        if x.numel():
+            self.launch(fn, x.numel() // h, x, numpy.uint64(x.data_ptr()), numpy.uint64(w.data_ptr()),
+                        numpy.uint64(out.data_ptr()), numpy.int32(h), numpy.float32(eps))
+        return out
