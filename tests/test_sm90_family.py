@@ -787,7 +787,72 @@ GPU_KINDS = {
                         (4100, 1096, 520)),
     "ping_pong_cp_async": ({**_PERSISTENT, "ping_pong": True, "epilogue": "smem", "loader": "cp_async"},
                           (4100, 1000, 520)),
+    # tile orders: grouped along N (3 columns a group, the last group of 16 x 64-column tiles short), snaking
+    "raster_n_snake": ({**_PLAIN, "raster_along": "n", "raster_group": 3, "raster_snake": True}, (333, 1000, 520)),
+    "raster_n_snake_persistent": ({**_PERSISTENT, "raster_along": "n", "raster_group": 4, "raster_snake": True},
+                                  (1000, 1096, 520)),
+    "raster_m_snake_multicast": ({**_PERSISTENT, "block_n": 128, "cluster_m": 2, "raster_group": 2,
+                                  "raster_snake": True},
+                                 (1000, 1096, 520)),
 }
+
+
+def tile_order(params: dict, tiles_m: int, tiles_n: int) -> list[tuple[int, int]]:
+    """The (tile-row, tile-column) of each tile index, by the rendered kernel's own tile_origin, compiled for the
+    host with g++ and run."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    source = FAMILY.render(params, Problem(tiles_m * params["block_m"], tiles_n * params["block_n"], 64, "nk"))
+    code = "\n".join(re.search(rf"^constexpr [a-z ]*\b{name} = .*$", source, re.M).group(0)
+                     for name in ("BM", "BN", "GROUP", "RASTER_N", "SNAKE"))
+    body = re.search(r"__device__ __forceinline__ void tile_origin\(.*?\n}", source, re.S).group(0)
+    code += "\n" + body.replace("__device__ __forceinline__", "inline") + f"""
+#include <cstdio>
+int main() {{
+    for (int t = 0; t < {tiles_m * tiles_n}; ++t) {{
+        int m0, n0;
+        tile_origin(t, {tiles_m}, {tiles_n}, m0, n0);
+        std::printf("%d %d\\n", m0 / BM, n0 / BN);
+    }}
+}}
+"""
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "t.cpp").write_text(code)
+        subprocess.run(["g++", "-std=c++17", "-o", f"{d}/t", f"{d}/t.cpp"], check=True)
+        out = subprocess.run([f"{d}/t"], capture_output=True, text=True, check=True).stdout
+    return [tuple(map(int, line.split())) for line in out.splitlines()]
+
+
+@pytest.mark.parametrize("along", ["m", "n"])
+@pytest.mark.parametrize("snake", [False, True])
+def test_every_tile_order_visits_each_tile_once_in_groups(along, snake):
+    base = {**_PLAIN, "raster_group": 3, "raster_along": along, "raster_snake": snake}
+    order = tile_order(base, 7, 5)
+    assert sorted(order) == [(m, n) for m in range(7) for n in range(5)]  # each tile once
+    grouped = 0 if along == "m" else 1
+    first = [t[grouped] // 3 for t in order]
+    assert first == sorted(first)  # groups of 3 tile-rows (columns) one after another, the last one short
+    walk = [t[1 - grouped] for t in order[:3 * (5 if along == "m" else 7)]]
+    assert walk == sorted(walk)  # the first group walks forward across the other dimension
+    second = [t[1 - grouped] for t in order[3 * (5 if along == "m" else 7):6 * (5 if along == "m" else 7)]]
+    assert second == sorted(second, reverse=snake)  # the second forward again, or back where snaking
+    if along == "m" and not snake:  # today's order, as the template had it before the fields existed
+        assert order[:4] == [(0, 0), (1, 0), (2, 0), (0, 1)] and order[-2:] == [(6, 3), (6, 4)]
+
+
+def test_the_tile_order_fields_are_written_only_where_set():
+    plain = Sm90WgmmaParams(**_PERSISTENT)
+    assert not {"raster_along", "raster_snake"} & set(plain.model_dump())  # ids and database rows as before
+    p = Sm90WgmmaParams(**{**_PERSISTENT, "raster_along": "n", "raster_snake": True})
+    assert p.model_dump()["raster_along"] == "n" and p.model_dump()["raster_snake"] is True
+    assert Sm90WgmmaParams(**p.model_dump()) == p
+    for arch in ("sm_90a",):
+        assert compile_cuda(FAMILY.render(p.model_dump(), Problem(1000, 1096, 520, "nk")), arch).ok
 
 
 def test_ping_pong_consumers_take_whole_tiles_and_reject_what_they_cannot_do():

@@ -31,6 +31,10 @@ CONSUMER_OVERHEAD = 32
 SWAP_C_CHUNK = 16
 
 
+# Fields added after settings were first stored, each with its default: a setting names them only where it differs.
+LATER_FIELDS = {"ping_pong": False, "raster_along": "m", "raster_snake": False}
+
+
 class Sm90WgmmaParams(Params):
     block_m: int = Field(128, ge=16, le=256, multiple_of=16,
                          description="rows of C per thread block: 64, 128, 192 or 256; with swap_ab any multiple of 16")
@@ -40,7 +44,14 @@ class Sm90WgmmaParams(Params):
     stages: int = Field(4, ge=2, le=12, description="depth of the shared-memory ring")
     consumers: Literal[1, 2, 3, 4] = Field(2, description="consumer warpgroups; each owns block_m/consumers rows "
                                           "(swap_ab: block_n/consumers columns)")
-    raster_group: int = Field(8, ge=1, le=64, description="tile-rows a block group walks before moving across N")
+    raster_group: int = Field(8, ge=1, le=64, description="tile-rows a block group walks before moving across N "
+                              "(raster_along n: tile-columns before moving down M)")
+    raster_along: Literal["m", "n"] = Field(
+        "m", description="the dimension consecutive tiles group along: m (GROUP tile-rows down each column; B is "
+        "read again once per group) or n (GROUP tile-columns along each row; A is read again once per group)")
+    raster_snake: bool = Field(
+        False, description="every other group of tiles walks back the way the last one came, so that its first "
+        "tiles reuse the panels the last group's final tiles left in L2")
     min_blocks: Literal[1, 2] = Field(1, description="blocks resident per SM (__launch_bounds__); caps registers")
     # smem by default (docs/decisions.md `default-epilogue-loader`)
     epilogue: Literal["direct", "smem", "tma"] = Field(
@@ -91,12 +102,13 @@ class Sm90WgmmaParams(Params):
         "memory (smem epilogue, tma epilogue in 16-row chunks, or the split-K exchange tile)")
 
     @model_serializer(mode="wrap")
-    def _without_default_ping_pong(self, handler: Any) -> dict[str, Any]:
-        """ping_pong appears only where it is set: every other setting keeps the dict, and so the candidate id and
-        the tuning database rows, it had before the field existed."""
+    def _without_defaults_of_later_fields(self, handler: Any) -> dict[str, Any]:
+        """ping_pong, raster_along and raster_snake appear only where they differ from their defaults: every other
+        setting keeps the dict, and so the candidate id and the tuning database rows, it had before they existed."""
         out = handler(self)
-        if not self.ping_pong:
-            out.pop("ping_pong", None)
+        for name, default in LATER_FIELDS.items():
+            if out.get(name) == default:
+                out.pop(name, None)
         return out
 
     @property
