@@ -31,8 +31,9 @@ def test_gaps_per_candidate_beside_cublas_and_a_reuse_stands_out(tmp_path, capsy
     assert remeasured
     rows = honest_gap.rows(db)
     assert {r["candidate"] for r in rows} == set(remeasured)
-    for r in rows:  # both sides 2% slower honestly: no excess
+    for r in rows:  # both sides 2% slower honestly: no excess, every candidate at its shape's median
         assert abs(r["gap"] - 1.02) < 1e-9 and abs(r["cublas_gap"] - 1.02) < 1e-9 and abs(r["excess"] - 1) < 1e-9
+        assert abs(r["vs_shape"] - 1) < 1e-9 and abs(r["cublas_vs_shape"] - 1) < 1e-9
     store.close()
 
     REUSED[remeasured[0]] = 0.08
@@ -45,7 +46,7 @@ def test_gaps_per_candidate_beside_cublas_and_a_reuse_stands_out(tmp_path, capsy
     out = capsys.readouterr().out
     assert "0 rejected" in out and "1 of" in out and "beyond 5%" in out
     first_row = next(line for line in out.splitlines() if line.startswith("| ") and "shape" not in line)
-    assert remeasured[0] in first_row and "| 1.080 |" in first_row  # the largest excess listed first
+    assert remeasured[0] in first_row and "| 1.080 |" in first_row  # above its shape-mates by 8%: listed first
 
 
 def test_rejections_are_listed_and_a_missing_store_exits_2(tmp_path, capsys):
