@@ -7,8 +7,9 @@
 // its M (a hash lookup of the series, then a binary search of its intervals' starts) and its operands are plain,
 // contiguous, 16-byte aligned CUDA tensors of one device; anything else goes to at::matmul / at::linear and the
 // epilogue's ops (an unserved gated call: cuBLAS's GEMM, then the export's one gated kernel, hgemm_gated.cu, where it
-// fits the GPU). rms_norm runs the export's RMSNorm kernel (hgemm_norm.cu) for a patched model's norms. The launch at M (grid, tensor-map dims and boxes) comes from the kernel's segment holding M
-// (another binary search), as the family's launch rule gave it at that M (agent/export/geometry.py).
+// fits the GPU). The launch at M (grid, tensor-map dims and boxes) comes from the kernel's segment holding M (another
+// binary search), as the family's launch rule gave it at that M (agent/export/geometry.py). rms_norm runs the export's
+// RMSNorm kernel (hgemm_norm.cu) for a patched model's norms.
 //
 // Per device: each cubin is loaded once into the primary context, its dynamic shared memory raised; one scratch
 // buffer and one zeroed counter array serve every kernel that asks for them (the kernels leave the counters zeroed).
@@ -226,7 +227,8 @@ void launch_helper(CUfunction fn, unsigned grid, const at::Tensor& x, void** par
 }
 
 bool plain_cuda(const at::Tensor& t) {
-  return t.is_cuda() && t.is_contiguous() && t.dim() >= 1 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  return t.is_cuda() && t.is_contiguous() && t.dim() >= 1 &&
+         reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
 }
 
 const char* dtype_name(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? "bf16" : "f16"; }
