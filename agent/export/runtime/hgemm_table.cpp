@@ -88,7 +88,8 @@ void add_kernel(const ProblemKey& series, const std::vector<std::pair<int64_t, i
 void add_helper(std::shared_ptr<Kernel> kernel) {
   std::lock_guard<std::mutex> lock(mutex);
   kernel->id = next_id++;
-  helpers[kernel->key] = std::move(kernel);
+  const std::string key = kernel->key;
+  helpers[key] = std::move(kernel);
 }
 
 std::shared_ptr<const Kernel> find_helper(const std::string& key) {
