@@ -165,10 +165,10 @@ class Candidate:
 
 @dataclass(frozen=True)
 class TensorMapSpec:
-    """A TMA tensor map the host encodes for each launch over operand A, B or C (packed fp16, rows contiguous) and
-    passes by value after the six fixed arguments."""
+    """A TMA tensor map the host encodes for each launch over operand A, B, C or the residual R (packed fp16, rows
+    contiguous) and passes by value after the fixed arguments (and the bias and R pointers)."""
 
-    operand: Literal["A", "B", "C"]
+    operand: Literal["A", "B", "C", "R"]
     dims: tuple[int, ...]  # elements per dimension, innermost first
     box: tuple[int, ...]  # the tile one TMA copy moves, innermost first
     swizzle: int = 128  # bytes: 0, 32, 64 or 128

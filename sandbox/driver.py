@@ -1,9 +1,10 @@
 """TMA tensor maps and kernel launches through the CUDA driver API, by ctypes.
 
 Standalone on purpose (ctypes only, no project imports): `agent export` copies it next to the exported op. A kernel
-takes its six fixed arguments (A, B, C pointers; M, N, K), then, by value, one 128-byte `CUtensorMap` for each
-tensor map its family's launch rule declares, then, where the rule asks for them, a scratch buffer and a zeroed array
-of counters (the kernel leaves them zeroed); `launch` passes them all through `cuLaunchKernel`.
+takes its six fixed arguments (A, B, C pointers; M, N, K), the bias and residual pointers where its problem has them,
+then, by value, one 128-byte `CUtensorMap` for each tensor map its family's launch rule declares, then, where the rule
+asks for them, a scratch buffer and a zeroed array of counters (the kernel leaves them zeroed); `launch` passes them all
+through `cuLaunchKernel`.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def tensor_map(address: int, dims: tuple[int, ...], box: tuple[int, ...], swizzl
     return encode_tiled(address, dims, box, swizzle, strides)
 
 
-OPERANDS = "ABC"  # a tensor map's operand names the pointer argument it covers
+OPERANDS = "ABCR"  # a tensor map's operand names the pointer argument it covers (R: the residual's)
 
 
 # (context, kind) -> (bytes, device pointer) of the largest buffer handed out there; smaller ones stay allocated (a
@@ -161,13 +162,14 @@ def launch(function: int, grid: tuple[int, int, int], block: tuple[int, int, int
     """cuLaunchKernel(function, ...) with (A, B, C, M, N, K[, bias][, R], *maps[, scratch, counters]) on `stream` (a
     CUstream handle); `bias` is the bias vector's address where the problem has one, `residual` R's where its
     epilogue adds one; each of `tensor_maps` is
-    (operand "A" | "B" | "C", dims, box, swizzle[, strides]), encoded (remembered) over that operand;
+    (operand "A" | "B" | "C" | "R", dims, box, swizzle[, strides]), encoded (remembered) over that operand;
     workspace_bytes or counters > 0 append the context's scratch buffer of at least workspace_bytes and its zeroed
     buffer of at least `counters` 32-bit counters."""
     args: list[ctypes._SimpleCData | ctypes.Structure] = [ctypes.c_uint64(p) for p in pointers]
     args += [ctypes.c_int32(s) for s in sizes]
     args += [ctypes.c_uint64(p) for p in (bias, residual) if p is not None]
-    args += [tensor_map(pointers[OPERANDS.index(operand)], tuple(dims), tuple(box), swizzle,
+    covered = (*pointers, residual or 0)
+    args += [tensor_map(covered[OPERANDS.index(operand)], tuple(dims), tuple(box), swizzle,
                         tuple(strides[0]) if strides else ())
              for operand, dims, box, swizzle, *strides in tensor_maps]
     if workspace_bytes > 0 or counters > 0:

@@ -151,6 +151,11 @@ def test_add_kernel_refuses_a_bad_entry(ops):
                                                                           "boxes": [[8]]}]})
     with pytest.raises(ValueError, match="past the map's rank"):
         ext.add_kernel({**entry, "tensor_maps": [{**bad_map, "m_dims": [2]}]})
+    r_map = {**bad_map, "operand": 3, "dims": [8, 16], "strides": [16]}  # R (3) is a map's operand; 4 is none
+    with pytest.raises(ValueError, match="covers A, B, C or R"):
+        ext.add_kernel({**entry, "tensor_maps": [{**r_map, "operand": 4}]})
+    with pytest.raises(ValueError, match="at most 4 tensor maps"):
+        ext.add_kernel({**entry, "tensor_maps": [r_map] * 5})
     with pytest.raises(ValueError, match=r"\[lo, hi\] intervals"):
         ext.add_kernel({**entry, "serves": [[9, 8]]})
     with pytest.raises(ValueError, match="segments must start at or below"):

@@ -855,6 +855,31 @@ def test_the_tile_order_fields_are_written_only_where_set():
         assert compile_cuda(FAMILY.render(p.model_dump(), Problem(1000, 1096, 520, "nk")), arch).ok
 
 
+@pytest.mark.parametrize("update, panels", [
+    ({"epilogue": "tma"}, True), ({"epilogue": "tma", "persistent": False}, True),
+    ({"epilogue": "tma", "block_n": 128, "ping_pong": True}, True), ({"epilogue": "smem"}, False),
+    ({**_SWAPPED, "epilogue": "tma"}, False)])
+def test_a_residual_comes_by_tma_into_the_c_panels_where_whole_tiles_are_stored_by_tma(update, panels):
+    """R's tensor map has C's dims and boxes and follows C's; the kernel takes it as its last map and adds R from
+    the panels (ldmatrix) instead of loading it into registers after the mainloop."""
+    problem = Problem(1000, 1096, 520, "nk", "f16", True, "residual")
+    p = Sm90WgmmaParams(**{**_PERSISTENT, **update})
+    assert p.residual_panels is panels
+    maps = FAMILY.launch(p.model_dump(), problem).tensor_maps
+    source = FAMILY.render(p.model_dump(), problem)
+    assert ("TmaMap tm_r" in source) is panels
+    assert ("R_PANELS = RESIDUAL && true" in source) is panels  # ldmatrix + add, not add_residual's loads
+    if panels:
+        assert [m.operand for m in maps] == ["A", "B", "C", "R"]
+        assert (maps[3].dims, maps[3].box, maps[3].swizzle) == (maps[2].dims, maps[2].box, maps[2].swizzle)
+    else:
+        assert "R" not in [m.operand for m in maps]
+    plain = FAMILY.launch(p.model_dump(), replace(problem, epilogue="none")).tensor_maps
+    assert "R" not in [m.operand for m in plain]
+    assert "TmaMap tm_r" not in FAMILY.render(p.model_dump(), replace(problem, epilogue="none"))
+    assert compile_cuda(source, "sm_90a").ok
+
+
 def test_ping_pong_consumers_take_whole_tiles_and_reject_what_they_cannot_do():
     pp = {**_PERSISTENT, "block_n": 128, "ping_pong": True, "epilogue": "tma"}
     p = Sm90WgmmaParams(**pp)

@@ -139,6 +139,13 @@ class Sm90WgmmaParams(Params):
         return self.split_k > 1 or self.k_groups > 1
 
     @property
+    def residual_panels(self) -> bool:
+        """A residual epilogue's R comes by TMA into the C staging panels (a persistent block's before the tile's
+        mainloop), added there before the TMA store: whole tiles stored through TMA, not swapped. Otherwise each
+        thread loads its accumulators' R values from global memory after the mainloop."""
+        return self.epilogue == "tma" and not self.swap_ab and not self.reduces
+
+    @property
     def exchange_bytes(self) -> int:
         """The fp32 partial tile (rows padded by 8 floats) written over the drained ring where partials are summed."""
         return self.block_m * (self.block_n + 8) * 4 if self.reduces else 0

@@ -39,7 +39,8 @@ class Sm90Wgmma(Family):
         assert isinstance(params, Sm90WgmmaParams)
         return {"threads": params.threads, "smem_bytes": params.smem_bytes, "set_maxnreg": params.set_maxnreg,
                 "producer_regs": params.producer_regs, "consumer_regs": params.consumer_regs,
-                "wgmma_n": params.wgmma_n, "c_chunk": SWAP_C_CHUNK}
+                "wgmma_n": params.wgmma_n, "c_chunk": SWAP_C_CHUNK,
+                "residual_panels": params.residual_panels}
 
     def check_for_problem(self, params: Params, problem: Problem) -> None:
         assert isinstance(params, Sm90WgmmaParams)
@@ -75,6 +76,8 @@ class Sm90Wgmma(Family):
         if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels (swapped: 16-row chunks)
             c_rows = SWAP_C_CHUNK if p.swap_ab else p.block_m // p.row_owners
             maps += (TensorMapSpec("C", (problem.out_n, problem.m), (64, c_rows)),)
+            if problem.fused.residual and p.residual_panels:  # R comes into the same panels the same way
+                maps += (TensorMapSpec("R", (problem.out_n, problem.m), (64, c_rows)),)
         return LaunchSpec(grid=(plan.ctas, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
                           workspace_bytes=p.k_groups * tiles * p.block_m * p.block_n * 4 if grouped else 0,
                           counters=tiles * p.split_k if grouped else 0)

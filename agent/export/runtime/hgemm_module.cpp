@@ -33,8 +33,8 @@ std::shared_ptr<hgemm::Kernel> kernel_record(const py::dict& entry, const char* 
 
 // add_kernel(entry: dict): key, n, k, nk, bf16, bias, epilogue (hgemm::Epilogue's number), serves (the [lo, hi] M intervals it serves), arch, cubin
 // (bytes), segments (dicts: m, grid, boxes (one per tensor map)), block, smem_bytes, workspace_bytes, counters,
-// tensor_maps (dicts: operand 0-2, dims, m_dims (the dims that are the call's M), strides (bytes, all but the
-// first), swizzle and l2 (the driver's enum values)). Replaces what served those intervals of the series before.
+// tensor_maps (dicts: operand 0-3 (A, B, C, R), dims, m_dims (the dims that are the call's M), strides (bytes, all
+// but the first), swizzle and l2 (the driver's enum values)). Replaces what served those intervals of the series before.
 PyObject* py_add_kernel(PyObject*, PyObject* arg) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(PyDict_Check(arg), "add_kernel takes a dict");
@@ -53,8 +53,8 @@ PyObject* py_add_kernel(PyObject*, PyObject* arg) {
     s.operand = m["operand"].cast<int>();
     const auto dims = m["dims"].cast<std::vector<int64_t>>();
     const auto strides = m["strides"].cast<std::vector<int64_t>>();
-    TORCH_CHECK_VALUE(!dims.empty() && strides.size() + 1 == dims.size() && s.operand >= 0 && s.operand < 3,
-                      "add_kernel: a tensor map covers A, B or C with one box size per dimension and a byte "
+    TORCH_CHECK_VALUE(!dims.empty() && strides.size() + 1 == dims.size() && s.operand >= 0 && s.operand < 4,
+                      "add_kernel: a tensor map covers A, B, C or R with one box size per dimension and a byte "
                       "stride for each dimension but the first");
     s.rank = dims.size();
     fill(s.dims, dims, "dims");
@@ -68,7 +68,7 @@ PyObject* py_add_kernel(PyObject*, PyObject* arg) {
     s.l2 = m["l2"].cast<int>();
     kern->maps.push_back(s);
   }
-  TORCH_CHECK_VALUE(kern->maps.size() <= 3, "add_kernel: at most 3 tensor maps (A, B, C)");
+  TORCH_CHECK_VALUE(kern->maps.size() <= hgemm::kMaxMaps, "add_kernel: at most 4 tensor maps (A, B, C, R)");
   for (const auto& item : entry["segments"].cast<py::list>()) {
     const auto d = item.cast<py::dict>();
     hgemm::Segment seg;

@@ -176,8 +176,9 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
   const hgemm::Geometry at = hgemm::geometry_at(kern, m);
   std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end() - 1);
   shape.push_back(hgemm::gated(kern.epilogue) ? kern.n / 2 : kern.n);
-  std::array<CUtensorMap, 3> maps;
+  std::array<CUtensorMap, hgemm::kMaxMaps> maps;
   void* ptrs[3] = {const_cast<void*>(a.const_data_ptr()), const_cast<void*>(b.const_data_ptr()), nullptr};
+  void* residual_ptr = residual ? const_cast<void*>(residual->const_data_ptr()) : nullptr;
   CUfunction fn = nullptr;
   CUdeviceptr scratch = 0, counters = 0;
   at::Tensor c;
@@ -192,13 +193,14 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
     }
     c = at::empty(shape, a.options());
     ptrs[2] = c.data_ptr();
-    for (size_t i = 0; i < kern.maps.size(); ++i)
-      maps[i] = tensor_map(kern, device, i, ptrs[kern.maps[i].operand], m, at);
+    for (size_t i = 0; i < kern.maps.size(); ++i) {  // operand 3: the residual
+      const int op = kern.maps[i].operand;
+      maps[i] = tensor_map(kern, device, i, op == 3 ? residual_ptr : ptrs[op], m, at);
+    }
   }
   int32_t sizes[3] = {static_cast<int32_t>(m), static_cast<int32_t>(kern.n), static_cast<int32_t>(kern.k)};
   void* bias_ptr = bias ? const_cast<void*>(bias->const_data_ptr()) : nullptr;
-  void* residual_ptr = residual ? const_cast<void*>(residual->const_data_ptr()) : nullptr;
-  std::array<void*, 13> params;
+  std::array<void*, 14> params;
   size_t np = 0;
   for (auto& p : ptrs) params[np++] = &p;
   for (auto& s : sizes) params[np++] = &s;

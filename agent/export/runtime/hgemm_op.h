@@ -17,8 +17,10 @@ namespace hgemm {
 enum Epilogue : int { kNone = 0, kRelu, kSilu, kGeluTanh, kSiluMul, kGeluMul, kResidual, kEpilogues };
 inline bool gated(int epilogue) { return epilogue == kSiluMul || epilogue == kGeluMul; }
 
+constexpr size_t kMaxMaps = 4;  // A, B, C and the residual
+
 struct MapSpec {  // cuTensorMapEncodeTiled's arguments but the address and the box (per segment of M)
-  int operand = 0;  // 0 A, 1 B, 2 C
+  int operand = 0;  // 0 A, 1 B, 2 C, 3 the residual
   unsigned rank = 0;
   std::array<unsigned long long, 5> dims{}, strides{};
   unsigned m_dims = 0;  // bit i set: dims[i] is the call's M
@@ -28,7 +30,7 @@ struct MapSpec {  // cuTensorMapEncodeTiled's arguments but the address and the 
 struct Segment {  // the launch from M = m up to the next segment's m
   int64_t m = 0;
   std::array<unsigned, 3> grid{};
-  std::array<std::array<unsigned, 5>, 3> boxes{};  // one per tensor map
+  std::array<std::array<unsigned, 5>, kMaxMaps> boxes{};  // one per tensor map
 };
 
 struct Kernel {
@@ -46,8 +48,8 @@ struct Kernel {
 // The launch of a kernel at one M: the grid and each tensor map's dims (M filled in) and box.
 struct Geometry {
   std::array<unsigned, 3> grid{};
-  std::array<std::array<unsigned long long, 5>, 3> dims{};
-  std::array<std::array<unsigned, 5>, 3> boxes{};
+  std::array<std::array<unsigned long long, 5>, kMaxMaps> dims{};
+  std::array<std::array<unsigned, 5>, kMaxMaps> boxes{};
 };
 Geometry geometry_at(const Kernel& kernel, int64_t m);
 
