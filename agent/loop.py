@@ -7,13 +7,13 @@ With W GPUs the loop keeps up to 2W - 1 jobs in flight (candidates compiling or 
 profiles): W on the GPUs and W - 1 compiled ahead. With one GPU that is one at a time, today's order exactly. Each
 result is recorded, and the bandit updated, in this thread as it comes back, in submission order where several are
 ready at once. Shapes take turns: the next shape starts proposing once the current one has proposed its last
-candidate, so idle GPUs take its candidates while the previous shape's last evaluations, its re-measurement
-(successive halving, round by round, a round's measurements at once) and its profiles finish. A shape's time
-budget is its share of what is left when it starts (shapes are searched cheapest first, so what the small ones leave
-goes to the costly ones); it stops proposing early enough for its re-measurement and its profiles to fit in that
-share too, and no profile starts once its share is spent. A bucket of M (agent/buckets.py) starts from its searched
-neighbour's leaders, with a smaller candidate budget, and after its re-measurement its leaders are re-timed at the
-bucket's probe M (its share keeps room for that too).
+candidate, so idle GPUs take its candidates while the previous shape's last evaluations, its re-measurement (successive
+halving, round by round, a round's measurements at once) and its profiles finish. A shape's time budget is its share of
+what is left when it starts, weighted by what its evaluations cost (agent/pace.py; shapes are searched cheapest first,
+so what the small ones leave goes to the costly ones); it stops proposing early enough for its re-measurement and its
+profiles to fit in that share too, and no profile starts once its share is spent. A bucket of M (agent/buckets.py)
+starts from its searched neighbour's leaders, with a smaller candidate budget, and after its re-measurement its leaders
+are re-timed at the bucket's probe M (its share keeps room for that too).
 
 What happens is told to an observer as typed events (agent/events.py) as it happens: the view draws them.
 """
@@ -42,7 +42,7 @@ from agent.events import (
     ShapeStarted,
 )
 from agent.events import ignore as ignore_events
-from agent.pace import Pace, follow_up_reserve, follow_up_words
+from agent.pace import Pace, follow_up_reserve, follow_up_words, share
 from agent.profiles import PROFILE_TOP, LeaderProfiles
 from agent.proposers.base import Proposer, SearchState, arm_of
 from agent.store import RunStore, Winner
@@ -130,8 +130,8 @@ class SearchLoop:
             current = next((s for s in active if s.phase == "search"), None)
             if current is None and waiting and self._room():
                 index, problem = waiting.pop(0)
-                share = max((deadline - time.monotonic()) / (len(waiting) + 1), 0.0)
-                current = self._begin(index, problem, share)
+                current = self._begin(index, problem, share(deadline - time.monotonic(), problem,
+                                                            (p for _, p in waiting)))
                 active.append(current)
             if current is not None:
                 self._top_up(current)

@@ -1,5 +1,9 @@
-"""A run's time: what a shape keeps back from its share for its follow-up, and whether the budget reaches every shape
-(after a few shapes, the pace so far against the shapes still waiting).
+"""A run's time: each shape's share of it, what a shape keeps back from its share for its follow-up, and whether the
+budget reaches every shape (after a few shapes, the pace so far against the shapes still waiting).
+
+A shape's share is the time left weighted by what its candidates cost to evaluate against the shapes still waiting
+(`share`): an evaluation's time grows with the bytes of its operands (every check and timing mode fills, copies and
+verifies them), so equal seconds a shape would give a 2-GB weight a third of the candidates a small shape gets.
 
 A shape stops proposing once the time left in its share is what its follow-up needs (`follow_up_reserve`), so that
 the follow-up is charged to it and not to the shapes after it.
@@ -13,8 +17,13 @@ shapes cost more), and a budget that would reach them all at that pace (a lower 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+
+from core.records import Problem
 
 MIN_DONE = 3  # shapes finished before the pace is judged
+# Operand bytes that add one small shape's evaluation time to a candidate's (docs/decisions.md `cost-shares`)
+WEIGHT_BYTES = 1.7e9
 SLACK = 1.25  # the waiting shapes must need this much more than the time left
 
 
@@ -37,6 +46,17 @@ class Pace:
         return (f"at {per:.1f} s a shape so far, the {left / 60:.1f} minutes left reach at most about {reach} of the "
                 f"{waiting} shapes still waiting (the costliest come last and get no candidate); --budget-minutes "
                 f"{minutes:g} or more would reach them all")
+
+
+def weight(problem: Problem) -> float:
+    """A candidate's evaluation time relative to a small shape's: 1 + its operand bytes over WEIGHT_BYTES."""
+    return 1.0 + problem.operand_bytes / WEIGHT_BYTES
+
+
+def share(left_s: float, problem: Problem, waiting: Iterable[Problem]) -> float:
+    """The seconds of `left_s` the shape beginning now gets: its weight's part of its own and the waiting shapes'."""
+    mine = weight(problem)
+    return max(left_s, 0.0) * mine / (mine + sum(weight(p) for p in waiting))
 
 
 def follow_up_reserve(walls: list[float], slots: int, remeasure_top: int, probes: int, profiles_s: float) -> float:

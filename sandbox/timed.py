@@ -14,11 +14,11 @@ honestly in the correctness checks; these buffers make that show in the timing i
   so no launch can reuse an earlier one's work; the refills' own time is subtracted. Each slot is refilled before
   the launch ahead of its own (the first before the replay), so that another launch's operands pass through the L2
   in between, as the warm rotation's do (docs/decisions.md, `honest-ranking`).
-Before each replay every output is poisoned; after it: no guard region touched, no input changed, no poison left,
-the first output of each set verified on sampled rows against an fp64 reference and cuBLAS's error, the other
-outputs of the set equal to it bit for bit (deterministic kernels) or verified likewise. cuBLAS is timed the same way
-on sets of its own with other values: no buffer holds the product the candidate is timed on. Where the problem fuses
-an epilogue, "cuBLAS" is what the model runs instead (`Baseline`): the GEMM (two, for gate and up) and PyTorch's
+Before each replay every output is poisoned; after it: no guard region touched, no input changed, no poison left, the
+first output of each set verified on sampled rows and columns against an fp64 reference and cuBLAS's error, the other
+outputs of the set equal to it bit for bit (deterministic kernels) or verified likewise. cuBLAS is timed the same way on
+sets of its own with other values: no buffer holds the product the candidate is timed on. Where the problem fuses an
+epilogue, "cuBLAS" is what the model runs instead (`Baseline`): the GEMM (two, for gate and up) and PyTorch's
 elementwise ops, all in the one graph.
 """
 
@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from core.epilogue import activate, split_gate_up
+from core.epilogue import GATE_BLOCK, activate, split_gate_up
 from core.records import Problem, Timing
 from sandbox import check
 from sandbox.check import TORCH_DTYPE, Checker, CheckFailed, GuardedStack, same_bits
@@ -37,7 +37,8 @@ from sandbox.timing import L2Flush, Subject, graph_estimate_us, launches_for, me
 MEMORY_BUDGET = 6 << 30  # bytes of timing buffers per subject; beyond it launches share sets and outputs
 FRESH_SLOTS = 64
 NONDETERMINISTIC_SAMPLE = 16
-VERIFY_BYTES = 1 << 30  # a verification batch's B, gathered and in fp64 (10 bytes an element), stays below this
+VERIFY_BYTES = 1 << 30  # a verification batch's B columns, gathered and in fp64 (10 bytes an element), below this
+VERIFY_BLOCKS = 64  # C's blocks of GATE_BLOCK (8) columns a timed output is verified on (drawn after each replay)
 Launch = Callable[..., None]  # launch(A, B, C, M, N, K, bias, residual)
 
 
@@ -221,26 +222,37 @@ class TimedBuffers:
                               f"{int(twin[o])} on the same inputs ({where})")
 
     def _verify_outputs(self, outputs: list[int], where: str) -> None:
-        """A random sample of rows of each of these outputs (its own) against its operands (fp64 reference and
-        cuBLAS's error), in batches whose B, in fp64, stays within VERIFY_BYTES."""
+        """Each of these outputs against its own operands (fp64 reference and cuBLAS's error) on a random sample of its
+        rows and of C's 8-column blocks (a batch's outputs share the blocks, drawn after the replay), in batches whose
+        B columns, gathered and in fp64, stay within VERIFY_BYTES."""
         p = self.p
-        per_batch = max(1, VERIFY_BYTES // (10 * p.k * p.n))  # each output's B gathered, then in fp64
+        out_cols, gemm_cols = self._sample_columns()
+        per_batch = max(1, VERIFY_BYTES // (10 * p.k * len(gemm_cols)))
         for start in range(0, len(outputs), per_batch):
             part = outputs[start:start + per_batch]
+            if start:
+                out_cols, gemm_cols = self._sample_columns()
             out = torch.tensor(part, device=check.DEVICE)
             sets = torch.tensor([self.set_of[o] for o in part], device=check.DEVICE)
-            if self.b_sets == 1 or len(part) == 1:  # a view of the one B, not a copy
-                j = self.set_of[part[0]] % self.b_sets
-                b = self.b.all[j:j + 1]
-            else:
-                b = self.b.all[sets % self.b_sets]
-            bias = None if self.bias is None else self.bias.all[sets, 0]
+            b_sets = sets[:1] if self.b_sets == 1 else sets
+            b = self.b.all[b_sets % self.b_sets]
+            b = b[:, :, gemm_cols] if p.b_layout == "kn" else b[:, gemm_cols, :]
+            bias = None if self.bias is None else self.bias.all[sets, 0][:, gemm_cols]
             rows = self.checker.sample_rows(p.m, len(part))
             self.checker.verify_batch(
-                self.c.all[out[:, None], rows], self.a.all[sets[:, None], rows], b, bias,
-                f"M={p.m} N={p.n} K={p.k}, {rows.shape[1]} sampled rows of each",
+                self.c.all[out[:, None], rows][:, :, out_cols], self.a.all[sets[:, None], rows], b, bias,
+                f"M={p.m} N={p.n} K={p.k}, {rows.shape[1]} sampled rows and {len(out_cols)} sampled columns of each",
                 [f"the timed launches left a wrong result ({where}, output {o})" for o in part],
-                None if self.r is None else self.r.all[sets[:, None], rows])
+                None if self.r is None else self.r.all[sets[:, None], rows][:, :, out_cols])
+
+    def _sample_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A random sample of VERIFY_BLOCKS of C's blocks of GATE_BLOCK columns (all of them where C has fewer): C's
+        columns, and the GEMM columns behind them (gated: each block's gate and up columns)."""
+        blocks = self.p.out_n // GATE_BLOCK
+        pick = torch.randperm(blocks, generator=self.checker.gen, device=check.DEVICE)[:VERIFY_BLOCKS].sort().values
+        width = 2 * GATE_BLOCK if self.p.fused.gated else GATE_BLOCK
+        out_cols = (pick[:, None] * GATE_BLOCK + torch.arange(GATE_BLOCK, device=check.DEVICE)).flatten()
+        return out_cols, (pick[:, None] * width + torch.arange(width, device=check.DEVICE)).flatten()
 
 
 # A candidate's cold time may exceed its warm time by cuBLAS's own gap plus this much before its warm time is

@@ -144,6 +144,39 @@ def test_every_timed_output_is_verified(on_cpu, mode):
         timed(skip)
 
 
+def test_a_wide_timed_output_is_verified_on_sampled_columns(on_cpu):
+    """Past VERIFY_BLOCKS blocks of 8 columns, each verification gathers B's columns of a random sample of blocks only
+    (the cost no longer grows with N), and an output wrong in its last tile of columns is still found."""
+    from sandbox.timed import VERIFY_BLOCKS, TimedBuffers
+
+    wide = Problem(16, 1024, 64, "kn", "f16", True)
+
+    def timed(fault=None):
+        checker = Checker(cpu_gemm(), wide, seed=2)
+        seen, real = [], checker.verify_batch
+
+        def spy(out, a, b, bias, *rest):
+            seen.append((out.shape[-1], b.shape[-1], bias.shape[-1]))
+            real(out, a, b, bias, *rest)
+
+        checker.verify_batch = spy
+        buffers = TimedBuffers(wide, cpu_gemm(fault), 4, "cold", checker)
+        subject = buffers.subject()
+        subject.overhead = None  # no L2 to flush on the CPU
+        for _ in range(2):
+            replay(buffers, subject)
+        return seen
+
+    assert set(timed()) == {(8 * VERIFY_BLOCKS,) * 3}
+
+    def last_tile(call, c):  # launch 5 (the second replay's second) wrong in its last 128 columns
+        if call == 5:
+            c[:, -128:] += 1.0
+
+    with pytest.raises(CheckFailed, match="left a wrong result .*output 1"):
+        timed(last_tile)
+
+
 def test_the_honest_mode_refills_every_operand_of_every_launch(on_cpu):
     from sandbox.timed import Baseline, TimedBuffers
 

@@ -178,10 +178,11 @@ def test_a_residual_kernel_that_cannot_run_in_place_is_named(on_cpu):
 
 @pytest.mark.parametrize("mode", ["warm", "cold", "fresh"])
 @pytest.mark.parametrize("epilogue", ["residual", "silu_mul"])
-def test_timed_outputs_of_a_fused_epilogue_are_verified(on_cpu, mode, epilogue):
+@pytest.mark.parametrize("n", [64, 1280])  # 1280: more column blocks than a verification samples
+def test_timed_outputs_of_a_fused_epilogue_are_verified(on_cpu, mode, epilogue, n):
     from sandbox.timed import TimedBuffers
 
-    problem = Problem(24, 64, 64, "nk", "f16", True, epilogue)
+    problem = Problem(24, n, 64, "nk", "f16", True, epilogue)
 
     def timed(cheat=""):
         buffers = TimedBuffers(problem, fused(problem, cheat), 4, mode, Checker(fused(problem), problem, seed=2))

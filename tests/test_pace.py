@@ -8,7 +8,7 @@ import dataclasses
 from agent.config import RunConfig
 from agent.events import Notice
 from agent.loop import SearchLoop
-from agent.pace import Pace, follow_up_reserve, follow_up_words
+from agent.pace import WEIGHT_BYTES, Pace, follow_up_reserve, follow_up_words, share, weight
 from agent.proposers.builtin import BuiltinProposer
 from agent.store import RunStore
 from core.records import Problem
@@ -23,6 +23,15 @@ def test_the_pace_is_judged_after_three_shapes_and_said_once():
     assert said.startswith("at 10.0 s a shape so far, the 4.5 minutes left reach at most about 27 of the 100 shapes")
     assert said.endswith("--budget-minutes 17.2 or more would reach them all")
     assert pace.check(now=40.0, done=4, waiting=99) is None  # once
+
+
+def test_a_share_is_weighted_by_the_operand_bytes_of_the_shape_and_the_waiting_ones():
+    small, big = Problem(256, 2304, 768), Problem(8, 128256, 8192)  # about 5 MB and 2.1 GB of operands
+    assert weight(small) < 1.01 and weight(big) == 1.0 + big.operand_bytes / WEIGHT_BYTES
+    assert share(100.0, small, [small] * 3) == 25.0  # equal shapes: equal parts
+    assert share(100.0, small, [big]) == 100.0 * weight(small) / (weight(small) + weight(big))
+    assert share(100.0, big, [small]) > 2 * share(100.0, small, [big])  # the costly shape, more seconds
+    assert share(-5.0, small, [big]) == 0.0
 
 
 def test_a_run_too_short_for_its_shapes_says_so(tmp_path):
