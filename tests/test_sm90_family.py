@@ -794,6 +794,15 @@ GPU_KINDS = {
     "raster_m_snake_multicast": ({**_PERSISTENT, "block_n": 128, "cluster_m": 2, "raster_group": 2,
                                   "raster_snake": True},
                                  (1000, 1096, 520)),
+    # C stored one 64-column panel at a time through two buffers: 3 panels a tile (the last on the first buffer),
+    # persistent (the next tile's first panel waits for both), 4 stages; a one-tile block; ping-pong; 256 rows
+    "c_panels_persistent": ({**_PERSISTENT, "block_n": 192, "epilogue": "tma", "c_panels": True},
+                            (1000, 1096, 520)),
+    "c_panels_one_tile": ({**_PLAIN, "block_n": 192, "epilogue": "tma", "c_panels": True}, (333, 1000, 520)),
+    "c_panels_ping_pong": ({**_PERSISTENT, "block_n": 128, "ping_pong": True, "epilogue": "tma", "c_panels": True},
+                           (4100, 1096, 520)),
+    "c_panels_256_rows": ({**_PERSISTENT, "block_m": 256, "block_n": 128, "stages": 3, "epilogue": "tma",
+                           "c_panels": True}, (1000, 1096, 520)),
 }
 
 
@@ -878,6 +887,25 @@ def test_a_residual_comes_by_tma_into_the_c_panels_where_whole_tiles_are_stored_
     assert "R" not in [m.operand for m in plain]
     assert "TmaMap tm_r" not in FAMILY.render(p.model_dump(), replace(problem, epilogue="none"))
     assert compile_cuda(source, "sm_90a").ok
+
+
+def test_c_panels_stage_two_64_column_panels_a_warpgroup_so_a_persistent_128x256_keeps_4_stages():
+    base = {"block_m": 128, "block_n": 256, "stages": 4, "persistent": True, "epilogue": "tma"}
+    with pytest.raises(ValueError, match="shared memory"):
+        Sm90WgmmaParams(**base)  # the whole tile's staging beside a 4-stage ring does not fit
+    p = Sm90WgmmaParams(**base, c_panels=True)
+    assert p.smem_bytes == 4 * 384 * 128 + 2 * 128 * 128 + 16 * 4 + 1024
+    assert "c_panels" not in Sm90WgmmaParams(**{**base, "stages": 3}).model_dump()  # named only where set
+    for bad in ({"epilogue": "smem"}, {**_SWAPPED, "epilogue": "tma"}):
+        with pytest.raises(ValueError, match="c_panels"):
+            Sm90WgmmaParams(**{**base, **bad, "c_panels": True})
+    residual = Problem(1000, 1096, 520, "nk", "f16", False, "residual")
+    assert not p.residual_panels and [m.operand for m in FAMILY.launch(p.model_dump(), residual).tensor_maps] == \
+        ["A", "B", "C"]  # R by the register path: the panels hold one 64-column panel, not the tile
+    for problem in (Problem(1000, 1096, 520, "nk"), residual, Problem(1000, 1024, 520, "kn", "bf16", True,
+                                                                       "silu_mul")):
+        source = FAMILY.render(p.model_dump(), problem)
+        assert "C_PANELS = true" in source and compile_cuda(source, "sm_90a").ok
 
 
 def test_ping_pong_consumers_take_whole_tiles_and_reject_what_they_cannot_do():

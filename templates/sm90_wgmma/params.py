@@ -32,7 +32,7 @@ SWAP_C_CHUNK = 16
 
 
 # Fields added after settings were first stored, each with its default: a setting names them only where it differs.
-LATER_FIELDS = {"ping_pong": False, "raster_along": "m", "raster_snake": False}
+LATER_FIELDS = {"ping_pong": False, "raster_along": "m", "raster_snake": False, "c_panels": False}
 
 
 class Sm90WgmmaParams(Params):
@@ -94,6 +94,12 @@ class Sm90WgmmaParams(Params):
         "multiplies the next, so the tensor cores do not wait on the epilogue; for many tiles of a short K. Each "
         "consumer holds a whole tile's accumulators (block_m x block_n / 128 registers a thread)")
 
+    c_panels: bool = Field(
+        False, description="with epilogue tma (not swapped): C staged one 64-column panel at a time through two "
+        "panel buffers a consumer warpgroup (one drains by TMA store while the next fills), not a whole tile: "
+        "2 x 64 columns of shared memory a row instead of block_n, so a persistent block keeps a deeper ring "
+        "(128 x 256 with 4 stages, 256-row tiles)")
+
     swap_ab: bool = Field(
         False, description="wgmma computes C^T = B^T A^T, the B tile (block_n rows, 64 per m64 wgmma, block_n / "
         "consumers per consumer) as wgmma's A operand and the A tile as its B operand (wgmma N = block_m, any "
@@ -103,8 +109,9 @@ class Sm90WgmmaParams(Params):
 
     @model_serializer(mode="wrap")
     def _without_defaults_of_later_fields(self, handler: Any) -> dict[str, Any]:
-        """ping_pong, raster_along and raster_snake appear only where they differ from their defaults: every other
-        setting keeps the dict, and so the candidate id and the tuning database rows, it had before they existed."""
+        """ping_pong, raster_along, raster_snake and c_panels appear only where they differ from their defaults: every
+        other setting keeps the dict, and so the candidate id and the tuning database rows, it had before they
+        existed."""
         out = handler(self)
         for name, default in LATER_FIELDS.items():
             if out.get(name) == default:
@@ -143,7 +150,7 @@ class Sm90WgmmaParams(Params):
         """A residual epilogue's R comes by TMA into the C staging panels (a persistent block's before the tile's
         mainloop), added there before the TMA store: whole tiles stored through TMA, not swapped. Otherwise each
         thread loads its accumulators' R values from global memory after the mainloop."""
-        return self.epilogue == "tma" and not self.swap_ab and not self.reduces
+        return self.epilogue == "tma" and not self.swap_ab and not self.reduces and not self.c_panels
 
     @property
     def exchange_bytes(self) -> int:
@@ -153,7 +160,9 @@ class Sm90WgmmaParams(Params):
     @property
     def smem_bytes(self) -> int:
         # swapped TMA stores go out in chunks of rows through two buffers a warpgroup: 2 chunks x block_n halves
-        tma = 2 * SWAP_C_CHUNK * self.block_n * 2 if self.swap_ab else self.block_m * self.block_n * 2
+        # and c_panels: two 64-column panels a warpgroup
+        tma = (2 * SWAP_C_CHUNK * self.block_n * 2 if self.swap_ab else 2 * self.block_m * 64 * 2 if self.c_panels
+               else self.block_m * self.block_n * 2)
         c_tile = {"smem": self.block_m * (self.block_n + 8) * 2, "tma": tma, "direct": 0}[self.epilogue]
         c_tile *= self.consumers if self.ping_pong else 1  # ping-pong: a tile's area per consumer
         c_tile = max(c_tile, self.exchange_bytes)
@@ -216,6 +225,9 @@ class Sm90WgmmaParams(Params):
             raise ValueError(f"epilogue=tma stores 64-column panels: block_n={self.block_n} must be a multiple of "
                              f"64, and split_k={self.split_k}, k_groups={self.k_groups} must be 1 (split-K stores "
                              "its own sums)")
+        if self.c_panels and (self.epilogue != "tma" or self.swap_ab):
+            raise ValueError("c_panels stages C for TMA stores one panel at a time: it needs epilogue=tma and no "
+                             "swap_ab (swapped TMA stores already go out in chunks of rows)")
         if self.cluster_m > 1 and (self.loader != "tma" or self.split_k > 1 or self.block_n % (64 * self.cluster_m)):
             raise ValueError(f"cluster_m={self.cluster_m} multicasts whole 64-column B panels from TMA copies in "
                              "clusters of one C tile per CTA at a time: it needs loader=tma, block_n a multiple of "
