@@ -58,7 +58,8 @@ def test_export_uses_the_winner_and_the_runs_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(writer, "get_family", lambda name: Spy(real(name)))
     export_run(store, tmp_path / "out")
     win = store.winner(Problem(1000, 3000, 2000))
-    assert seen == [(win.candidate.params, Problem(1000, 3000, 2000), small)]
+    # at the problem's M, and at the next (which dimensions follow M)
+    assert seen == [(win.candidate.params, Problem(m, 3000, 2000), small) for m in (1000, 1001)]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["device"] == "Half H200" and manifest["kernels"]["1000_3000_2000:kn:f16"]["candidate"] == \
         win.candidate.id

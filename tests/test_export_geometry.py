@@ -66,6 +66,17 @@ def test_a_launch_the_op_cannot_rebuild_is_refused(what, match):
         launch_table(Varying(what), {}, BUCKET, H200)
 
 
+@pytest.mark.parametrize("problem", [Problem(4096, 4096, 4096, "nk"), Problem(2048, 2048, 4096, "kn", "f16", False,
+                                                                              "residual")])
+def test_a_dimension_equal_to_m_by_chance_is_not_taken_for_m(problem):
+    """K = M (A's map) or N = M (C's and R's): only the dimension that follows M is M's; a square problem's TMA
+    kernel was refused as 'M as an inner dimension' and exported as cuBLAS."""
+    params = {"block_m": 128, "block_n": 256, "stages": 3, "persistent": True, "epilogue": "tma"}
+    table = launch_table(get_family("sm90_wgmma"), params, problem, H200)
+    assert {t["operand"]: t["m_dims"] for t in table["tensor_maps"]} == \
+        {"A": [1], "B": [], "C": [1], **({"R": [1]} if problem.fused.residual else {})}
+
+
 def test_narrower_claims_win_where_they_overlap():
     claims = [("1-16", (1, 16)), ("9-16", (9, 16)), ("12", (12, 12)), ("17-24", (17, 24)), ("again-17-24", (17, 24))]
     assert resolve(claims) == {"12": [(12, 12)], "9-16": [(9, 11), (13, 16)], "1-16": [(1, 8)],

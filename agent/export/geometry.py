@@ -40,6 +40,10 @@ def launch_table(family: Family, params: dict[str, Any], problem: Problem, devic
             raise GeometryError(f"the launch rule changes the block, shared memory or tensor maps at M={m}")
         for marked, t in zip(m_dims, spec.tensor_maps, strict=True):
             marked &= {i for i, d in enumerate(t.dims) if d == m}
+    if lo == hi:  # one M: a dimension that only equals M (K or N = M) is told apart at the next M
+        probe = family.launch(params, dataclasses.replace(problem, m=lo + 1, m_range=None), device)
+        for marked, t in zip(m_dims, probe.tensor_maps, strict=True):
+            marked &= {i for i, d in enumerate(t.dims) if d == lo + 1}
     for t, marked in zip(first.tensor_maps, m_dims, strict=True):
         if not t.strides and marked - {len(t.dims) - 1}:
             raise GeometryError(f"the tensor map over {t.operand} has M as an inner dimension of a packed tensor: its "
