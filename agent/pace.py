@@ -3,7 +3,7 @@ budget reaches every shape (after a few shapes, the pace so far against the shap
 
 A shape's share is the time left weighted by what its candidates cost to evaluate against the shapes still waiting
 (`share`): an evaluation's time grows with the bytes of its operands (every check and timing mode fills, copies and
-verifies them), so equal seconds a shape would give a 2-GB weight a third of the candidates a small shape gets.
+verifies them), so equal seconds a shape would give a 2-GB weight about half the candidates a small shape gets.
 
 A shape stops proposing once the time left in its share is what its follow-up needs (`follow_up_reserve`), so that
 the follow-up is charged to it and not to the shapes after it.

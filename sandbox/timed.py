@@ -239,11 +239,12 @@ class TimedBuffers:
             b = b[:, :, gemm_cols] if p.b_layout == "kn" else b[:, gemm_cols, :]
             bias = None if self.bias is None else self.bias.all[sets, 0][:, gemm_cols]
             rows = self.checker.sample_rows(p.m, len(part))
+            at = (rows[:, :, None], out_cols[None, None, :])  # only the sampled elements are gathered
             self.checker.verify_batch(
-                self.c.all[out[:, None], rows][:, :, out_cols], self.a.all[sets[:, None], rows], b, bias,
+                self.c.all[(out[:, None, None], *at)], self.a.all[sets[:, None], rows], b, bias,
                 f"M={p.m} N={p.n} K={p.k}, {rows.shape[1]} sampled rows and {len(out_cols)} sampled columns of each",
                 [f"the timed launches left a wrong result ({where}, output {o})" for o in part],
-                None if self.r is None else self.r.all[sets[:, None], rows][:, :, out_cols])
+                None if self.r is None else self.r.all[(sets[:, None, None], *at)])
 
     def _sample_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A random sample of VERIFY_BLOCKS of C's blocks of GATE_BLOCK columns (all of them where C has fewer): C's
