@@ -75,3 +75,18 @@ def test_on_the_gpu_it_is_the_models_norm_within_two_ulps(tmp_path, op_build_dir
         ops.rms_norm(static, w, 1e-6)
         torch.cuda.synchronize()
     assert "hgemm" in [e.key for e in prof.key_averages()]  # the export's kernel ran, not PyTorch's eight ops
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("section", ["norm", "gated"])
+def test_the_exports_self_check_runs_its_helper_kernels_through_each_path(tmp_path, op_build_dir, monkeypatch,
+                                                                          section):
+    ops = helper_ops_on_this_gpu(tmp_path / "out", section, True, monkeypatch)
+    with torch.no_grad():
+        lines = ops._sibling("hgemm_selfcheck").helper_lines(ops.checked(), {"compiled": ops.compiled(),
+                                                                               "python": ops.PythonPath})
+    keys = ops.MANIFEST[section]
+    for key in keys:
+        for path in ("compiled", "python"):
+            assert any(line.startswith(f"{key} ") and path in line and "FAILED" not in line for line in lines), \
+                (key, path, lines)

@@ -360,14 +360,19 @@ def explain(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, 
     return listed if why.startswith("M=") and "cuBLAS serves" in listed else why
 
 
+def checked() -> types.SimpleNamespace:
+    """What hgemm_selfcheck.py checks: this module's manifest, paths and references."""
+    return types.SimpleNamespace(MANIFEST=MANIFEST, DTYPES=DTYPES, parse_key=parse_key, problem_key=problem_key,
+                                 compiled=compiled, PythonPath=PythonPath, mm=mm, linear=linear, fallback=fallback,
+                                 fused_linear=fused_linear, EPILOGUE_CODES=EPILOGUE_CODES, epilogue=epilogue,
+                                 INDEX=INDEX, intervals=intervals, llama_rms_norm=_patching.fuse.llama_rms_norm)
+
+
 def selfcheck(factor: float = 2.0) -> list[str]:
     """hgemm_selfcheck.py: every exported kernel through each launch path against an fp64 reference and cuBLAS,
-    then the compiled op in a CUDA graph, on a side stream and under torch.compile."""
-    ops = types.SimpleNamespace(MANIFEST=MANIFEST, DTYPES=DTYPES, parse_key=parse_key, problem_key=problem_key,
-                                compiled=compiled, PythonPath=PythonPath, mm=mm, linear=linear, fallback=fallback,
-                                fused_linear=fused_linear, EPILOGUE_CODES=EPILOGUE_CODES, epilogue=epilogue,
-                                INDEX=INDEX, intervals=intervals)
-    return _sibling("hgemm_selfcheck").selfcheck(ops, factor)
+    then the compiled op in a CUDA graph, on a side stream and under torch.compile, and the helper kernels (the gated
+    fallback's, the RMSNorm's) through each path."""
+    return _sibling("hgemm_selfcheck").selfcheck(checked(), factor)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ epilogue: the fp64 reference of the whole op and the model's composition; the er
 theirs); then the compiled op where CUDA graphs, side streams and torch.compile put
 it: its very first call inside a CUDA-graph capture (the kernel loads and the scratch buffers are allocated there),
 a call on a side stream, a 3-D input under torch.compile(fullgraph=True), and an M no interval serves, which must
-give exactly cuBLAS's result. Raises AssertionError on the first failure.
+give exactly cuBLAS's result; then the helper kernels through each launch path: a gated call no kernel serves (cuBLAS,
+then the gated fallback's kernel) must be the model's composition bit for bit, and the RMSNorm kernel the model's norm
+within 2 ulps on under 1% of the elements. Raises AssertionError on the first failure.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import random
 import types
 
 import torch
+import torch.nn.functional as F
 
 
 def served_ms(ops: types.SimpleNamespace, key: str, rng: random.Random) -> list[int]:
@@ -59,6 +62,37 @@ def verdict(ops: types.SimpleNamespace, label: str, out: torch.Tensor, a, b, bia
     return line
 
 
+def helper_lines(ops: types.SimpleNamespace, paths: dict) -> list[str]:
+    """The gated fallback's and the RMSNorm's kernels (the manifest's "gated" and "norm" sections) through each path."""
+    lines = []
+    for key in ops.MANIFEST.get("gated", {}):
+        epi, dtype = key.split(":")
+        x = torch.randn(7, 256, device="cuda").to(ops.DTYPES[dtype])
+        w = (torch.randn(48, 256, device="cuda") * 0.25).to(ops.DTYPES[dtype])  # 48 rows: no kernel serves it
+        if ops.INDEX.find_key(ops.problem_key(x, w, None, "nk", epi)) is not None:
+            continue
+        want = ops.epilogue.compose(F.linear(x, w), ops.epilogue.Epilogue(epi))
+        for name, path in paths.items():
+            same = torch.equal(call(ops, path, x, w, None, "nk", epi), want)
+            lines.append(f"{key} fallback {name}: {'the composition, bit for bit' if same else 'FAILED'}")
+            assert same, lines[-1]
+    for key in ops.MANIFEST.get("norm", {}):
+        dt = ops.DTYPES[key.split(":")[1]]
+        x = (torch.randn(5, 4096, device="cuda") * 3).to(dt)
+        weight = (1 + 0.2 * torch.randn(4096, device="cuda")).to(dt)
+        want = ops.llama_rms_norm(x, weight, 1e-5)
+        for name, path in paths.items():
+            got = path.rms_norm(x, weight, 1e-5)
+            if got is None:  # its cubin does not load on this GPU: rms_norm runs PyTorch's ops
+                lines.append(f"{key} {name}: not served on this GPU (PyTorch's ops)")
+                continue
+            off = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+            ok = int(off.max()) <= 2 and float((off > 0).float().mean()) < 0.01
+            lines.append(f"{key} {name}: " + (f"within {int(off.max())} ulps of the model's norm" if ok else "FAILED"))
+            assert ok, lines[-1]
+    return lines
+
+
 def selfcheck(ops: types.SimpleNamespace, factor: float = 2.0) -> list[str]:
     ext = ops.compiled()
     kernels = list(ops.MANIFEST["kernels"])
@@ -82,6 +116,8 @@ def selfcheck(ops: types.SimpleNamespace, factor: float = 2.0) -> list[str]:
                     out = call(ops, path, *args)
                     torch.cuda.synchronize()
                     lines.append(verdict(ops, f"{key} at M={m} {name}", out, *args, factor))
+    with torch.no_grad():
+        lines += helper_lines(ops, paths)
     if ext is None or not kernels:
         return lines + [f"{key}: cuBLAS (no kernel beat it)" for key in ops.MANIFEST.get("cublas", [])]
     a, b, bias, layout, epi, r = args = operands(ops, kernels[-1])
