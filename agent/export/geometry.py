@@ -30,20 +30,21 @@ def launch_table(family: Family, params: dict[str, Any], problem: Problem, devic
     """The manifest's launch fields for the kernel over every M of problem.m_span; GeometryError where the rule
     varies with M beyond the grid, the boxes and the dimensions equal to M."""
     lo, hi = problem.m_span
-    specs = [(m, family.launch(params, dataclasses.replace(problem, m=m, m_range=None), device))
-             for m in range(lo, hi + 1)]
+
+    def at(m: int) -> LaunchSpec:
+        return family.launch(params, dataclasses.replace(problem, m=m, m_range=None), device)
+
+    specs = [(m, at(m)) for m in range(lo, hi + 1)]
     first = specs[0][1]
-    m_dims = [{i for i, d in enumerate(t.dims) if d == lo} for t in first.tensor_maps]
     for m, spec in specs:
         if (spec.block, spec.smem_bytes, spec.kernel_name, len(spec.tensor_maps)) != \
                 (first.block, first.smem_bytes, first.kernel_name, len(first.tensor_maps)):
             raise GeometryError(f"the launch rule changes the block, shared memory or tensor maps at M={m}")
+    # M's dimensions: those equal to M at every M of the span (one M: at the next too, so that K or N = M is not M)
+    m_dims = [set(range(len(t.dims))) for t in first.tensor_maps]
+    for m, spec in specs + ([(lo + 1, at(lo + 1))] if lo == hi else []):
         for marked, t in zip(m_dims, spec.tensor_maps, strict=True):
             marked &= {i for i, d in enumerate(t.dims) if d == m}
-    if lo == hi:  # one M: a dimension that only equals M (K or N = M) is told apart at the next M
-        probe = family.launch(params, dataclasses.replace(problem, m=lo + 1, m_range=None), device)
-        for marked, t in zip(m_dims, probe.tensor_maps, strict=True):
-            marked &= {i for i, d in enumerate(t.dims) if d == lo + 1}
     for t, marked in zip(first.tensor_maps, m_dims, strict=True):
         if not t.strides and marked - {len(t.dims) - 1}:
             raise GeometryError(f"the tensor map over {t.operand} has M as an inner dimension of a packed tensor: its "
