@@ -46,15 +46,23 @@ class Baseline:
     """What the user's model runs for the problem, into C: cuBLAS as the code calls it (torch.matmul, or F.linear
     with the bias fused, as addmm), then the epilogue's PyTorch ops in the dtype: the activation (in place), the
     residual add, or for a gated epilogue two GEMMs on the separate gate and up weights and act(gate) * up.
-    `prepare(t)` splits a gated B or bias into its gate and up halves once, outside the timed graphs."""
+    `prepare(t)` splits a gated B or bias into its gate and up halves once, outside the timed graphs; `forget()`
+    drops them when the operands they came from go (a later operand may take a freed one's address)."""
 
     def __init__(self, problem: Problem):
         self.p, self.epi = problem, problem.fused
         self.halves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def forget(self) -> None:
+        self.halves.clear()
+
     def prepare(self, t: torch.Tensor | None) -> None:
-        if self.epi.gated and t is not None and t.data_ptr() not in self.halves:
-            dim = 0 if self.p.b_layout == "nk" and t.dim() == 2 else -1  # an N x K weight's rows
+        if not self.epi.gated or t is None:
+            return
+        dim = 0 if self.p.b_layout == "nk" and t.dim() == 2 else t.dim() - 1  # an N x K weight's rows
+        half = (*t.shape[:dim], t.shape[dim] // 2, *t.shape[dim + 1:])
+        known = self.halves.get(t.data_ptr())
+        if known is None or tuple(known[0].shape) != half:  # a bias at the address a B had: not its halves
             self.halves[t.data_ptr()] = tuple(h.contiguous() for h in split_gate_up(t, dim))
 
     def _gemm(self, a, b, bias, out=None):
@@ -123,7 +131,8 @@ class TimedBuffers:
         self.snapshot: list[torch.Tensor] = []
         self.replays = 0
         self.randomise()
-        if isinstance(launch, Baseline):  # gated: the gate and up halves, split before any graph
+        if isinstance(launch, Baseline):  # gated: the gate and up halves of these operands, split before any graph
+            launch.forget()
             for s in range(self.a_sets):
                 for t in self.inputs_of(s)[1:3]:
                     launch.prepare(t)

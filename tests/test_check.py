@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core.epilogue import split_gate_up
 from core.records import Problem
 from sandbox.check import Checker, CheckFailed
 
@@ -232,3 +233,23 @@ def test_a_single_launch_a_replay_leaves_no_output_unwritten(on_cpu, mode):
     buffers = TimedBuffers(P, cpu_gemm(), 1, mode, Checker(cpu_gemm(), P, seed=2))
     assert buffers.a_sets == 2 and buffers.outputs == 1
     replay(buffers, buffers.subject())
+
+
+def test_the_gated_baseline_splits_each_buffers_own_operands(on_cpu):
+    """One baseline times several buffer sets in turn (the probes, then each mode's); a later operand may take a
+    freed one's address, and must get its own halves, not those of the tensor that was there (a run's false
+    rejections: a bias given a B's halves could not be added)."""
+    from sandbox.timed import Baseline, TimedBuffers
+
+    gated = Problem(8, 32, 64, "kn", "f16", True, "silu_mul")
+    baseline = Baseline(gated)
+    first = TimedBuffers(gated, baseline, 2, "warm")
+    a, b, bias, _ = first.inputs_of(0)
+    stale = baseline.halves[b.data_ptr()]
+    baseline.halves[bias.data_ptr()] = stale  # as if this bias sat where a freed B was, its halves still kept
+    c = torch.empty(gated.m, gated.out_n, dtype=a.dtype)
+    baseline(a, b, c, gated.m, gated.n, gated.k, bias)  # the bias's halves are split anew (shapes differ)
+    gate, up = (a.double() @ h.double() + hb.double() for h, hb in zip(stale, split_gate_up(bias, -1), strict=True))
+    assert torch.allclose(c.double(), torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2)
+    second = TimedBuffers(gated, baseline, 2, "warm")  # a new set of buffers: the first's halves are dropped
+    assert set(baseline.halves) == {t.data_ptr() for s in range(second.a_sets) for t in second.inputs_of(s)[1:3]}
