@@ -98,7 +98,8 @@ class Sm90WgmmaParams(Params):
         False, description="with epilogue tma (not swapped): C staged one 64-column panel at a time through two "
         "panel buffers a consumer warpgroup (one drains by TMA store while the next fills), not a whole tile: "
         "2 x 64 columns of shared memory a row instead of block_n, so a persistent block keeps a deeper ring "
-        "(128 x 256 with 4 stages, 256-row tiles)")
+        "(128 x 256 with 4 stages, 256-row tiles); measured no faster than whole-tile stores on large shapes, and a "
+        "residual with it loads R into registers")
 
     swap_ab: bool = Field(
         False, description="wgmma computes C^T = B^T A^T, the B tile (block_n rows, 64 per m64 wgmma, block_n / "
