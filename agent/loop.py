@@ -291,7 +291,7 @@ class SearchLoop:
         for cid in items:
             c = s.leaders[cid]
             job = EvalJob(cid, s.problem, c.family, c.params, self.store.build(cid).cubin,
-                          timeout_s=self.config.kernel_timeout_s, honest=True)
+                          timeout_s=self.config.kernel_timeout_s, honest=True, honest_only=True)
             self._await(self.executor.submit(job), s, lambda r, cid=cid: self._remeasured(s, cid, r))
 
     def _remeasured(self, s: _Shape, cid: str, r: EvalResult) -> None:

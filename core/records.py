@@ -309,6 +309,7 @@ class EvalJob:
     time_it: bool = True
     seed: int | None = None  # None: the worker draws fresh random inputs each time
     honest: bool = False  # also time it honestly (sandbox/timed.py), the figure that then ranks it
+    honest_only: bool = False  # a re-measurement: the honest timing alone (warm and cold are the first screen's)
 
 
 @dataclass(frozen=True)

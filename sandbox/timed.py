@@ -306,11 +306,15 @@ def time_subjects(problem: Problem, launches: dict[str, Launch], checker: Checke
 
 
 def time_candidate(problem: Problem, kernel: Launch, checker: Checker, flush: L2Flush,
-                   honest: bool = False) -> dict[str, Timing | None]:
+                   honest: bool = False, honest_only: bool = False) -> dict[str, Timing | None]:
     """Warm and cold timings of the candidate and cuBLAS (and with `honest` the honest ones, which then rank it);
     where the candidate's warm time is suspect, the fresh re-check too, and CheckFailed if its speed-up does not
-    hold on fresh inputs."""
+    hold on fresh inputs. With `honest_only` (a re-measurement of a candidate the first screen passed) the honest
+    timings alone."""
     launches = {"candidate": kernel, "cublas": cublas_launch(problem)}
+    if honest_only:
+        t = time_subjects(problem, launches, checker, flush, ("honest",))["honest"]
+        return dict(honest=t["candidate"], cublas_honest=t["cublas"])
     t = time_subjects(problem, launches, checker, flush, ("warm", "cold", "honest") if honest else ("warm", "cold"))
     warm, cold = t["warm"], t["cold"]
     result = dict(warm=warm["candidate"], cold=cold["candidate"], cublas_warm=warm["cublas"],

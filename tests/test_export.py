@@ -67,8 +67,9 @@ def test_export_uses_the_winner_and_the_runs_gpu(tmp_path, monkeypatch):
 
 def test_export_records_the_workspace_a_k_groups_kernel_needs(tmp_path):
     def k_groups_win(job: EvalJob):
-        t = 10.0 if job.params.get("k_groups", 1) > 1 else 50.0
-        return dataclasses.replace(fake_evaluate(job), warm=Timing(t, t, t, 100), cold=Timing(t, t, t, 100))
+        t = Timing(*(3 * [10.0 if job.params.get("k_groups", 1) > 1 else 50.0]), 100)
+        r = fake_evaluate(job)
+        return dataclasses.replace(r, honest=t) if job.honest_only else dataclasses.replace(r, warm=t, cold=t)
 
     populated = populated_run(tmp_path / "r", problems=(Problem(64, 4096, 16384),), evaluate=k_groups_win)
     export_run(populated, tmp_path / "out")

@@ -20,7 +20,8 @@ def evaluate(job: EvalJob):
     r = fake_evaluate(job)
     if not job.honest:
         return r
-    t = r.warm.median_us * (1 + REUSED.get(job.candidate_id, 0.0)) * 1.02
+    warm = fake_evaluate(dataclasses.replace(job, honest=False, honest_only=False)).warm  # the first screen's
+    t = warm.median_us * (1 + REUSED.get(job.candidate_id, 0.0)) * 1.02
     return dataclasses.replace(r, honest=Timing(t, t, t, 50), cublas_honest=Timing(30.6, 30.6, 30.6, 50))
 
 

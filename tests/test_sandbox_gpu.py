@@ -85,6 +85,21 @@ def test_timing_record_is_complete(pool):
     assert r.device["name"] and r.device["sms"] > 0 and "torch" in r.device["software"]
 
 
+def test_a_remeasurement_times_the_honest_mode_alone(pool):
+    """A re-measurement (honest_only): the checks and the honest timings, no warm or cold graphs; it ranks on the
+    honest figures."""
+    import dataclasses
+
+    p = Problem(1024, 1024, 1024)
+    job = dataclasses.replace(build_job("sm80_mma", get_family("sm80_mma").space(p)[0], p), honest=True,
+                              honest_only=True)
+    r = pool.evaluate(job)
+    assert r.status is Status.OK, r.reason
+    assert r.warm is r.cold is r.cublas_warm is r.cublas_cold is None
+    assert r.honest.launches >= 1 and r.cublas_honest.launches >= 1
+    assert r.speedup == pytest.approx(r.cublas_honest.median_us / r.honest.median_us)
+
+
 @pytest.mark.gpu_alone
 def test_two_runs_agree_within_their_spread(pool):
     p = Problem(2048, 2048, 2048)

@@ -3,7 +3,7 @@ family's first setting on each shape, after one evaluation to warm up.
 
     python3 tools/prof_eval.py [--shapes 64_64_64,1024_1024_1024,4096_4096_4096] [--repeat 4] [--top 28] [--honest]
 
-(--honest: the evaluation a re-measurement runs, every operand refilled before each launch.)
+(--honest: the evaluation a re-measurement runs: the honest timing alone, every operand refilled before each launch.)
 
 Prints per shape the wall seconds of each evaluation and the functions with the most cumulative time.
 """
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     for problem in parse_shape_list(args.shapes):
         params = family.space(problem, ctx.facts)[0]
         job = EvalJob("profiled", problem, family.name, params, compile_cuda(family.render(params, problem)).cubin,
-                      honest=args.honest)
+                      honest=args.honest, honest_only=args.honest)
         ctx.evaluate(job, lambda s: None)
         prof, walls = cProfile.Profile(), []
         for _ in range(args.repeat):
