@@ -42,7 +42,7 @@ from agent.events import (
     ShapeStarted,
 )
 from agent.events import ignore as ignore_events
-from agent.pace import Pace, follow_up_reserve, follow_up_words, share
+from agent.pace import Pace, follow_up_reserve, follow_up_words, remeasure_cost, share
 from agent.profiles import PROFILE_TOP, LeaderProfiles
 from agent.proposers.base import Proposer, SearchState, arm_of
 from agent.store import RunStore, Winner
@@ -105,6 +105,7 @@ class SearchLoop:
         self.profiles = LeaderProfiles(store, self.executor, profiler if measures and config.profiles else None,
                                        self.observe)
         self.remeasure_top = REMEASURE_TOP
+        self.remeasure_ratios: list[float] = []  # each re-measurement's wall over its shape's mean first screen
         self.pending: dict[Future, tuple[int, _Shape | None, Callable]] = {}
         self._seq = itertools.count()
 
@@ -250,11 +251,16 @@ class SearchLoop:
     def _follow_up_words(self, s: _Shape) -> str:
         return follow_up_words(s.problem.m_range is not None and self.executor.measures, self.profiles.on)
 
+    @staticmethod
+    def _walls(s: _Shape) -> list[float]:
+        return [r.wall_s for _, _, r in s.state.tried if r.status is Status.OK and r.wall_s > 0]
+
     def _follow_up_reserve(self, s: _Shape) -> float:
-        walls = [r.wall_s for _, _, r in s.state.tried if r.status is Status.OK and r.wall_s > 0]
+        walls = self._walls(s)
         probes = len(buckets.probe_ms(s.problem)) if s.problem.m_range is not None and self.executor.measures else 0
         return follow_up_reserve(walls, self.executor.slots, self.remeasure_top, probes,
-                                 self.profiles.reserve_s(s.problem) if walls else 0.0)  # no store query before
+                                 self.profiles.reserve_s(s.problem) if walls else 0.0,  # no store query before
+                                 remeasure_cost(self.remeasure_ratios))
 
     def _searched(self, s: _Shape, cand: Candidate, build: BuildResult | None, result: EvalResult) -> None:
         s.state.pending.discard(cand.id)
@@ -297,6 +303,8 @@ class SearchLoop:
     def _remeasured(self, s: _Shape, cid: str, r: EvalResult) -> None:
         self.observe(Remeasured(s.problem, s.leaders[cid], r))
         self._record_remeasurement(r)
+        if (walls := self._walls(s)) and r.status is Status.OK and r.wall_s > 0:
+            self.remeasure_ratios.append(r.wall_s * len(walls) / sum(walls))
         # ranked on honest re-measurements alone: the first screen's warm times only chose the leaders
         s.halving.record(cid, 1 / r.speedup if r.status is Status.OK else None, replace=True)
         s.round_left -= 1

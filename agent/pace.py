@@ -17,6 +17,7 @@ shapes cost more), and a budget that would reach them all at that pace (a lower 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable
 
 from core.records import Problem
@@ -59,18 +60,26 @@ def share(left_s: float, problem: Problem, waiting: Iterable[Problem]) -> float:
     return max(left_s, 0.0) * mine / (mine + sum(weight(p) for p in waiting))
 
 
-def follow_up_reserve(walls: list[float], slots: int, remeasure_top: int, probes: int, profiles_s: float) -> float:
+def follow_up_reserve(walls: list[float], slots: int, remeasure_top: int, probes: int, profiles_s: float,
+                      remeasure_cost: float = 1.0) -> float:
     """Seconds to keep back for a shape's follow-up, given the wall times of its evaluations so far (none: nothing
-    kept): successive halving over k leaders measures k + ceil(k / 2) times, at the mean evaluation time spread over
-    the GPUs; a bucket's winner is then timed at each of its `probes` M; then the leaders' profiles (`profiles_s`)."""
+    kept): successive halving over k leaders measures k + ceil(k / 2) times, each `remeasure_cost` times the mean
+    evaluation time (what re-measurements have cost so far against their shapes' first screens), spread over the
+    GPUs; a bucket's winner is then timed at each of its `probes` M; then the leaders' profiles (`profiles_s`)."""
     if not walls:
         return 0.0
     mean = sum(walls) / len(walls) / slots
     reserve = profiles_s + probes * mean
     if len(walls) >= 2:
         leaders = min(remeasure_top, len(walls))
-        reserve += (leaders + (leaders + 1) // 2) * mean
+        reserve += (leaders + (leaders + 1) // 2) * mean * remeasure_cost
     return reserve
+
+
+def remeasure_cost(ratios: list[float]) -> float:
+    """A re-measurement's wall time over its shape's mean first-screen evaluation, from the run's re-measurements so
+    far (their median; 1 before any, and never below a quarter)."""
+    return max(0.25, statistics.median(ratios)) if ratios else 1.0
 
 
 def follow_up_words(probes: bool, profiles: bool) -> str:

@@ -8,7 +8,7 @@ import dataclasses
 from agent.config import RunConfig
 from agent.events import Notice
 from agent.loop import SearchLoop
-from agent.pace import WEIGHT_BYTES, Pace, follow_up_reserve, follow_up_words, share, weight
+from agent.pace import WEIGHT_BYTES, Pace, follow_up_reserve, follow_up_words, remeasure_cost, share, weight
 from agent.proposers.builtin import BuiltinProposer
 from agent.store import RunStore
 from core.records import Problem
@@ -55,5 +55,26 @@ def test_the_follow_up_reserve_counts_re_measurement_probes_and_profiles():
     assert follow_up_reserve([2.0], 1, 4, 5, 0.0) == 10.0  # a bucket: its winner at five probe M
     assert follow_up_reserve([2.0, 2.0, 2.0, 2.0, 2.0], 1, 4, 0, 0.0) == 12.0  # 4 leaders: 6 measurements
     assert follow_up_reserve([2.0, 2.0], 2, 4, 5, 1.5) == 1.5 + 5 + 3  # two GPUs share the measurements
+    # re-measurements that cost half a first screen: half the halving's time kept, the probes' as before
+    assert follow_up_reserve([2.0] * 5, 1, 4, 5, 0.0, remeasure_cost=0.5) == 10.0 + 6.0
+
+
+def test_what_re_measurements_cost_is_learned_from_the_run():
+    assert remeasure_cost([]) == 1.0  # nothing yet: as much as a first screen
+    assert remeasure_cost([0.5, 0.4, 0.9]) == 0.5  # the median
+    assert remeasure_cost([0.05]) == 0.25  # never below a quarter
+
+
+def test_the_loop_measures_what_its_re_measurements_cost(tmp_path):
+    """First screens of 2 s, re-measurements (the honest timing alone) of 1 s: the run learns 0.5."""
+    def timed(job):
+        return dataclasses.replace(fake_evaluate(job), wall_s=1.0 if job.honest_only else 2.0)
+
+    problems = [Problem(1000, 3000, 2000), Problem(64, 64, 64, "nk")]
+    store = RunStore(tmp_path / "r", create=True)
+    store.add_problems(problems)
+    loop = SearchLoop(store, RunConfig(max_candidates=4), BuiltinProposer(), "sm_90a", timed)
+    loop.run(problems)
+    assert loop.remeasure_ratios and set(loop.remeasure_ratios) == {0.5}
     assert follow_up_words(False, False) == "re-measurement"
     assert follow_up_words(True, True) == "re-measurement, probe timings and profiles"
