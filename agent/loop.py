@@ -302,9 +302,13 @@ class SearchLoop:
 
     def _remeasured(self, s: _Shape, cid: str, r: EvalResult) -> None:
         self.observe(Remeasured(s.problem, s.leaders[cid], r))
-        self._record_remeasurement(r)
-        if (walls := self._walls(s)) and r.status is Status.OK and r.wall_s > 0:
-            self.remeasure_ratios.append(r.wall_s * len(walls) / sum(walls))
+        if r.status is Status.OK:
+            self.store.add_measurement(r)
+            if (walls := self._walls(s)) and r.wall_s > 0:
+                self.remeasure_ratios.append(r.wall_s * len(walls) / sum(walls))
+        else:
+            self.store.event("remeasure", f"{r.candidate_id} failed on re-measurement: {r.status.value} {r.reason}")
+            self.store.add_result(r)  # a candidate that fails once is not a winner
         # ranked on honest re-measurements alone: the first screen's warm times only chose the leaders
         s.halving.record(cid, 1 / r.speedup if r.status is Status.OK else None, replace=True)
         s.round_left -= 1
@@ -382,19 +386,12 @@ class SearchLoop:
                       timeout_s=self.config.kernel_timeout_s)
         self._await(self.executor.submit(job), s, lambda r: then(build, self._record(r)))
 
-    # recording: every result the search produces reaches the store here
+    # recording: a candidate's first result reaches the store here (a re-measurement's: `_remeasured`)
     def _record(self, result: EvalResult) -> EvalResult:
         self.store.add_result(result)
         if result.status is Status.OK:
             self.store.add_measurement(result)
         return result
-
-    def _record_remeasurement(self, r: EvalResult) -> None:
-        if r.status is Status.OK:
-            self.store.add_measurement(r)
-            return
-        self.store.event("remeasure", f"{r.candidate_id} failed on re-measurement: {r.status.value} {r.reason}")
-        self.store.add_result(r)  # a candidate that fails once is not a winner
 
 
 def _reward(r: EvalResult) -> float | None:
