@@ -43,7 +43,7 @@ CREATE TABLE IF NOT EXISTS builds (candidate_id TEXT PRIMARY KEY, arch TEXT, ok 
 CREATE TABLE IF NOT EXISTS results (candidate_id TEXT PRIMARY KEY, status TEXT, time_us REAL, speedup REAL,
     record TEXT, created REAL);
 CREATE TABLE IF NOT EXISTS measurements (candidate_id TEXT, time_us REAL, cublas_us REAL, speedup REAL,
-    created REAL, honest INT DEFAULT 0);
+    created REAL, honest INT DEFAULT 0, wall_s REAL);
 CREATE TABLE IF NOT EXISTS events (ts REAL, kind TEXT, message TEXT);
 """ + PROFILES_TABLE + WINNERS_TABLE + MODEL_CALLS_TABLE + BUCKET_ENDS_TABLE
 
@@ -109,8 +109,11 @@ class RunStore:
             self.db.execute("ALTER TABLE problems ADD COLUMN m_hi INT")
         if "epilogue" not in columns:
             self.db.execute("ALTER TABLE problems ADD COLUMN epilogue TEXT DEFAULT 'none'")
-        if "honest" not in {row[1] for row in self.db.execute("PRAGMA table_info(measurements)")}:
+        measured = {row[1] for row in self.db.execute("PRAGMA table_info(measurements)")}
+        if "honest" not in measured:
             self.db.execute("ALTER TABLE measurements ADD COLUMN honest INT DEFAULT 0")
+        if "wall_s" not in measured:  # each evaluation's own wall time (a re-measurement's differs from the first)
+            self.db.execute("ALTER TABLE measurements ADD COLUMN wall_s REAL")
         if "patch" not in {row[1] for row in self.db.execute("PRAGMA table_info(candidates)")}:
             self.db.execute("ALTER TABLE candidates ADD COLUMN patch TEXT")
         self.db.executescript(PROFILES_TABLE + WINNERS_TABLE + MODEL_CALLS_TABLE + BUCKET_ENDS_TABLE)
@@ -172,9 +175,9 @@ class RunStore:
         self._notify(r.candidate_id)
 
     def add_measurement(self, r: EvalResult) -> None:
-        self.db.execute("INSERT INTO measurements VALUES (?, ?, ?, ?, ?, ?)",
+        self.db.execute("INSERT INTO measurements VALUES (?, ?, ?, ?, ?, ?, ?)",
                         (r.candidate_id, r.time_us, r.ranked[1].median_us, r.speedup, time.time(),
-                         int(r.honest is not None)))
+                         int(r.honest is not None), r.wall_s))
         self._notify(r.candidate_id)
 
     def _notify(self, cid: str) -> None:

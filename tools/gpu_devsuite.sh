@@ -30,10 +30,14 @@ print(f"{len(rows)} results: {sum(r['status'] == 'ok' for r in rows)} ok, {len(b
       f"{sum(bool(r.get('fresh')) for r in rows)} re-checked on fresh inputs")
 for r in bad:
     print("REJECTED", r["candidate_id"], r["status"], r["reason"][:200])
-# where the run's time went: the GPU's evaluations (re-measurements at their candidate's wall time) against the span
+# where the run's time went: the GPU's evaluations (each measurement's own wall time; a store without them: the
+# candidate's first) against the span
 db = sqlite3.connect(sys.argv[1])
 wall = {cid: json.loads(rec).get("wall_s", 0.0) for cid, rec in db.execute("SELECT candidate_id, record FROM results")}
-extra = sum(wall.get(cid, 0.0) for (cid,) in db.execute("SELECT candidate_id FROM measurements")) - sum(
+walls = [(cid, w) for cid, w in db.execute("SELECT candidate_id, wall_s FROM measurements")] if "wall_s" in {
+    row[1] for row in db.execute("PRAGMA table_info(measurements)")} else [(cid, None) for (cid,) in db.execute(
+    "SELECT candidate_id FROM measurements")]
+extra = sum(wall.get(cid, 0.0) if w is None else w for cid, w in walls) - sum(
     wall[cid] for (cid,) in db.execute("SELECT candidate_id FROM results WHERE status = 'ok'"))
 t0 = db.execute("SELECT MIN(created) FROM candidates").fetchone()[0] or 0
 t1 = max(db.execute("SELECT MAX(created) FROM results").fetchone()[0] or 0, db.execute(
