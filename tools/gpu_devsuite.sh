@@ -53,6 +53,10 @@ print(f"GPU busy {busy:.0f} s of {t1 - t0:.0f} s ({busy / (t1 - t0):.0%}); evalu
       f"{sorted(wall.values())[len(wall) // 2]:.2f} s, each shape's first {sum(firsts) / max(1, len(firsts)):.2f} s "
       f"on average; builds {cached[0]} of {cached[1]} from the cache, the rest {cached[2] or 0:.0f} s of NVRTC; "
       f"candidates by family {fam}")
+again = sorted(w for (w,) in db.execute("SELECT wall_s FROM measurements WHERE honest = 1 AND wall_s > 0")) if any(
+    w is not None for _, w in walls) else []
+if again:  # a re-measurement times the honest mode alone
+    print(f"re-measurements: {len(again)}, median {again[len(again) // 2]:.2f} s each")
 per = [n for (_, n) in db.execute("SELECT p.key, COUNT(c.id) FROM problems p LEFT JOIN candidates c "
                                   "ON c.problem_key = p.key GROUP BY p.key")]
 print(f"shapes searched {sum(n > 0 for n in per)} of {len(per)}; candidates a shape min {min(per)}, median "
