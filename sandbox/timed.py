@@ -46,23 +46,20 @@ class Baseline:
     """What the user's model runs for the problem, into C: cuBLAS as the code calls it (torch.matmul, or F.linear
     with the bias fused, as addmm), then the epilogue's PyTorch ops in the dtype: the activation (in place), the
     residual add, or for a gated epilogue two GEMMs on the separate gate and up weights and act(gate) * up.
-    `prepare(t)` splits a gated B or bias into its gate and up halves once, outside the timed graphs; `forget()`
-    drops them when the operands they came from go (a later operand may take a freed one's address)."""
+    `prepare(t)` splits a gated B or bias into its gate and up halves once, outside the timed graphs, kept by the
+    operand's address: each set of timing buffers times a copy of its own (`for_buffers`), since a later set's
+    operand may take a freed one's address."""
 
     def __init__(self, problem: Problem):
         self.p, self.epi = problem, problem.fused
         self.halves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forget(self) -> None:
-        self.halves.clear()
+    def for_buffers(self) -> Baseline:
+        return Baseline(self.p)
 
     def prepare(self, t: torch.Tensor | None) -> None:
-        if not self.epi.gated or t is None:
-            return
-        dim = 0 if self.p.b_layout == "nk" and t.dim() == 2 else t.dim() - 1  # an N x K weight's rows
-        half = (*t.shape[:dim], t.shape[dim] // 2, *t.shape[dim + 1:])
-        known = self.halves.get(t.data_ptr())
-        if known is None or tuple(known[0].shape) != half:  # a bias at the address a B had: not its halves
+        if self.epi.gated and t is not None and t.data_ptr() not in self.halves:
+            dim = 0 if self.p.b_layout == "nk" and t.dim() == 2 else -1  # an N x K weight's rows
             self.halves[t.data_ptr()] = tuple(h.contiguous() for h in split_gate_up(t, dim))
 
     def _gemm(self, a, b, bias, out=None):
@@ -97,6 +94,8 @@ class TimedBuffers:
 
     def __init__(self, problem: Problem, launch: Launch, launches: int, mode: str,
                  checker: Checker | None = None, flush: L2Flush | None = None):
+        if isinstance(launch, Baseline):  # halves of these buffers' operands only
+            launch = launch.for_buffers()
         self.p, self.launch_fn, self.launches, self.mode, self.checker = problem, launch, launches, mode, checker
         self.std = check.input_std(problem)
         self.flush = flush
@@ -131,8 +130,7 @@ class TimedBuffers:
         self.snapshot: list[torch.Tensor] = []
         self.replays = 0
         self.randomise()
-        if isinstance(launch, Baseline):  # gated: the gate and up halves of these operands, split before any graph
-            launch.forget()
+        if isinstance(launch, Baseline):  # gated: the gate and up halves, split before any graph
             for s in range(self.a_sets):
                 for t in self.inputs_of(s)[1:3]:
                     launch.prepare(t)

@@ -195,11 +195,11 @@ def test_the_honest_mode_refills_every_operand_of_every_launch(on_cpu):
     fresh = TimedBuffers(P, cpu_gemm(), 6, "fresh", Checker(cpu_gemm(), P, seed=2))
     assert fresh.b_sets == 1 and len(fresh.refilled(0)) == 2  # fresh: A and the bias only
     gated = Problem(8, 32, 64, "nk", "f16", True, "silu_mul")
-    baseline = Baseline(gated)
-    buffers = TimedBuffers(gated, baseline, 4, "honest")
+    buffers = TimedBuffers(gated, Baseline(gated), 4, "honest")
     a, b, bias, _ = buffers.inputs_of(1)
     refilled = [t.data_ptr() for t, _ in buffers.refilled(1)]
-    halves = [h.data_ptr() for h in (*baseline.halves[b.data_ptr()], *baseline.halves[bias.data_ptr()])]
+    halves = buffers.launch_fn.halves
+    halves = [h.data_ptr() for h in (*halves[b.data_ptr()], *halves[bias.data_ptr()])]
     assert refilled == [a.data_ptr(), *halves]  # the baseline reads the separate gate and up weights: those
 
 
@@ -244,12 +244,13 @@ def test_the_gated_baseline_splits_each_buffers_own_operands(on_cpu):
     gated = Problem(8, 32, 64, "kn", "f16", True, "silu_mul")
     baseline = Baseline(gated)
     first = TimedBuffers(gated, baseline, 2, "warm")
-    a, b, bias, _ = first.inputs_of(0)
-    stale = baseline.halves[b.data_ptr()]
-    baseline.halves[bias.data_ptr()] = stale  # as if this bias sat where a freed B was, its halves still kept
+    del first  # its operands' memory is free for the next set's
+    second = TimedBuffers(gated, baseline, 2, "warm")
+    operands = [t for s in range(second.a_sets) for t in second.inputs_of(s)[1:3]]
+    assert set(second.launch_fn.halves) == {t.data_ptr() for t in operands}  # its own operands' halves, no other
+    a, b, bias, _ = second.inputs_of(0)
     c = torch.empty(gated.m, gated.out_n, dtype=a.dtype)
-    baseline(a, b, c, gated.m, gated.n, gated.k, bias)  # the bias's halves are split anew (shapes differ)
-    gate, up = (a.double() @ h.double() + hb.double() for h, hb in zip(stale, split_gate_up(bias, -1), strict=True))
+    second.launch_fn(a, b, c, gated.m, gated.n, gated.k, bias)
+    gate, up = (a.double() @ h.double() + hb.double()
+                for h, hb in zip(split_gate_up(b, -1), split_gate_up(bias, -1), strict=True))
     assert torch.allclose(c.double(), torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2)
-    second = TimedBuffers(gated, baseline, 2, "warm")  # a new set of buffers: the first's halves are dropped
-    assert set(baseline.halves) == {t.data_ptr() for s in range(second.a_sets) for t in second.inputs_of(s)[1:3]}

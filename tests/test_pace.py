@@ -57,6 +57,8 @@ def test_the_follow_up_reserve_counts_re_measurement_probes_and_profiles():
     assert follow_up_reserve([2.0, 2.0], 2, 4, 5, 1.5) == 1.5 + 5 + 3  # two GPUs share the measurements
     # re-measurements that cost half a first screen: half the halving's time kept, the probes' as before
     assert follow_up_reserve([2.0] * 5, 1, 4, 5, 0.0, remeasure_cost=0.5) == 10.0 + 6.0
+    assert follow_up_words(False, False) == "re-measurement"
+    assert follow_up_words(True, True) == "re-measurement, probe timings and profiles"
 
 
 def test_what_re_measurements_cost_is_learned_from_the_run():
@@ -76,5 +78,3 @@ def test_the_loop_measures_what_its_re_measurements_cost(tmp_path):
     loop = SearchLoop(store, RunConfig(max_candidates=4), BuiltinProposer(), "sm_90a", timed)
     loop.run(problems)
     assert loop.remeasure_ratios and set(loop.remeasure_ratios) == {0.5}
-    assert follow_up_words(False, False) == "re-measurement"
-    assert follow_up_words(True, True) == "re-measurement, probe timings and profiles"
