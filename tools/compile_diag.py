@@ -1,0 +1,119 @@
+"""Where a compiled forward step's time goes: the stock and the patched model under torch.compile, per phase.
+
+    python tools/compile_diag.py EXPORT_DIR [--model llama3-8b] [--dtype f16] [--decode-batches 1,8] [--layers 4]
+        [--mode default|max-autotune-no-cudagraphs] [--steps 30]
+
+For each decode batch (a step over a 512-token static KV cache, as tools/e2e_llama.py times it) and each model
+(stock, and a copy patched with the export), compiled with torch.compile: the wall time of a step run back to back
+and run synchronised one at a time, the GPU's kernel time a step and the kernels a step (torch.profiler over a few
+steps), the kernels with the most GPU time (cuBLAS's names mark a fallback), the CPU ops with the most self time,
+and dynamo's counters (graphs, graph breaks, recompilations). A step whose wall time is well above its kernel time
+is host-bound; the CPU ops say on what. Needs a GPU and `transformers`; --device cpu --model tiny: a quick look.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from e2e_models import CONFIGS, Phase, build_model, make_step  # noqa: E402
+
+from sandbox.serve_bench import load_ops  # noqa: E402
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def wall_ms(step, n: int, device: str, each: bool) -> float:
+    """Milliseconds a step over n steps: back to back (one synchronisation at the end) or synchronised each."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+        if each:
+            sync(device)
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3 / n
+
+
+def profiled(step, n: int, device: str) -> dict:
+    """Kernels a step, GPU kernel time a step, the top kernels by GPU time and the top CPU ops by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(n):
+            step()
+        sync(device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us: Counter = Counter()
+    calls: Counter = Counter()
+    for e in kernels:
+        gpu_us[e.name[:90]] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        calls[e.name[:90]] += 1
+    cpu = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)
+    return {"kernels_a_step": len(kernels) / n, "gpu_ms_a_step": sum(gpu_us.values()) / n / 1e3,
+            "top_kernels": [(name, calls[name] / n, us / n) for name, us in gpu_us.most_common(8)],
+            "top_cpu": [(a.key[:70], a.count / n, a.self_cpu_time_total / n) for a in cpu[:12]]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("export", type=Path)
+    p.add_argument("--model", choices=list(CONFIGS), default="llama3-8b")
+    p.add_argument("--dtype", choices=("f16", "bf16"), default="f16")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--decode-batches", default="1,8")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--mode", default="default", help="torch.compile mode")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args(argv)
+    model, config = build_model(args.model, args.layers, args.dtype, args.device)
+    ops = load_ops(args.export)
+    ours = copy.deepcopy(model)
+    print(f"launch path {ops.path()}; patch {ops.patch(ours)}", flush=True)
+    from torch._dynamo.utils import counters
+
+    with torch.inference_mode():
+        for batch in (int(b) for b in args.decode_batches.split(",")):
+            phase = Phase(f"decode {batch}", batch, 1, args.context)
+            for name, eager in (("stock", model), ("patched", ours)):
+                torch._dynamo.reset()
+                counters.clear()
+                compiled = torch.compile(eager, mode=None if args.mode == "default" else args.mode)
+                step = make_step(compiled, eager, config, phase, args.device)
+                t0 = time.perf_counter()
+                step()
+                sync(args.device)
+                first = time.perf_counter() - t0
+                for _ in range(3):
+                    step()
+                back, each = (wall_ms(step, args.steps, args.device, e) for e in (False, True))
+                prof = profiled(step, 5, args.device)
+                stats = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
+                print(f"\n== {phase.name} {name}: compile {first:.0f} s; wall a step {back:.3f} ms back to back, "
+                      f"{each:.3f} ms synchronised; GPU kernels {prof['gpu_ms_a_step']:.3f} ms a step in "
+                      f"{prof['kernels_a_step']:.0f} kernels; dynamo {stats}", flush=True)
+                for kname, n, us in prof["top_kernels"]:
+                    print(f"   gpu {us:9.1f} us {n:5.1f}x  {kname}")
+                for op, n, us in prof["top_cpu"]:
+                    print(f"   cpu {us:9.1f} us {n:5.1f}x  {op}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
