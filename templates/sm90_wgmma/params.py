@@ -32,7 +32,8 @@ SWAP_C_CHUNK = 16
 
 
 # Fields added after settings were first stored, each with its default: a setting names them only where it differs.
-LATER_FIELDS = {"ping_pong": False, "raster_along": "m", "raster_snake": False, "c_panels": False}
+LATER_FIELDS = {"ping_pong": False, "raster_along": "m", "raster_snake": False, "c_panels": False,
+                "tail_split": False}
 
 
 class Sm90WgmmaParams(Params):
@@ -101,6 +102,10 @@ class Sm90WgmmaParams(Params):
         "(128 x 256 with 4 stages, 256-row tiles); measured no faster than whole-tile stores on large shapes, and a "
         "residual with it loads R into registers")
 
+    tail_split: bool = Field(
+        False, description="persistent: a last round of tiles at most half the grid is cut along K (parts of 4+ "
+        "k-tiles, one CTA each) and summed through a workspace by the last to arrive; no clusters or ping-pong")
+
     swap_ab: bool = Field(
         False, description="wgmma computes C^T = B^T A^T, the B tile (block_n rows, 64 per m64 wgmma, block_n / "
         "consumers per consumer) as wgmma's A operand and the A tile as its B operand (wgmma N = block_m, any "
@@ -151,7 +156,8 @@ class Sm90WgmmaParams(Params):
         """A residual epilogue's R comes by TMA into the C staging panels (a persistent block's before the tile's
         mainloop), added there before the TMA store: whole tiles stored through TMA, not swapped. Otherwise each
         thread loads its accumulators' R values from global memory after the mainloop."""
-        return self.epilogue == "tma" and not self.swap_ab and not self.reduces and not self.c_panels
+        return (self.epilogue == "tma" and not self.swap_ab and not self.reduces and not self.c_panels
+                and not self.tail_split)
 
     @property
     def exchange_bytes(self) -> int:
@@ -242,6 +248,9 @@ class Sm90WgmmaParams(Params):
             raise ValueError(f"cluster_n={self.cluster_n} with persistent blocks: a persistent grid fills every SM, "
                              "but fewer clusters of 4 run at once (30 of 33 on the H200), so the rest would wait a "
                              "whole wave")
+        if self.tail_split and (not self.persistent or self.ping_pong or self.cluster_m * self.cluster_n > 1):
+            raise ValueError("tail_split cuts the last round of a persistent grid's tiles: it needs persistent=True, "
+                             "no ping_pong and no clusters (cluster_m = cluster_n = 1)")
         if self.reduces and self.persistent:
             raise ValueError(f"split_k={self.split_k}, k_groups={self.k_groups}: split-K needs one tile per CTA, so "
                              "persistent blocks are not supported with it")

@@ -38,7 +38,7 @@ from templates.sm90_wgmma.kinds import (
     swapped_shapes,
     tall_settings,
 )
-from templates.sm90_wgmma.params import Sm90WgmmaParams, with_update
+from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, launch_plan, launched_tiles, with_update
 from templates.sm90_wgmma.splits import (
     cluster_n_settings,
     group_settings,
@@ -142,6 +142,44 @@ def _cp_async(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams
     return [v for v in found if v is not None]
 
 
+# Tile shapes a tail split is tried with (persistent, TMA stores, the deepest ring that fits).
+TAIL_TILES = ((128, 256), (256, 128), (128, 192))
+TAIL_GAIN = 0.99  # its rounds' work under every persistent setting's of the first four by this much
+
+
+def _rounds_work(p: Sm90WgmmaParams, s: Search) -> float:
+    """Rounds of tiles over the SMs times a tile's area: what a setting's time follows on large problems (the last
+    round counts whole, or, tail split, as the share of a tile each of its CTAs takes)."""
+    plan = launch_plan(p, s.problem, s.device)
+    if not p.persistent:
+        return plan.waves * p.block_m * p.block_n
+    tiles, grid = plan.tiles, plan.ctas
+    rest = tiles % grid
+    parts = min(8, grid // rest, s.k_tiles // 4) if rest else 1
+    last = 0.0 if not rest else 1.0 / parts if p.tail_split and parts >= 2 else 1.0
+    return (tiles // grid + last) * p.block_m * p.block_n
+
+
+def _tail_split(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
+    """The tail-split setting of TAIL_TILES whose rounds take the least work, where it is TAIL_GAIN under that of every
+    setting among the first four that does not split K (a last round at most half full, K of 8+ k-tiles)."""
+    if s.k_tiles < 8:
+        return []
+    found = []
+    for bm, bn in TAIL_TILES:
+        v = deepest({"block_m": bm, "block_n": bn, "consumers": 2, "persistent": True, "epilogue": "tma",
+                     "tail_split": True}, top=4)
+        if v is not None and bm <= ceil_div(s.problem.m, 64) * 64 and bn <= ceil_div(s.problem.n, 64) * 64:
+            rest = launched_tiles(v, s.problem) % launch_plan(v, s.problem, s.device).ctas
+            if 0 < rest <= launch_plan(v, s.problem, s.device).ctas // 2:
+                found.append((_rounds_work(v, s), v))
+    if not found:
+        return []
+    work, best = min(found, key=lambda f: f[0])
+    plain = [_rounds_work(p, s) for p in ordered[:4] if not p.reduces]
+    return [best] if all(work < TAIL_GAIN * w for w in plain) else []
+
+
 FEW_TILES_LONG_K = "32+ k-tiles and K >= 8 max(M, N), or M > 64 and 64 x 64 tiles fill at most half the SMs"
 RULES: tuple[Rule, ...] = (
     # the base list, appended in this order
@@ -181,6 +219,8 @@ RULES: tuple[Rule, ...] = (
          lambda s, _: pair_group_settings(s.problem, s.device, s.tile_fields)[:2], after=1),
     Rule("cluster-n", "cluster-n", "160+ k-tiles, 64-column tiles whose clusters of 4 fill about one wave",
          lambda s, _: cluster_n_settings(s.problem, s.device, s.tile_fields)[:1], after=3),
+    Rule("tail-split", "tail-split", "a persistent tile whose last round, at most half full, cut along K takes 1% less "
+         "work than every setting of the first four that does not split K; K of 8+ k-tiles", _tail_split, after=1),
     Rule("multicast-late", "multicast-late", "two one-tile-a-block guesses of 128-column multiples",
          lambda s, _: [v for p in s.wide if (v := with_update(p, {"cluster_m": 2})) is not None], after=12),
 )

@@ -30,7 +30,8 @@ class Sm90Wgmma(Family):
         "consumers splitting each tile's rows, or ping-pong: each owning whole tiles in turn); "
         "direct, smem-staged or TMA-store (stmatrix) epilogue; split-K in thread-block clusters (fp32 partial "
         "tiles summed through distributed shared memory) and in K groups (partials through a global workspace, "
-        "summed by the last CTA to arrive); clusters of 2 CTAs sharing each B tile, or of 2-4 sharing each A tile, by "
+        "summed by the last CTA to arrive), and so the part-filled last round of persistent tiles (tail split); "
+        "clusters of 2 CTAs sharing each B tile, or of 2-4 sharing each A tile, by "
         "TMA multicast; swapped A and B roles (C^T = B^T A^T, so A's rows are not padded to 64 wgmma rows: tiny M, "
         "or 205 rows in one tile of 208)."
     )
@@ -55,7 +56,8 @@ class Sm90Wgmma(Family):
         assert isinstance(p, Sm90WgmmaParams)
         # split-K: the kernel's __cluster_dims__(split_k, 1, 1) groups consecutive blocks, one cluster per tile and K
         # group; k_groups > 1 adds the workspace (the groups' fp32 partial tiles) and one arrival counter per CTA of
-        # a tile's cluster; persistent: as many blocks as the SMs hold at once, in whole multicast clusters
+        # a tile's cluster, tail_split a partial tile and a counter per CTA; persistent: as many blocks as the SMs
+        # hold at once, in whole multicast clusters
         plan = launch_plan(p, problem, device)
         tiles = plan.tiles
         grouped = p.k_groups > 1
@@ -78,9 +80,11 @@ class Sm90Wgmma(Family):
             maps += (TensorMapSpec("C", (problem.out_n, problem.m), (64, c_rows)),)
             if problem.fused.residual and p.residual_panels:  # R comes into the same panels the same way
                 maps += (TensorMapSpec("R", (problem.out_n, problem.m), (64, c_rows)),)
+        # tail split: at most one tail part a CTA, so the grid bounds the partial tiles and the tail tiles
+        workspace, counters = ((p.k_groups * tiles * p.block_m * p.block_n * 4, tiles * p.split_k) if grouped else
+                               (plan.ctas * p.block_m * p.block_n * 4, plan.ctas) if p.tail_split else (0, 0))
         return LaunchSpec(grid=(plan.ctas, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
-                          workspace_bytes=p.k_groups * tiles * p.block_m * p.block_n * 4 if grouped else 0,
-                          counters=tiles * p.split_k if grouped else 0)
+                          workspace_bytes=workspace, counters=counters)
 
     def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
         settings = seeds(problem, device)

@@ -1,0 +1,108 @@
+"""sm90_wgmma's tail split: a persistent grid's last, part-filled round of tiles cut along K, the parts summed through
+the workspace by the last CTA to arrive (docs/decisions.md `tail-split`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.device import H200
+from core.plan import ceil_div
+from core.records import Problem
+from sandbox.build import compile_cuda
+from templates import get_family
+from templates.sm90_wgmma.params import Sm90WgmmaParams
+from templates.sm90_wgmma.search import traced
+from tests.gpu_reference import cases, check_kernel
+
+FAMILY = get_family("sm90_wgmma")
+P3 = {"block_m": 128, "block_n": 256, "stages": 3, "persistent": True, "epilogue": "tma"}
+
+
+def tail_plan(tiles: int, grid: int, k_tiles: int) -> tuple[int, int]:
+    """The kernel's split, restated: (tiles of whole rounds, parts a tail tile) for `tiles` on `grid` CTAs."""
+    whole = tiles - tiles % grid
+    if tiles == whole:
+        return whole, 1
+    parts = min(grid // (tiles - whole), 8, k_tiles // 4)
+    return whole, parts if parts >= 2 else 1
+
+
+def test_named_only_where_set_and_only_with_persistent_blocks_without_clusters():
+    assert "tail_split" not in Sm90WgmmaParams(**P3).model_dump()  # ids and database rows as before
+    p = Sm90WgmmaParams(**P3, tail_split=True)
+    assert p.model_dump()["tail_split"] is True and Sm90WgmmaParams(**p.model_dump()) == p
+    for bad in ({"persistent": False}, {"block_n": 128, "ping_pong": True}, {"block_n": 128, "cluster_m": 2},
+                {"block_n": 128, "cluster_n": 2}):
+        with pytest.raises(ValueError, match="tail_split"):
+            Sm90WgmmaParams(**{**P3, **bad, "tail_split": True})
+
+
+def test_the_launch_passes_a_partial_tile_and_a_counter_per_cta():
+    problem = Problem(7471, 4096, 4096, "nk")
+    spec = FAMILY.launch({**P3, "tail_split": True}, problem)
+    assert spec.grid == (H200.sms, 1, 1)
+    assert (spec.workspace_bytes, spec.counters) == (H200.sms * 128 * 256 * 4, H200.sms)
+    # the kernel's split fits it: rem x parts partial tiles, rem counters
+    tiles = ceil_div(7471, 128) * ceil_div(4096, 256)
+    whole, parts = tail_plan(tiles, H200.sms, ceil_div(4096, 64))
+    assert (whole, parts) == (7 * 132, 6)
+    assert (tiles - whole) * parts * 128 * 256 * 4 <= spec.workspace_bytes
+    plain = FAMILY.launch(P3, problem)
+    assert (plain.workspace_bytes, plain.counters) == (0, 0)
+    source = FAMILY.render({**P3, "tail_split": True}, problem)
+    assert "constexpr bool TAIL = true" in source and "float* __restrict__ ws, u32* __restrict__ counters" in source
+    assert "constexpr bool TAIL = false" in FAMILY.render(P3, problem)
+
+
+def test_a_residual_with_a_tail_split_is_loaded_after_the_sum_not_into_the_panels():
+    p = Sm90WgmmaParams(**P3, tail_split=True)
+    assert not p.residual_panels and Sm90WgmmaParams(**P3).residual_panels
+
+
+@pytest.mark.parametrize("problem", [Problem(7471, 4096, 4096, "nk"), Problem(4437, 8192, 8192, "kn"),
+                                     Problem(4437, 4096, 4096, "nk")], ids=lambda p: p.key)
+def test_a_part_filled_last_round_gets_one_tail_split_setting_second(problem):
+    order = traced(problem)
+    names = [name for name, _ in order]
+    assert names.count("tail-split") == 1 and names.index("tail-split") == 1
+    p = order[1][1]
+    assert p.tail_split and p.persistent
+    tiles = ceil_div(problem.m, p.block_m) * ceil_div(problem.n, p.block_n)
+    assert 0 < tiles % H200.sms <= H200.sms // 2  # the last round at most half full
+
+
+@pytest.mark.parametrize("problem", [Problem(8192, 8192, 8192, "nk"), Problem(4224, 4096, 4096, "nk"),
+                                     Problem(7471, 4096, 256, "nk"), Problem(64, 4096, 4096, "nk")],
+                         ids=lambda p: p.key)
+def test_whole_rounds_short_k_or_small_problems_get_none(problem):
+    assert "tail-split" not in [name for name, _ in traced(problem)]
+
+
+# GPU kinds on 132 SMs: a round and a quarter of tiles (165: 33 in 2 parts of 4 and 5 k-tiles, or of 33 k-tiles in 4
+# parts of 8-9), K off 64 in the last part; every store path; swapped tiles
+TAIL_KINDS = {
+    "tail_of_2_parts_tma": ({**P3, "tail_split": True}, (4100, 1096, 520)),
+    "tail_of_4_parts_tma": ({**P3, "tail_split": True}, (4100, 1096, 2104)),
+    "tail_smem": ({**P3, "epilogue": "smem", "tail_split": True}, (4100, 1096, 2104)),
+    "tail_direct": ({"block_m": 128, "block_n": 128, "stages": 4, "persistent": True, "epilogue": "direct",
+                     "tail_split": True}, (4100, 1000, 2104)),
+    "tail_swapped": ({"block_m": 208, "block_n": 128, "consumers": 2, "stages": 3, "swap_ab": True,
+                      "persistent": True, "epilogue": "smem", "tail_split": True}, (4100, 1096, 2104)),
+}
+
+
+@pytest.mark.parametrize("kind", list(TAIL_KINDS))
+def test_every_kind_compiles_without_spills(kind):
+    params, mnk = TAIL_KINDS[kind]
+    for layout in ("kn", "nk"):
+        problem = Problem(*mnk, layout, "bf16", True)
+        FAMILY.launch(params, problem)
+        build = compile_cuda(FAMILY.render(params, problem), "sm_90a")
+        assert build.ok, build.log[-2000:]
+        assert build.spill_bytes == 0, (kind, layout, build.spill_bytes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params,problem", cases(TAIL_KINDS))
+def test_every_tail_kind_is_exact_and_close_to_torch(params, problem):
+    check_kernel("sm90_wgmma", params, problem)
