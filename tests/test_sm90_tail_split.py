@@ -10,21 +10,12 @@ from core.plan import ceil_div
 from core.records import Problem
 from sandbox.build import compile_cuda
 from templates import get_family
-from templates.sm90_wgmma.params import Sm90WgmmaParams
+from templates.sm90_wgmma.params import Sm90WgmmaParams, tail_parts
 from templates.sm90_wgmma.search import traced
 from tests.gpu_reference import cases, check_kernel
 
 FAMILY = get_family("sm90_wgmma")
 P3 = {"block_m": 128, "block_n": 256, "stages": 3, "persistent": True, "epilogue": "tma"}
-
-
-def tail_plan(tiles: int, grid: int, k_tiles: int) -> tuple[int, int]:
-    """The kernel's split, restated: (tiles of whole rounds, parts a tail tile) for `tiles` on `grid` CTAs."""
-    whole = tiles - tiles % grid
-    if tiles == whole:
-        return whole, 1
-    parts = min(grid // (tiles - whole), 8, k_tiles // 4)
-    return whole, parts if parts >= 2 else 1
 
 
 def test_named_only_where_set_and_only_with_persistent_blocks_without_clusters():
@@ -44,14 +35,20 @@ def test_the_launch_passes_a_partial_tile_and_a_counter_per_cta():
     assert (spec.workspace_bytes, spec.counters) == (H200.sms * 128 * 256 * 4, H200.sms)
     # the kernel's split fits it: rem x parts partial tiles, rem counters
     tiles = ceil_div(7471, 128) * ceil_div(4096, 256)
-    whole, parts = tail_plan(tiles, H200.sms, ceil_div(4096, 64))
-    assert (whole, parts) == (7 * 132, 6)
-    assert (tiles - whole) * parts * 128 * 256 * 4 <= spec.workspace_bytes
+    parts = tail_parts(tiles, H200.sms, ceil_div(4096, 64))
+    assert (tiles % H200.sms, parts) == (20, 6)  # 7 whole rounds, 20 tiles in 6 ranges of 10-11 k-tiles
+    assert tiles % H200.sms * parts * 128 * 256 * 4 <= spec.workspace_bytes
     plain = FAMILY.launch(P3, problem)
     assert (plain.workspace_bytes, plain.counters) == (0, 0)
     source = FAMILY.render({**P3, "tail_split": True}, problem)
     assert "constexpr bool TAIL = true" in source and "float* __restrict__ ws, u32* __restrict__ counters" in source
     assert "constexpr bool TAIL = false" in FAMILY.render(P3, problem)
+
+
+@pytest.mark.parametrize("tiles,k_tiles,parts", [(1056, 64, 1), (1120, 128, 2), (560, 64, 4), (944, 64, 6),
+                                                 (944, 16, 4), (944, 7, 1), (624, 172, 1), (140, 64, 8)])
+def test_a_tail_tile_is_cut_into_as_many_ranges_as_the_grid_and_k_allow(tiles, k_tiles, parts):
+    assert tail_parts(tiles, H200.sms, k_tiles) == parts
 
 
 def test_a_residual_with_a_tail_split_is_loaded_after_the_sum_not_into_the_panels():

@@ -284,6 +284,19 @@ def launched_tiles(p: Sm90WgmmaParams, problem: Problem) -> int:
             * ceil_div(problem.n, p.block_n * p.cluster_n) * p.cluster_n)
 
 
+# Tail split: at most this many K ranges a tail tile, each of at least this many k-tiles (rendered into the kernel)
+TAIL_PARTS, TAIL_MIN_K = 8, 4
+
+
+def tail_parts(tiles: int, grid: int, k_tiles: int) -> int:
+    """K ranges a tail tile is cut into, as the kernel cuts it: where the last round of `tiles` on `grid` CTAs is
+    part-filled, as many as the grid holds a range each (at most TAIL_PARTS, each of TAIL_MIN_K+ k-tiles); 1 where
+    that is under 2 (a last round more than half full) or the rounds are whole."""
+    rest = tiles % grid
+    parts = min(grid // rest, TAIL_PARTS, k_tiles // TAIL_MIN_K) if rest else 1
+    return parts if parts >= 2 else 1
+
+
 def launch_plan(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -> LaunchPlan:
     """How p launches for the problem on the device: one tile a CTA, or its K split over split_k x k_groups CTAs
     (split_k of them a cluster), whole multicast clusters; persistent: as many blocks as the SMs hold at once."""

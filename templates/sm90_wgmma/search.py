@@ -38,7 +38,7 @@ from templates.sm90_wgmma.kinds import (
     swapped_shapes,
     tall_settings,
 )
-from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, launch_plan, launched_tiles, with_update
+from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, launch_plan, tail_parts, with_update
 from templates.sm90_wgmma.splits import (
     cluster_n_settings,
     group_settings,
@@ -144,7 +144,7 @@ def _cp_async(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams
 
 # Tile shapes a tail split is tried with (persistent, TMA stores, the deepest ring that fits).
 TAIL_TILES = ((128, 256), (256, 128), (128, 192))
-TAIL_GAIN = 0.99  # its rounds' work under every persistent setting's of the first four by this much
+TAIL_GAIN = 0.99  # its rounds' work under that of every setting of the first four that does not split K
 
 
 def _rounds_work(p: Sm90WgmmaParams, s: Search) -> float:
@@ -153,26 +153,24 @@ def _rounds_work(p: Sm90WgmmaParams, s: Search) -> float:
     plan = launch_plan(p, s.problem, s.device)
     if not p.persistent:
         return plan.waves * p.block_m * p.block_n
-    tiles, grid = plan.tiles, plan.ctas
-    rest = tiles % grid
-    parts = min(8, grid // rest, s.k_tiles // 4) if rest else 1
-    last = 0.0 if not rest else 1.0 / parts if p.tail_split and parts >= 2 else 1.0
-    return (tiles // grid + last) * p.block_m * p.block_n
+    rounds = plan.tiles // plan.ctas
+    if plan.tiles % plan.ctas:
+        rounds += 1 / tail_parts(plan.tiles, plan.ctas, s.k_tiles) if p.tail_split else 1
+    return rounds * p.block_m * p.block_n
 
 
 def _tail_split(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
     """The tail-split setting of TAIL_TILES whose rounds take the least work, where it is TAIL_GAIN under that of every
     setting among the first four that does not split K (a last round at most half full, K of 8+ k-tiles)."""
-    if s.k_tiles < 8:
-        return []
     found = []
     for bm, bn in TAIL_TILES:
         v = deepest({"block_m": bm, "block_n": bn, "consumers": 2, "persistent": True, "epilogue": "tma",
                      "tail_split": True}, top=4)
-        if v is not None and bm <= ceil_div(s.problem.m, 64) * 64 and bn <= ceil_div(s.problem.n, 64) * 64:
-            rest = launched_tiles(v, s.problem) % launch_plan(v, s.problem, s.device).ctas
-            if 0 < rest <= launch_plan(v, s.problem, s.device).ctas // 2:
-                found.append((_rounds_work(v, s), v))
+        if v is None or bm > ceil_div(s.problem.m, 64) * 64 or bn > ceil_div(s.problem.n, 64) * 64:
+            continue
+        plan = launch_plan(v, s.problem, s.device)
+        if tail_parts(plan.tiles, plan.ctas, s.k_tiles) > 1:
+            found.append((_rounds_work(v, s), v))
     if not found:
         return []
     work, best = min(found, key=lambda f: f[0])

@@ -12,7 +12,14 @@ from core.device import H200, DeviceFacts
 from core.plan import ceil_div
 from core.records import LaunchSpec, Problem, TensorMapSpec
 from templates.family import Family, Params
-from templates.sm90_wgmma.params import SWAP_C_CHUNK, Sm90WgmmaParams, launch_plan, with_update
+from templates.sm90_wgmma.params import (
+    SWAP_C_CHUNK,
+    TAIL_MIN_K,
+    TAIL_PARTS,
+    Sm90WgmmaParams,
+    launch_plan,
+    with_update,
+)
 from templates.sm90_wgmma.search import seeds
 
 
@@ -41,7 +48,7 @@ class Sm90Wgmma(Family):
         return {"threads": params.threads, "smem_bytes": params.smem_bytes, "set_maxnreg": params.set_maxnreg,
                 "producer_regs": params.producer_regs, "consumer_regs": params.consumer_regs,
                 "wgmma_n": params.wgmma_n, "c_chunk": SWAP_C_CHUNK,
-                "residual_panels": params.residual_panels}
+                "residual_panels": params.residual_panels, "tail_parts_max": TAIL_PARTS, "tail_min_k": TAIL_MIN_K}
 
     def check_for_problem(self, params: Params, problem: Problem) -> None:
         assert isinstance(params, Sm90WgmmaParams)
