@@ -11,9 +11,8 @@ candidate, so idle GPUs take its candidates while the previous shape's last eval
 halving, round by round, a round's measurements at once) and its profiles finish. A shape's time budget is its share of
 what is left when it starts, weighted by what its evaluations cost (agent/pace.py; shapes are searched cheapest first,
 so what the small ones leave goes to the costly ones); it stops proposing early enough for its re-measurement and its
-profiles to fit in that share too, and no profile starts once its share is spent. A bucket of M (agent/buckets.py)
-starts from its searched neighbour's leaders, with a smaller candidate budget, and after its re-measurement its leaders
-are re-timed at the bucket's probe M (its share keeps room for that too).
+profiles (at most half of it: agent/profiles.py) to fit in that share too. A bucket of M (agent/buckets.py) starts from
+its searched neighbour's leaders, with a smaller budget, then its leaders are re-timed at its probe M (in its share).
 
 What happens is told to an observer as typed events (agent/events.py) as it happens: the view draws them.
 """
@@ -73,6 +72,7 @@ class _Shape:
     problem: Problem
     state: SearchState
     deadline: float
+    share_s: float
     phase: str = "search"  # -> "drain" (nothing more to propose) -> "follow-up" -> "done"
     jobs: int = 0  # its futures not yet handled: candidates, re-measurements, profiles
     halving: SuccessiveHalving | None = None
@@ -188,7 +188,7 @@ class SearchLoop:
         self._upcoming = None
         self.observe(ShapeStarted(problem, len(state.tried), share_s))
         seeds = buckets.seeds(self.store, problem)
-        return _Shape(index, problem, state, time.monotonic() + share_s,
+        return _Shape(index, problem, state, time.monotonic() + share_s, share_s,
                       limit=buckets.budget(self.config.max_candidates, bool(seeds)), seeds=seeds)
 
     def _top_up(self, s: _Shape) -> None:
@@ -259,7 +259,7 @@ class SearchLoop:
         walls = self._walls(s)
         probes = len(buckets.probe_ms(s.problem)) if s.problem.m_range is not None and self.executor.measures else 0
         return follow_up_reserve(walls, self.executor.slots, self.remeasure_top, probes,
-                                 self.profiles.reserve_s(s.problem) if walls else 0.0,  # no store query before
+                                 self.profiles.reserve_s(s) if walls else 0.0,  # no store query before
                                  remeasure_cost(self.remeasure_ratios))
 
     def _searched(self, s: _Shape, cand: Candidate, build: BuildResult | None, result: EvalResult) -> None:

@@ -17,6 +17,9 @@ from sandbox.profile import NCU_MISSING, NO_COUNTERS
 
 PROFILE_TOP = 2  # leaders profiled at the end of a shape's search
 PROFILE_GUESS_S = 10.0  # what a profile is taken to cost before the run has timed one
+# Profiles take at most this part of a shape's time share; where not one fits, the shape is searched without any
+# (docs/decisions.md, "Nsight Compute profiles only where something reads them")
+PROFILE_SHARE = 0.5
 
 # the loop's way of waiting for a future on a shape's behalf: (future, shape, what to do with its result)
 Await = Callable[[Future, Any, Callable[[Any], None]], None]
@@ -27,6 +30,7 @@ class Shape(Protocol):
 
     problem: Problem
     deadline: float  # time.monotonic() at which its share is spent
+    share_s: float  # the seconds of the run the shape was given
     state: SearchState
 
 
@@ -36,29 +40,42 @@ class LeaderProfiles:
         self.profiler = profiler  # None: no profiles (not wanted, compile only, or switched off)
         self.failures = 0  # in a row
         self.walls: list[float] = []  # seconds each profile took, submission to result
+        self.started: dict[str, int] = {}  # profiles started, by problem key
 
     @property
     def on(self) -> bool:
         return self.profiler is not None
 
-    def reserve_s(self, problem: Problem) -> float:
-        """Seconds the profiles of the problem's leaders not yet profiled will take, one after the other, each at the
-        run's mean profile time so far (PROFILE_GUESS_S before the first); 0 when profiling is off."""
+    @property
+    def each_s(self) -> float:
+        """What a profile is taken to cost: the run's mean so far, PROFILE_GUESS_S before the first."""
+        return sum(self.walls) / len(self.walls) if self.walls else PROFILE_GUESS_S
+
+    def allowed(self, s: Shape) -> int:
+        """Profiles the shape may still start: as many as fit PROFILE_SHARE of its share, less those started."""
+        return max(0, int(PROFILE_SHARE * s.share_s // self.each_s) - self.started.get(s.problem.key, 0))
+
+    def reserve_s(self, s: Shape) -> float:
+        """Seconds the profiles of the shape's leaders not yet profiled will take, one after the other, at most as
+        many as it may still start; 0 when profiling is off."""
         if not self.on:
             return 0.0
-        todo = sum(self.store.profile(c.id) is None for c, _ in self.store.leaders(problem)[:PROFILE_TOP])
-        return todo * (sum(self.walls) / len(self.walls) if self.walls else PROFILE_GUESS_S)
+        todo = sum(self.store.profile(c.id) is None for c, _ in self.store.leaders(s.problem)[:PROFILE_TOP])
+        return min(todo, self.allowed(s)) * self.each_s
 
     def start(self, s: Shape, todo: list[Candidate], await_: Await) -> None:
         """Profile the first of `todo` not yet profiled, then the next when it is done; none once the shape's share
-        is spent."""
+        is spent or its profiles would take more than PROFILE_SHARE of it."""
         while todo and self.profiler is not None:
             c = todo.pop(0)
             if self.store.profile(c.id) is not None:
                 continue
-            if time.monotonic() >= s.deadline:
-                self.store.event("profile", f"{s.problem.key}: {c.id} not profiled: the shape's time share is spent")
+            if time.monotonic() >= s.deadline or not self.allowed(s):
+                why = (f"a profile (~{self.each_s:.0f} s) would take more than {PROFILE_SHARE:.0%} of the shape's "
+                       f"{s.share_s:.0f} s share" if not self.allowed(s) else "the shape's time share is spent")
+                self.store.event("profile", f"{s.problem.key}: {c.id} not profiled: {why}")
                 return
+            self.started[s.problem.key] = self.started.get(s.problem.key, 0) + 1
             self.observe(Profiling(s.problem, c))
             job = EvalJob(c.id, s.problem, c.family, c.params, self.store.build(c.id).cubin)
             started = time.monotonic()

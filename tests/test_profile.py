@@ -363,11 +363,38 @@ def test_a_profile_is_charged_to_its_shape_and_none_starts_past_its_share(tmp_pa
     assert float(cut.split("; ")[1].split(" s kept")[0]) >= 0.9  # a leader's profile, at about a second
     spent = RunStore(tmp_path / "r2", create=True)
     spent.add_problems([P])
-    SearchLoop(spent, RunConfig(max_candidates=4, profile=True, budget_minutes=0.01), BuiltinProposer(), "sm_90a",
-               lambda j: time.sleep(0.4) or fake_evaluate(j),  # two evaluations outlast the 0.6 s share
-               profiler=lambda *a: pytest.fail("profiled past the share")).run([P])
+    short = SearchLoop(spent, RunConfig(max_candidates=4, profile=True, budget_minutes=0.01), BuiltinProposer(),
+                       "sm_90a", lambda j: time.sleep(0.4) or fake_evaluate(j),  # two outlast the 0.6 s share
+                       profiler=lambda *a: pytest.fail("profiled past the share"))
+    short.profiles.walls = [0.1]  # a profile would fit half the share: it is the spent share that stops it
+    short.run([P])
     assert len(spent.results(P)) == 2
     assert any("not profiled: the shape's time share is spent" in m for _, _, m in spent.events())
+
+
+def test_profiles_take_at_most_half_a_shape_share_and_a_small_share_searches_without_them(tmp_path):
+    """With profiles on, a shape whose share cannot hold a profile in half of it searches its whole share for
+    candidates and is not profiled (the run says why); a shape with room profiles as before."""
+    def profile(*args):
+        return ProfileResult(True, {}, "fake profile")
+
+    store = RunStore(tmp_path / "r", create=True)
+    store.add_problems([P])
+    loop = SearchLoop(store, RunConfig(max_candidates=50, profile=True, budget_minutes=0.05), BuiltinProposer(),
+                      "sm_90a", lambda j: time.sleep(0.1) or dataclasses.replace(fake_evaluate(j), wall_s=0.1),
+                      profiler=lambda *a: pytest.fail("profiled a shape whose share is too small"))
+    loop.profiles.walls = [2.0]  # as if the run had timed a profile at 2 s: more than half the 3 s share
+    loop.run([P])
+    [cut] = [m for _, kind, m in store.events() if kind == "budget"]
+    assert float(cut.split("; ")[1].split(" s kept")[0]) < 1.0  # nothing kept for profiles
+    assert any("would take more than 50% of the shape's 3 s share" in m for _, _, m in store.events())
+    assert len(store.results(P)) >= 2  # the share went to candidates (as many as builds allow)
+    roomy = RunStore(tmp_path / "r2", create=True)
+    roomy.add_problems([P])
+    calls = []
+    SearchLoop(roomy, RunConfig(max_candidates=4, profile=True), BuiltinProposer(), "sm_90a", fake_evaluate,
+               profiler=lambda *a: calls.append(a) or profile()).run([P])
+    assert 2 <= len(calls) <= 3  # the leader at half-time and the top 2 at the end, in a 5-minute share
 
 
 # on the GPU, under the real Nsight Compute
