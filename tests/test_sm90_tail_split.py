@@ -1,4 +1,4 @@
-"""sm90_wgmma's tail split: a persistent grid's last, part-filled round of tiles cut along K, the parts summed through
+"""sm90_wgmma's tail split: a persistent grid's last, part-filled round of tiles cut along K, the ranges summed through
 the workspace by the last CTA to arrive (docs/decisions.md `tail-split`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from core.plan import ceil_div
 from core.records import Problem
 from sandbox.build import compile_cuda
 from templates import get_family
-from templates.sm90_wgmma.params import Sm90WgmmaParams, tail_parts
+from templates.sm90_wgmma.params import TAIL_UNITS, Sm90WgmmaParams, tail_parts
 from templates.sm90_wgmma.search import traced
 from tests.gpu_reference import cases, check_kernel
 
@@ -28,11 +28,11 @@ def test_named_only_where_set_and_only_with_persistent_blocks_without_clusters()
             Sm90WgmmaParams(**{**P3, **bad, "tail_split": True})
 
 
-def test_the_launch_passes_a_partial_tile_and_a_counter_per_cta():
+def test_the_launch_passes_partial_tiles_and_a_counter_per_cta():
     problem = Problem(7471, 4096, 4096, "nk")
     spec = FAMILY.launch({**P3, "tail_split": True}, problem)
     assert spec.grid == (H200.sms, 1, 1)
-    assert (spec.workspace_bytes, spec.counters) == (H200.sms * 128 * 256 * 4, H200.sms)
+    assert (spec.workspace_bytes, spec.counters) == (TAIL_UNITS * H200.sms * 128 * 256 * 4, H200.sms)
     # the kernel's split fits it: rem x parts partial tiles, rem counters
     tiles = ceil_div(7471, 128) * ceil_div(4096, 256)
     parts = tail_parts(tiles, H200.sms, ceil_div(4096, 64))
@@ -45,10 +45,15 @@ def test_the_launch_passes_a_partial_tile_and_a_counter_per_cta():
     assert "constexpr bool TAIL = false" in FAMILY.render(P3, problem)
 
 
-@pytest.mark.parametrize("tiles,k_tiles,parts", [(1056, 64, 1), (1120, 128, 2), (560, 64, 4), (944, 64, 6),
-                                                 (944, 16, 4), (944, 7, 1), (624, 172, 1), (140, 64, 8)])
-def test_a_tail_tile_is_cut_into_as_many_ranges_as_the_grid_and_k_allow(tiles, k_tiles, parts):
+@pytest.mark.parametrize("tiles,k_tiles,parts", [
+    (1056, 64, 1),  # whole rounds
+    (944, 64, 6), (1120, 128, 2), (560, 64, 4), (140, 64, 8),  # at most half full: as many ranges as the grid holds
+    (944, 16, 4), (944, 7, 1),  # K allows fewer
+    (624, 172, 4), (2048, 128, 5),  # more than half full: ranges over 3 short rounds end sooner than one
+    (512, 64, 1), (2500, 25, 1)])  # nearly full: no cut ends sooner
+def test_a_tail_tile_is_cut_into_the_ranges_that_end_the_round_soonest(tiles, k_tiles, parts):
     assert tail_parts(tiles, H200.sms, k_tiles) == parts
+    assert tiles % H200.sms * parts <= TAIL_UNITS * H200.sms  # the workspace holds them
 
 
 def test_a_residual_with_a_tail_split_is_loaded_after_the_sum_not_into_the_panels():
@@ -65,27 +70,37 @@ def test_a_part_filled_last_round_gets_one_tail_split_setting_second(problem):
     p = order[1][1]
     assert p.tail_split and p.persistent
     tiles = ceil_div(problem.m, p.block_m) * ceil_div(problem.n, p.block_n)
-    assert 0 < tiles % H200.sms <= H200.sms // 2  # the last round at most half full
+    assert tail_parts(tiles, H200.sms, ceil_div(problem.k, 64)) > 1  # a part-filled last round that a cut shortens
 
 
-@pytest.mark.parametrize("problem", [Problem(8192, 8192, 8192, "nk"), Problem(4224, 4096, 4096, "nk"),
-                                     Problem(7471, 4096, 256, "nk"), Problem(64, 4096, 4096, "nk")],
+@pytest.mark.parametrize("problem", [Problem(4224, 4096, 4096, "nk"), Problem(7471, 4096, 256, "nk"),
+                                     Problem(64, 4096, 4096, "nk"), Problem(4096, 4096, 4096, "nk")],
                          ids=lambda p: p.key)
 def test_whole_rounds_short_k_or_small_problems_get_none(problem):
     assert "tail-split" not in [name for name, _ in traced(problem)]
 
 
-# GPU kinds on 132 SMs: a round and a quarter of tiles (165: 33 in 2 parts of 4 and 5 k-tiles, or of 33 k-tiles in 4
-# parts of 8-9), K off 64 in the last part; every store path; swapped tiles
+# GPU kinds on 132 SMs: a round and a quarter of tiles (165: 33 in 2 ranges of 4 and 5 k-tiles, or of 33 k-tiles in 4
+# ranges of 8-9), K off 64 in the last range; every store path; swapped tiles; a last round three quarters full (231
+# tiles: 99 in 4 ranges, three ranges a CTA)
 TAIL_KINDS = {
     "tail_of_2_parts_tma": ({**P3, "tail_split": True}, (4100, 1096, 520)),
     "tail_of_4_parts_tma": ({**P3, "tail_split": True}, (4100, 1096, 2104)),
     "tail_smem": ({**P3, "epilogue": "smem", "tail_split": True}, (4100, 1096, 2104)),
     "tail_direct": ({"block_m": 128, "block_n": 128, "stages": 4, "persistent": True, "epilogue": "direct",
-                     "tail_split": True}, (4100, 1000, 2104)),
+                     "tail_split": True}, (4100, 1096, 2104)),
     "tail_swapped": ({"block_m": 208, "block_n": 128, "consumers": 2, "stages": 3, "swap_ab": True,
                       "persistent": True, "epilogue": "smem", "tail_split": True}, (4100, 1096, 2104)),
+    "tail_three_ranges_a_cta": ({**P3, "tail_split": True}, (4100, 1736, 2104)),
 }
+
+
+def test_every_kind_cuts_its_last_round():
+    for params, (m, n, k) in TAIL_KINDS.values():
+        p = Sm90WgmmaParams(**params)
+        rows, cols = (n, m) if p.swap_ab else (m, n)
+        tiles = ceil_div(rows, p.wgmma_m) * ceil_div(cols, p.wgmma_n)
+        assert tail_parts(tiles, H200.sms, ceil_div(k, 64)) > 1, params
 
 
 @pytest.mark.parametrize("kind", list(TAIL_KINDS))

@@ -103,8 +103,9 @@ class Sm90WgmmaParams(Params):
         "residual with it loads R into registers")
 
     tail_split: bool = Field(
-        False, description="persistent: a last round of tiles at most half the grid is cut along K (parts of 4+ "
-        "k-tiles, one CTA each) and summed through a workspace by the last to arrive; no clusters or ping-pong")
+        False, description="persistent: each tile of a part-filled last round is cut along K into the ranges (2-8, "
+        "of 4+ k-tiles) that end it soonest, dealt out like tiles and summed through a workspace by the last to "
+        "arrive; no clusters or ping-pong")
 
     swap_ab: bool = Field(
         False, description="wgmma computes C^T = B^T A^T, the B tile (block_n rows, 64 per m64 wgmma, block_n / "
@@ -284,17 +285,34 @@ def launched_tiles(p: Sm90WgmmaParams, problem: Problem) -> int:
             * ceil_div(problem.n, p.block_n * p.cluster_n) * p.cluster_n)
 
 
-# Tail split: at most this many K ranges a tail tile, each of at least this many k-tiles (rendered into the kernel)
-TAIL_PARTS, TAIL_MIN_K = 8, 4
+# Tail split (rendered into the kernel, whose tail_cut this restates): at most TAIL_PARTS K ranges a tail tile, each of
+# TAIL_MIN_K+ k-tiles, at most TAIL_UNITS partial tiles a CTA of the grid in the workspace; TAIL_COST: what a range
+# costs beyond its share of a tile, as a share of a tile (its ring's fill, its partials' round trip): a guess until
+# measured (docs/decisions.md `tail-split`)
+TAIL_PARTS, TAIL_MIN_K, TAIL_UNITS, TAIL_COST = 8, 4, 4, 0.05
 
 
 def tail_parts(tiles: int, grid: int, k_tiles: int) -> int:
-    """K ranges a tail tile is cut into, as the kernel cuts it: where the last round of `tiles` on `grid` CTAs is
-    part-filled, as many as the grid holds a range each (at most TAIL_PARTS, each of TAIL_MIN_K+ k-tiles); 1 where
-    that is under 2 (a last round more than half full) or the rounds are whole."""
+    """K ranges each tile of a part-filled last round is cut into, as the kernel cuts them: the cut whose ranges,
+    dealt out a round at a time, end soonest (ceil(rest x p / grid) rounds of 1 / p of a tile, each range TAIL_COST
+    more), the fewest on a tie; 1 where the rounds are whole or no cut ends sooner than a whole round."""
     rest = tiles % grid
-    parts = min(grid // rest, TAIL_PARTS, k_tiles // TAIL_MIN_K) if rest else 1
-    return parts if parts >= 2 else 1
+    best, best_cost = 1, 1.0
+    for p in range(2, TAIL_PARTS + 1):
+        if p * TAIL_MIN_K > k_tiles or rest * p > TAIL_UNITS * grid or not rest:
+            break
+        cost = ceil_div(rest * p, grid) * (1.0 / p + TAIL_COST)
+        if cost < best_cost:
+            best, best_cost = p, cost
+    return best
+
+
+def tail_rounds(tiles: int, grid: int, k_tiles: int) -> float:
+    """How long the last round takes, as a share of a tile's time: 0 where the rounds are whole."""
+    if not tiles % grid:
+        return 0.0
+    p = tail_parts(tiles, grid, k_tiles)
+    return 1.0 if p == 1 else ceil_div(tiles % grid * p, grid) * (1.0 / p + TAIL_COST)
 
 
 def launch_plan(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -> LaunchPlan:

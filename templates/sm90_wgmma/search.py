@@ -38,7 +38,7 @@ from templates.sm90_wgmma.kinds import (
     swapped_shapes,
     tall_settings,
 )
-from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, launch_plan, tail_parts, with_update
+from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, launch_plan, tail_parts, tail_rounds, with_update
 from templates.sm90_wgmma.splits import (
     cluster_n_settings,
     group_settings,
@@ -153,15 +153,13 @@ def _rounds_work(p: Sm90WgmmaParams, s: Search) -> float:
     plan = launch_plan(p, s.problem, s.device)
     if not p.persistent:
         return plan.waves * p.block_m * p.block_n
-    rounds = plan.tiles // plan.ctas
-    if plan.tiles % plan.ctas:
-        rounds += 1 / tail_parts(plan.tiles, plan.ctas, s.k_tiles) if p.tail_split else 1
-    return rounds * p.block_m * p.block_n
+    last = tail_rounds(plan.tiles, plan.ctas, s.k_tiles) if p.tail_split else float(plan.tiles % plan.ctas > 0)
+    return (plan.tiles // plan.ctas + last) * p.block_m * p.block_n
 
 
 def _tail_split(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
     """The tail-split setting of TAIL_TILES whose rounds take the least work, where it is TAIL_GAIN under that of every
-    setting among the first four that does not split K (a last round at most half full, K of 8+ k-tiles)."""
+    setting among the first four that does not split K (a part-filled last round that a cut along K ends sooner)."""
     found = []
     for bm, bn in TAIL_TILES:
         v = deepest({"block_m": bm, "block_n": bn, "consumers": 2, "persistent": True, "epilogue": "tma",
@@ -217,8 +215,8 @@ RULES: tuple[Rule, ...] = (
          lambda s, _: pair_group_settings(s.problem, s.device, s.tile_fields)[:2], after=1),
     Rule("cluster-n", "cluster-n", "160+ k-tiles, 64-column tiles whose clusters of 4 fill about one wave",
          lambda s, _: cluster_n_settings(s.problem, s.device, s.tile_fields)[:1], after=3),
-    Rule("tail-split", "tail-split", "a persistent tile whose last round, at most half full, cut along K takes 1% less "
-         "work than every setting of the first four that does not split K; K of 8+ k-tiles", _tail_split, after=1),
+    Rule("tail-split", "tail-split", "a persistent tile whose part-filled last round, cut along K, takes 1% less work "
+         "than every setting of the first four that does not split K", _tail_split, after=1),
     Rule("multicast-late", "multicast-late", "two one-tile-a-block guesses of 128-column multiples",
          lambda s, _: [v for p in s.wide if (v := with_update(p, {"cluster_m": 2})) is not None], after=12),
 )

@@ -14,8 +14,10 @@ from core.records import LaunchSpec, Problem, TensorMapSpec
 from templates.family import Family, Params
 from templates.sm90_wgmma.params import (
     SWAP_C_CHUNK,
+    TAIL_COST,
     TAIL_MIN_K,
     TAIL_PARTS,
+    TAIL_UNITS,
     Sm90WgmmaParams,
     launch_plan,
     with_update,
@@ -48,7 +50,8 @@ class Sm90Wgmma(Family):
         return {"threads": params.threads, "smem_bytes": params.smem_bytes, "set_maxnreg": params.set_maxnreg,
                 "producer_regs": params.producer_regs, "consumer_regs": params.consumer_regs,
                 "wgmma_n": params.wgmma_n, "c_chunk": SWAP_C_CHUNK,
-                "residual_panels": params.residual_panels, "tail_parts_max": TAIL_PARTS, "tail_min_k": TAIL_MIN_K}
+                "residual_panels": params.residual_panels, "tail_parts_max": TAIL_PARTS, "tail_min_k": TAIL_MIN_K,
+                "tail_units": TAIL_UNITS, "tail_cost": f"{TAIL_COST}f"}
 
     def check_for_problem(self, params: Params, problem: Problem) -> None:
         assert isinstance(params, Sm90WgmmaParams)
@@ -87,9 +90,10 @@ class Sm90Wgmma(Family):
             maps += (TensorMapSpec("C", (problem.out_n, problem.m), (64, c_rows)),)
             if problem.fused.residual and p.residual_panels:  # R comes into the same panels the same way
                 maps += (TensorMapSpec("R", (problem.out_n, problem.m), (64, c_rows)),)
-        # tail split: at most one tail part a CTA, so the grid bounds the partial tiles and the tail tiles
+        # tail split: at most TAIL_UNITS partial tiles a CTA of the grid, a counter a tail tile (fewer than the grid)
         workspace, counters = ((p.k_groups * tiles * p.block_m * p.block_n * 4, tiles * p.split_k) if grouped else
-                               (plan.ctas * p.block_m * p.block_n * 4, plan.ctas) if p.tail_split else (0, 0))
+                               (TAIL_UNITS * plan.ctas * p.block_m * p.block_n * 4, plan.ctas) if p.tail_split
+                               else (0, 0))
         return LaunchSpec(grid=(plan.ctas, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
                           workspace_bytes=workspace, counters=counters)
 
