@@ -70,9 +70,10 @@ class LeaderProfiles:
             c = todo.pop(0)
             if self.store.profile(c.id) is not None:
                 continue
-            if time.monotonic() >= s.deadline or not self.allowed(s):
-                why = (f"a profile (~{self.each_s:.0f} s) would take more than {PROFILE_SHARE:.0%} of the shape's "
-                       f"{s.share_s:.0f} s share" if not self.allowed(s) else "the shape's time share is spent")
+            why = (f"a profile (~{self.each_s:.0f} s) would take more than {PROFILE_SHARE:.0%} of the shape's "
+                   f"{s.share_s:.0f} s share" if not self.allowed(s) else
+                   "the shape's time share is spent" if time.monotonic() >= s.deadline else None)
+            if why:
                 self.store.event("profile", f"{s.problem.key}: {c.id} not profiled: {why}")
                 return
             self.started[s.problem.key] = self.started.get(s.problem.key, 0) + 1

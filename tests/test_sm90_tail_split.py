@@ -10,7 +10,7 @@ from core.plan import ceil_div
 from core.records import Problem
 from sandbox.build import compile_cuda
 from templates import get_family
-from templates.sm90_wgmma.params import TAIL_UNITS, Sm90WgmmaParams, tail_parts
+from templates.sm90_wgmma.params import TAIL_UNITS, Sm90WgmmaParams, launched_tiles, tail_cut
 from templates.sm90_wgmma.search import traced
 from tests.gpu_reference import cases, check_kernel
 
@@ -35,8 +35,9 @@ def test_the_launch_passes_partial_tiles_and_a_counter_per_cta():
     assert (spec.workspace_bytes, spec.counters) == (TAIL_UNITS * H200.sms * 128 * 256 * 4, H200.sms)
     # the kernel's split fits it: rem x parts partial tiles, rem counters
     tiles = ceil_div(7471, 128) * ceil_div(4096, 256)
-    parts = tail_parts(tiles, H200.sms, ceil_div(4096, 64))
+    parts, last = tail_cut(tiles, H200.sms, ceil_div(4096, 64))
     assert (tiles % H200.sms, parts) == (20, 6)  # 7 whole rounds, 20 tiles in 6 ranges of 10-11 k-tiles
+    assert last == pytest.approx(1 / 6 + 0.05)  # one short round
     assert tiles % H200.sms * parts * 128 * 256 * 4 <= spec.workspace_bytes
     plain = FAMILY.launch(P3, problem)
     assert (plain.workspace_bytes, plain.counters) == (0, 0)
@@ -52,7 +53,7 @@ def test_the_launch_passes_partial_tiles_and_a_counter_per_cta():
     (624, 172, 4), (2048, 128, 5),  # more than half full: ranges over 3 short rounds end sooner than one
     (512, 64, 1), (2500, 25, 1)])  # nearly full: no cut ends sooner
 def test_a_tail_tile_is_cut_into_the_ranges_that_end_the_round_soonest(tiles, k_tiles, parts):
-    assert tail_parts(tiles, H200.sms, k_tiles) == parts
+    assert tail_cut(tiles, H200.sms, k_tiles)[0] == parts
     assert tiles % H200.sms * parts <= TAIL_UNITS * H200.sms  # the workspace holds them
 
 
@@ -70,7 +71,7 @@ def test_a_part_filled_last_round_gets_one_tail_split_setting_second(problem):
     p = order[1][1]
     assert p.tail_split and p.persistent
     tiles = ceil_div(problem.m, p.block_m) * ceil_div(problem.n, p.block_n)
-    assert tail_parts(tiles, H200.sms, ceil_div(problem.k, 64)) > 1  # a part-filled last round that a cut shortens
+    assert tail_cut(tiles, H200.sms, ceil_div(problem.k, 64))[0] > 1  # a part-filled last round a cut shortens
 
 
 @pytest.mark.parametrize("problem", [Problem(4224, 4096, 4096, "nk"), Problem(7471, 4096, 256, "nk"),
@@ -96,11 +97,9 @@ TAIL_KINDS = {
 
 
 def test_every_kind_cuts_its_last_round():
-    for params, (m, n, k) in TAIL_KINDS.values():
-        p = Sm90WgmmaParams(**params)
-        rows, cols = (n, m) if p.swap_ab else (m, n)
-        tiles = ceil_div(rows, p.wgmma_m) * ceil_div(cols, p.wgmma_n)
-        assert tail_parts(tiles, H200.sms, ceil_div(k, 64)) > 1, params
+    for params, mnk in TAIL_KINDS.values():
+        tiles = launched_tiles(Sm90WgmmaParams(**params), Problem(*mnk, "nk"))
+        assert tail_cut(tiles, H200.sms, ceil_div(mnk[2], 64))[0] > 1, params
 
 
 @pytest.mark.parametrize("kind", list(TAIL_KINDS))

@@ -292,27 +292,20 @@ def launched_tiles(p: Sm90WgmmaParams, problem: Problem) -> int:
 TAIL_PARTS, TAIL_MIN_K, TAIL_UNITS, TAIL_COST = 8, 4, 4, 0.05
 
 
-def tail_parts(tiles: int, grid: int, k_tiles: int) -> int:
-    """K ranges each tile of a part-filled last round is cut into, as the kernel cuts them: the cut whose ranges,
-    dealt out a round at a time, end soonest (ceil(rest x p / grid) rounds of 1 / p of a tile, each range TAIL_COST
-    more), the fewest on a tie; 1 where the rounds are whole or no cut ends sooner than a whole round."""
+def tail_cut(tiles: int, grid: int, k_tiles: int) -> tuple[int, float]:
+    """How the kernel cuts a part-filled last round of `tiles` on `grid` CTAs: the K ranges a tail tile is cut into,
+    and how long the round then takes as a share of a tile's time. The cut whose ranges, dealt out a round at a time,
+    end soonest (ceil(rest x p / grid) rounds of 1 / p of a tile, each range TAIL_COST more), the fewest on a tie;
+    (1, 1.0) where no cut ends sooner than a whole round, (1, 0.0) where the rounds are whole."""
     rest = tiles % grid
-    best, best_cost = 1, 1.0
+    best = (1, 1.0 if rest else 0.0)
     for p in range(2, TAIL_PARTS + 1):
-        if p * TAIL_MIN_K > k_tiles or rest * p > TAIL_UNITS * grid or not rest:
+        if not rest or p * TAIL_MIN_K > k_tiles or rest * p > TAIL_UNITS * grid:
             break
         cost = ceil_div(rest * p, grid) * (1.0 / p + TAIL_COST)
-        if cost < best_cost:
-            best, best_cost = p, cost
+        if cost < best[1]:
+            best = (p, cost)
     return best
-
-
-def tail_rounds(tiles: int, grid: int, k_tiles: int) -> float:
-    """How long the last round takes, as a share of a tile's time: 0 where the rounds are whole."""
-    if not tiles % grid:
-        return 0.0
-    p = tail_parts(tiles, grid, k_tiles)
-    return 1.0 if p == 1 else ceil_div(tiles % grid * p, grid) * (1.0 / p + TAIL_COST)
 
 
 def launch_plan(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -> LaunchPlan:

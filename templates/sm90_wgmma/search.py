@@ -38,7 +38,7 @@ from templates.sm90_wgmma.kinds import (
     swapped_shapes,
     tall_settings,
 )
-from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, launch_plan, tail_parts, tail_rounds, with_update
+from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, launch_plan, tail_cut, with_update
 from templates.sm90_wgmma.splits import (
     cluster_n_settings,
     group_settings,
@@ -153,7 +153,7 @@ def _rounds_work(p: Sm90WgmmaParams, s: Search) -> float:
     plan = launch_plan(p, s.problem, s.device)
     if not p.persistent:
         return plan.waves * p.block_m * p.block_n
-    last = tail_rounds(plan.tiles, plan.ctas, s.k_tiles) if p.tail_split else float(plan.tiles % plan.ctas > 0)
+    last = tail_cut(plan.tiles, plan.ctas, s.k_tiles)[1] if p.tail_split else float(plan.tiles % plan.ctas > 0)
     return (plan.tiles // plan.ctas + last) * p.block_m * p.block_n
 
 
@@ -167,7 +167,7 @@ def _tail_split(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaPara
         if v is None or bm > ceil_div(s.problem.m, 64) * 64 or bn > ceil_div(s.problem.n, 64) * 64:
             continue
         plan = launch_plan(v, s.problem, s.device)
-        if tail_parts(plan.tiles, plan.ctas, s.k_tiles) > 1:
+        if tail_cut(plan.tiles, plan.ctas, s.k_tiles)[0] > 1:
             found.append((_rounds_work(v, s), v))
     if not found:
         return []

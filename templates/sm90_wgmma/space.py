@@ -66,8 +66,8 @@ class Sm90Wgmma(Family):
         assert isinstance(p, Sm90WgmmaParams)
         # split-K: the kernel's __cluster_dims__(split_k, 1, 1) groups consecutive blocks, one cluster per tile and K
         # group; k_groups > 1 adds the workspace (the groups' fp32 partial tiles) and one arrival counter per CTA of
-        # a tile's cluster, tail_split a partial tile and a counter per CTA; persistent: as many blocks as the SMs
-        # hold at once, in whole multicast clusters
+        # a tile's cluster, tail_split up to TAIL_UNITS partial tiles and a counter per CTA; persistent: as many blocks
+        # as the SMs hold at once, in whole multicast clusters
         plan = launch_plan(p, problem, device)
         tiles = plan.tiles
         grouped = p.k_groups > 1
