@@ -10,7 +10,7 @@ from core.plan import ceil_div
 from core.records import Problem
 from sandbox.build import compile_cuda
 from templates import get_family
-from templates.sm90_wgmma.params import TAIL_UNITS, Sm90WgmmaParams, launched_tiles, tail_cut
+from templates.sm90_wgmma.params import TAIL_FILL, TAIL_SUM, Sm90WgmmaParams, launched_tiles, tail_cut
 from templates.sm90_wgmma.search import traced
 from tests.gpu_reference import cases, check_kernel
 
@@ -32,12 +32,12 @@ def test_the_launch_passes_partial_tiles_and_a_counter_per_cta():
     problem = Problem(7471, 4096, 4096, "nk")
     spec = FAMILY.launch({**P3, "tail_split": True}, problem)
     assert spec.grid == (H200.sms, 1, 1)
-    assert (spec.workspace_bytes, spec.counters) == (TAIL_UNITS * H200.sms * 128 * 256 * 4, H200.sms)
+    assert (spec.workspace_bytes, spec.counters) == (H200.sms * 128 * 256 * 4, H200.sms)
     # the kernel's split fits it: rem x parts partial tiles, rem counters
     tiles = ceil_div(7471, 128) * ceil_div(4096, 256)
     parts, last = tail_cut(tiles, H200.sms, ceil_div(4096, 64))
-    assert (tiles % H200.sms, parts) == (20, 6)  # 7 whole rounds, 20 tiles in 6 ranges of 10-11 k-tiles
-    assert last == pytest.approx(1 / 6 + 0.05)  # one short round
+    assert (tiles % H200.sms, parts) == (20, 4)  # 7 whole rounds, 20 tiles in 4 ranges of 16 k-tiles
+    assert last == pytest.approx((16 + TAIL_FILL + 4 * TAIL_SUM) / 64)  # one short round
     assert tiles % H200.sms * parts * 128 * 256 * 4 <= spec.workspace_bytes
     plain = FAMILY.launch(P3, problem)
     assert (plain.workspace_bytes, plain.counters) == (0, 0)
@@ -48,13 +48,14 @@ def test_the_launch_passes_partial_tiles_and_a_counter_per_cta():
 
 @pytest.mark.parametrize("tiles,k_tiles,parts", [
     (1056, 64, 1),  # whole rounds
-    (944, 64, 6), (1120, 128, 2), (560, 64, 4), (140, 64, 8),  # at most half full: as many ranges as the grid holds
-    (944, 16, 4), (944, 7, 1),  # K allows fewer
-    (624, 172, 4), (2048, 128, 5),  # more than half full: ranges over 3 short rounds end sooner than one
-    (512, 64, 1), (2500, 25, 1)])  # nearly full: no cut ends sooner
+    (944, 64, 4), (560, 64, 4), (140, 64, 4),  # ranges of 16: shorter ones cost more sums than they save
+    (140, 256, 8), (1120, 128, 2),  # long K: more ranges; at most as many ranges as the grid holds
+    (944, 16, 1), (944, 7, 1),  # short K: the fill outweighs what a cut saves
+    (624, 172, 1), (2048, 128, 1),  # more than half full: two ranges would not fit one round
+    (512, 64, 1), (2500, 25, 1)])  # nearly full
 def test_a_tail_tile_is_cut_into_the_ranges_that_end_the_round_soonest(tiles, k_tiles, parts):
     assert tail_cut(tiles, H200.sms, k_tiles)[0] == parts
-    assert tiles % H200.sms * parts <= TAIL_UNITS * H200.sms  # the workspace holds them
+    assert tiles % H200.sms * parts <= H200.sms  # one range a CTA: the workspace holds them
 
 
 def test_a_residual_with_a_tail_split_is_loaded_after_the_sum_not_into_the_panels():
@@ -81,18 +82,16 @@ def test_whole_rounds_short_k_or_small_problems_get_none(problem):
     assert "tail-split" not in [name for name, _ in traced(problem)]
 
 
-# GPU kinds on 132 SMs: a round and a quarter of tiles (165: 33 in 2 ranges of 4 and 5 k-tiles, or of 33 k-tiles in 4
-# ranges of 8-9), K off 64 in the last range; every store path; swapped tiles; a last round three quarters full (231
-# tiles: 99 in 4 ranges, three ranges a CTA)
+# GPU kinds on 132 SMs, K of 49 k-tiles (the last one 24 columns): a round and a quarter of tiles (165: 33 in 4 ranges
+# of 12-13 k-tiles), every store path, swapped tiles; a last round of 48 tiles in 2 ranges
 TAIL_KINDS = {
-    "tail_of_2_parts_tma": ({**P3, "tail_split": True}, (4100, 1096, 520)),
-    "tail_of_4_parts_tma": ({**P3, "tail_split": True}, (4100, 1096, 2104)),
-    "tail_smem": ({**P3, "epilogue": "smem", "tail_split": True}, (4100, 1096, 2104)),
+    "tail_of_4_parts_tma": ({**P3, "tail_split": True}, (4100, 1096, 3096)),
+    "tail_of_2_parts_tma": ({**P3, "tail_split": True}, (4548, 1096, 3096)),
+    "tail_smem": ({**P3, "epilogue": "smem", "tail_split": True}, (4100, 1096, 3096)),
     "tail_direct": ({"block_m": 128, "block_n": 128, "stages": 4, "persistent": True, "epilogue": "direct",
-                     "tail_split": True}, (4100, 1096, 2104)),
+                     "tail_split": True}, (4100, 1096, 3096)),
     "tail_swapped": ({"block_m": 208, "block_n": 128, "consumers": 2, "stages": 3, "swap_ab": True,
-                      "persistent": True, "epilogue": "smem", "tail_split": True}, (4100, 1096, 2104)),
-    "tail_three_ranges_a_cta": ({**P3, "tail_split": True}, (4100, 1736, 2104)),
+                      "persistent": True, "epilogue": "smem", "tail_split": True}, (4100, 1096, 3096)),
 }
 
 

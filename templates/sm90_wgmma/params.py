@@ -286,26 +286,26 @@ def launched_tiles(p: Sm90WgmmaParams, problem: Problem) -> int:
 
 
 # Tail split (rendered into the kernel, whose tail_cut this restates): at most TAIL_PARTS K ranges a tail tile, each of
-# TAIL_MIN_K+ k-tiles, at most TAIL_UNITS partial tiles a CTA of the grid in the workspace; TAIL_COST: what a range
-# costs beyond its share of a tile, as a share of a tile (its ring's fill, its partials' round trip): a guess until
-# measured (docs/decisions.md `tail-split`)
-TAIL_PARTS, TAIL_MIN_K, TAIL_UNITS, TAIL_COST = 8, 4, 4, 0.05
+# TAIL_MIN_K+ k-tiles, one range a CTA (a single short round; the workspace holds one partial tile a CTA). A cut round
+# takes its longest range plus TAIL_FILL k-tiles (the ring's fill, the partials' stores and fence) plus TAIL_SUM a
+# range (the summing CTA's read of each partial): fitted to the measured cuts (docs/decisions.md `tail-split`).
+TAIL_PARTS, TAIL_MIN_K, TAIL_FILL, TAIL_SUM = 8, 4, 14, 3
 
 
 def tail_cut(tiles: int, grid: int, k_tiles: int) -> tuple[int, float]:
     """How the kernel cuts a part-filled last round of `tiles` on `grid` CTAs: the K ranges a tail tile is cut into,
-    and how long the round then takes as a share of a tile's time. The cut whose ranges, dealt out a round at a time,
-    end soonest (ceil(rest x p / grid) rounds of 1 / p of a tile, each range TAIL_COST more), the fewest on a tie;
-    (1, 1.0) where no cut ends sooner than a whole round, (1, 0.0) where the rounds are whole."""
+    and how long the round then takes as a share of a tile's time. The cut, one range a CTA, whose round ends soonest
+    (ceil(k_tiles / p) + TAIL_FILL + p x TAIL_SUM k-tiles), the fewest ranges on a tie; (1, 1.0) where no cut ends
+    sooner than a whole tile, (1, 0.0) where the rounds are whole."""
     rest = tiles % grid
-    best = (1, 1.0 if rest else 0.0)
+    best = (1, k_tiles if rest else 0)
     for p in range(2, TAIL_PARTS + 1):
-        if not rest or p * TAIL_MIN_K > k_tiles or rest * p > TAIL_UNITS * grid:
+        if not rest or p * TAIL_MIN_K > k_tiles or rest * p > grid:
             break
-        cost = ceil_div(rest * p, grid) * (1.0 / p + TAIL_COST)
+        cost = ceil_div(k_tiles, p) + TAIL_FILL + p * TAIL_SUM
         if cost < best[1]:
             best = (p, cost)
-    return best
+    return best[0], best[1] / k_tiles
 
 
 def launch_plan(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -> LaunchPlan:

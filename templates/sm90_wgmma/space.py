@@ -14,10 +14,10 @@ from core.records import LaunchSpec, Problem, TensorMapSpec
 from templates.family import Family, Params
 from templates.sm90_wgmma.params import (
     SWAP_C_CHUNK,
-    TAIL_COST,
+    TAIL_FILL,
     TAIL_MIN_K,
     TAIL_PARTS,
-    TAIL_UNITS,
+    TAIL_SUM,
     Sm90WgmmaParams,
     launch_plan,
     with_update,
@@ -51,7 +51,7 @@ class Sm90Wgmma(Family):
                 "producer_regs": params.producer_regs, "consumer_regs": params.consumer_regs,
                 "wgmma_n": params.wgmma_n, "c_chunk": SWAP_C_CHUNK,
                 "residual_panels": params.residual_panels, "tail_parts_max": TAIL_PARTS, "tail_min_k": TAIL_MIN_K,
-                "tail_units": TAIL_UNITS, "tail_cost": f"{TAIL_COST}f"}
+                "tail_fill": TAIL_FILL, "tail_sum": TAIL_SUM}
 
     def check_for_problem(self, params: Params, problem: Problem) -> None:
         assert isinstance(params, Sm90WgmmaParams)
@@ -66,7 +66,7 @@ class Sm90Wgmma(Family):
         assert isinstance(p, Sm90WgmmaParams)
         # split-K: the kernel's __cluster_dims__(split_k, 1, 1) groups consecutive blocks, one cluster per tile and K
         # group; k_groups > 1 adds the workspace (the groups' fp32 partial tiles) and one arrival counter per CTA of
-        # a tile's cluster, tail_split up to TAIL_UNITS partial tiles and a counter per CTA; persistent: as many blocks
+        # a tile's cluster, tail_split a partial tile and a counter per CTA; persistent: as many blocks
         # as the SMs hold at once, in whole multicast clusters
         plan = launch_plan(p, problem, device)
         tiles = plan.tiles
@@ -90,9 +90,9 @@ class Sm90Wgmma(Family):
             maps += (TensorMapSpec("C", (problem.out_n, problem.m), (64, c_rows)),)
             if problem.fused.residual and p.residual_panels:  # R comes into the same panels the same way
                 maps += (TensorMapSpec("R", (problem.out_n, problem.m), (64, c_rows)),)
-        # tail split: at most TAIL_UNITS partial tiles a CTA of the grid, a counter a tail tile (fewer than the grid)
+        # tail split: one partial tile a CTA of the grid (one range a CTA), a counter a tail tile (fewer than the grid)
         workspace, counters = ((p.k_groups * tiles * p.block_m * p.block_n * 4, tiles * p.split_k) if grouped else
-                               (TAIL_UNITS * plan.ctas * p.block_m * p.block_n * 4, plan.ctas) if p.tail_split
+                               (plan.ctas * p.block_m * p.block_n * 4, plan.ctas) if p.tail_split
                                else (0, 0))
         return LaunchSpec(grid=(plan.ctas, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
                           workspace_bytes=workspace, counters=counters)
