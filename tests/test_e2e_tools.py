@@ -129,3 +129,18 @@ def test_timing_alternates_the_order_and_drops_a_first_round(monkeypatch):
     e2e.timed({"ref": lambda: calls.append("ref"), "ours": lambda: calls.append("ours")}, rounds=3, inner=1)
     assert calls == ["ours", "ref", "ref", "ours", "ours", "ref", "ref", "ours"]  # round 0 is warm-up
     assert set(e2e.timed({"a": lambda: None}, rounds=4, inner=2)) == {"a"}
+
+
+def test_after_compiling_the_compile_workers_are_shut_down_and_what_was_alive_is_said(monkeypatch):
+    e2e = load_tool("e2e_llama")
+    from torch._inductor import async_compile
+
+    shut = []
+    monkeypatch.setattr(async_compile, "shutdown_compile_workers", lambda: shut.append(True))
+    note = e2e.settle()
+    assert shut == [True]
+    before, after = note.split(" -> ")
+    for part in (before, after):
+        threads, children = part.split(", ")
+        assert threads.endswith(" threads") and int(threads.split()[0]) >= 1
+        assert children.endswith(" child processes") and int(children.split()[0]) >= 0

@@ -17,6 +17,8 @@
    torch.compile(mode="max-autotune-no-cudagraphs") against the patched model under torch.compile default
    (max-autotune). Compares their logits with each other and each with the same model's in fp32 (the stock
    model's own rounding is the bound for the patched one's; --no-fp32 skips it); reports the compilations' seconds.
+   After compiling, inductor's compile workers are shut down before the timing (`settle`): left running after a
+   max-autotune compilation they slowed both models' host-bound steps, the patched one most (notebook, session 26).
 4. Prints a table, and per mode the geomean and the lowest speed-up over the prefills and over the decode steps;
    with $OUT set, writes $OUT/e2e_<model>_<dtype>.json (and the shapes files, and with --tar-export the export as
    $OUT/export.tar.gz for --export in a later call).
@@ -36,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -187,6 +190,30 @@ def warmed(step) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - t0, step()
 
 
+def settle() -> str:
+    """Inductor's compile workers (subprocesses, and the threads that watch them) shut down, so that a host-bound
+    timing loop has the CPU and the GIL to itself; what was alive before and after, for the log."""
+    def alive() -> str:
+        me = str(os.getpid())
+        children = sum(1 for stat in Path("/proc").glob("[0-9]*/stat")
+                       if _ppid(stat) == me) if Path("/proc/self").exists() else -1
+        return f"{threading.active_count()} threads, {children} child processes"
+    from torch._inductor import async_compile
+
+    before = alive()
+    shutdown = getattr(async_compile, "shutdown_compile_workers", None)
+    if shutdown is not None:
+        shutdown()
+    return f"{before} -> {alive()}"
+
+
+def _ppid(stat: Path) -> str:
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[1]
+    except (OSError, IndexError):
+        return ""
+
+
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.norm((x.float() - ref.float()).reshape(-1)) / torch.linalg.norm(ref.float().reshape(-1)))
 
@@ -212,6 +239,8 @@ def compare(phase: Phase, mode: str, ref, ours, args, ref32: torch.Tensor | None
         else:
             (ref_s, ref_out), (ours_s, ours_out) = warmed(ref), warmed(ours)
             compile_s = (ref_s, ours_s) if mode in ("compile", "max-autotune") else None
+            if compile_s:
+                print(f"{phase.name:>10} {mode:>12}: compiled; workers: {settle()}", flush=True)
         err = rel(ours_out, ref_out)
         errs32 = (rel(ref_out, ref32), rel(ours_out, ref32)) if ref32 is not None else (None, None)
         inner = 2 if phase.context == 0 else 10
