@@ -19,10 +19,11 @@ timeout $(( ${2%.*} * 60 + 150 )) python3 -m agent run --shapes "$1" --budget-mi
   --b-layout "$L" ${RUN_ARGS:-} > "$OUT/devsuite_${L}_run.log" 2>&1
 echo "run rc=$? $(( $(date +%s) - T0 )) s"; R=$(ls -t runs | grep -v gitkeep | head -1)
 timeout ${BENCH_TIMEOUT:-200} python3 -m agent bench "$R" > "$OUT/devsuite_${L}_bench.log" 2>&1; echo "bench rc=$? $(( $(date +%s) - T0 )) s"
-cp "runs/$R/run.sqlite" "$OUT/devsuite_${L}.sqlite"; cp "runs/$R/bench/bench.json" "$OUT/devsuite_${L}_bench.json"
+# the run store gzipped: a 48-shape run's is more than a file the device call brings back (16 MiB)
+gzip -c "runs/$R/run.sqlite" > "$OUT/devsuite_${L}.sqlite.gz"; cp "runs/$R/bench/bench.json" "$OUT/devsuite_${L}_bench.json"
 case " ${RUN_ARGS:-} " in *" --no-db "*)  # the run kept no tuning rows: import its results for the analyses
   python3 -m agent db --db "$OUT/tuning.sqlite" --import "$R" > /dev/null ;; esac
-python3 - "$OUT/devsuite_${L}.sqlite" <<'PY'
+python3 - "runs/$R/run.sqlite" <<'PY'
 import json, sqlite3, sys
 rows = [json.loads(r[0]) for r in sqlite3.connect(sys.argv[1]).execute("SELECT record FROM results")]
 bad = [r for r in rows if r["status"] in ("wrong", "fault", "timeout")]
