@@ -172,9 +172,11 @@ def _tail_split(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaPara
         work = _rounds_work(v, s)
         if work < TAIL_GAIN * _rounds_work(v.model_copy(update={"tail_split": False}), s):
             found.append((work, v))
-    least = min((_rounds_work(p, s) for p in ordered[:4] if not p.reduces), default=float("inf"))
-    work, best = min(found, key=lambda f: f[0]) if found else (0.0, None)
-    return [best] if best is not None and work <= TAIL_SLACK * least else []
+    if not found:
+        return []
+    work, best = min(found, key=lambda f: f[0])
+    least = min((_rounds_work(p, s) for p in ordered[:4] if not p.reduces), default=work)
+    return [best] if work <= TAIL_SLACK * least else []
 
 
 FEW_TILES_LONG_K = "32+ k-tiles and K >= 8 max(M, N), or M > 64 and 64 x 64 tiles fill at most half the SMs"
