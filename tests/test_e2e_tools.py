@@ -141,6 +141,7 @@ def test_after_compiling_the_compile_workers_are_shut_down_and_what_was_alive_is
     assert shut == [True]
     before, after = note.split(" -> ")
     for part in (before, after):
-        threads, children = part.split(", ")
+        threads, children, load = part.split(", ")
         assert threads.endswith(" threads") and int(threads.split()[0]) >= 1
         assert children.endswith(" child processes") and int(children.split()[0]) >= 0
+        assert load.startswith("load ") and float(load.split()[1]) >= -1

@@ -1,10 +1,11 @@
 """Where a compiled forward step's time goes: the stock and the patched model under torch.compile, per phase.
 
     python tools/compile_diag.py EXPORT_DIR [--model llama3-8b] [--dtype f16] [--decode-batches 1,8] [--layers 4]
-        [--mode default|max-autotune-no-cudagraphs] [--steps 30]
+        [--prefill-tokens 2048] [--mode default|max-autotune-no-cudagraphs] [--stock-mode MODE] [--steps 30]
 
-For each decode batch (a step over a 512-token static KV cache, as tools/e2e_llama.py times it) and each model
-(stock, and a copy patched with the export), compiled with torch.compile: the wall time of a step run back to back
+For each decode batch (a step over a 512-token static KV cache, as tools/e2e_llama.py times it), the prefill of
+--prefill-tokens tokens where given, and each model (stock, compiled in --stock-mode, and a copy patched with the
+export, compiled in --mode): the wall time of a step run back to back
 and run synchronised one at a time, the GPU's kernel time a step and the kernels a step (torch.profiler over a few
 steps), the kernels with the most GPU time (cuBLAS's names mark a fallback), the CPU ops with the most self time,
 and dynamo's counters (graphs, graph breaks, recompilations). A step whose wall time is well above its kernel time
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from e2e_models import CONFIGS, Phase, build_model, make_step  # noqa: E402
+from e2e_models import CONFIGS, Phase, build_model, make_step, settle  # noqa: E402
 
 from sandbox.serve_bench import load_ops  # noqa: E402
 
@@ -66,7 +67,7 @@ def profiled(step, n: int, device: str) -> dict:
         calls[e.name[:90]] += 1
     cpu = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)
     return {"kernels_a_step": len(kernels) / n, "gpu_ms_a_step": sum(gpu_us.values()) / n / 1e3,
-            "top_kernels": [(name, calls[name] / n, us / n) for name, us in gpu_us.most_common(8)],
+            "top_kernels": [(name, calls[name] / n, us / n) for name, us in gpu_us.most_common(14)],
             "top_cpu": [(a.key[:70], a.count / n, a.self_cpu_time_total / n) for a in cpu[:12]]}
 
 
@@ -78,10 +79,19 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--decode-batches", default="1,8")
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--prefill-tokens", type=int, default=0, help="a prefill phase of this many tokens too (0: none)")
     p.add_argument("--mode", default="default", help="torch.compile mode")
+    p.add_argument("--stock-mode", help="torch.compile mode of the stock model (default: --mode)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
+    try:
+        phases = [Phase(f"decode {int(b)}", int(b), 1, args.context) for b in args.decode_batches.split(",") if b]
+    except ValueError:
+        print(f"error: --decode-batches: not a list of integers: {args.decode_batches}", file=sys.stderr)
+        return 2
+    if args.prefill_tokens > 0:
+        phases.insert(0, Phase(f"prefill {args.prefill_tokens}", 1, args.prefill_tokens, 0))
     model, config = build_model(args.model, args.layers, args.dtype, args.device)
     ops = load_ops(args.export)
     ours = copy.deepcopy(model)
@@ -89,25 +99,27 @@ def main(argv=None) -> int:
     from torch._dynamo.utils import counters
 
     with torch.inference_mode():
-        for batch in (int(b) for b in args.decode_batches.split(",")):
-            phase = Phase(f"decode {batch}", batch, 1, args.context)
+        for phase in phases:
             for name, eager in (("stock", model), ("patched", ours)):
                 torch._dynamo.reset()
                 counters.clear()
-                compiled = torch.compile(eager, mode=None if args.mode == "default" else args.mode)
+                mode = (args.stock_mode or args.mode) if name == "stock" else args.mode
+                compiled = torch.compile(eager, mode=None if mode == "default" else mode)
                 step = make_step(compiled, eager, config, phase, args.device)
                 t0 = time.perf_counter()
                 step()
                 sync(args.device)
                 first = time.perf_counter() - t0
+                workers = settle()
                 for _ in range(3):
                     step()
                 back, each = (wall_ms(step, args.steps, args.device, e) for e in (False, True))
                 prof = profiled(step, 5, args.device)
                 stats = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
-                print(f"\n== {phase.name} {name}: compile {first:.0f} s; wall a step {back:.3f} ms back to back, "
-                      f"{each:.3f} ms synchronised; GPU kernels {prof['gpu_ms_a_step']:.3f} ms a step in "
-                      f"{prof['kernels_a_step']:.0f} kernels; dynamo {stats}", flush=True)
+                print(f"\n== {phase.name} {name} ({mode}): compile {first:.0f} s; workers {workers}; wall a step "
+                      f"{back:.3f} ms back to back, {each:.3f} ms synchronised; GPU kernels "
+                      f"{prof['gpu_ms_a_step']:.3f} ms a step in {prof['kernels_a_step']:.0f} kernels; dynamo {stats}",
+                      flush=True)
                 for kname, n, us in prof["top_kernels"]:
                     print(f"   gpu {us:9.1f} us {n:5.1f}x  {kname}")
                 for op, n, us in prof["top_cpu"]:

@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import tarfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from e2e_models import CONFIGS, Phase, build_model, make_step  # noqa: E402
+from e2e_models import CONFIGS, Phase, build_model, make_step, settle  # noqa: E402
 
 from agent.recorder import GemmRecorder, record_gemm_shapes  # noqa: E402
 from sandbox.serve_bench import load_ops  # noqa: E402
@@ -188,30 +187,6 @@ def warmed(step) -> tuple[float, torch.Tensor]:
     step()
     torch.cuda.synchronize()
     return time.perf_counter() - t0, step()
-
-
-def settle() -> str:
-    """Inductor's compile workers (subprocesses, and the threads that watch them) shut down, so that a host-bound
-    timing loop has the CPU and the GIL to itself; what was alive before and after, for the log."""
-    def alive() -> str:
-        me = str(os.getpid())
-        children = sum(1 for stat in Path("/proc").glob("[0-9]*/stat")
-                       if _ppid(stat) == me) if Path("/proc/self").exists() else -1
-        return f"{threading.active_count()} threads, {children} child processes"
-    from torch._inductor import async_compile
-
-    before = alive()
-    shutdown = getattr(async_compile, "shutdown_compile_workers", None)
-    if shutdown is not None:
-        shutdown()
-    return f"{before} -> {alive()}"
-
-
-def _ppid(stat: Path) -> str:
-    try:
-        return stat.read_text().rsplit(")", 1)[1].split()[1]
-    except (OSError, IndexError):
-        return ""
 
 
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -4,7 +4,10 @@ the forward passes it times (a prefill, or a decode step over a static KV cache)
 from __future__ import annotations
 
 import inspect
+import os
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -94,3 +97,26 @@ def make_step(model, eager_model, config, phase: Phase, device: str):
     return step
 
 
+def settle() -> str:
+    """Inductor's compile workers (subprocesses, and the threads that watch them) shut down, so that a host-bound
+    timing loop has the CPU and the GIL to itself; what was alive before and after, for the log."""
+    def alive() -> str:
+        me = str(os.getpid())
+        children = sum(1 for stat in Path("/proc").glob("[0-9]*/stat")
+                       if _ppid(stat) == me) if Path("/proc/self").exists() else -1
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0
+        return f"{threading.active_count()} threads, {children} child processes, load {load:.1f}"
+    from torch._inductor import async_compile
+
+    before = alive()
+    shutdown = getattr(async_compile, "shutdown_compile_workers", None)
+    if shutdown is not None:
+        shutdown()
+    return f"{before} -> {alive()}"
+
+
+def _ppid(stat: Path) -> str:
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[1]
+    except (OSError, IndexError):
+        return ""

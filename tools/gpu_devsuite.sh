@@ -68,4 +68,5 @@ if cut:  # shapes that stopped proposing short of the candidates, on time
     print(f"{len(cut)} shapes cut short by their time share: " + "; ".join(cut[:6]) + ("; ..." if len(cut) > 6 else ""))
 PY
 python3 tools/honest_gap.py "runs/$R" --markdown > "$OUT/devsuite_${L}_gap.md"; head -12 "$OUT/devsuite_${L}_gap.md"
+python3 tools/class_table.py "runs/$R/bench/bench.json" "$HGEMM_AGENT_TUNING_DB" --run "$R" --markdown
 tail -42 "$OUT/devsuite_${L}_bench.log"
