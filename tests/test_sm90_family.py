@@ -939,3 +939,16 @@ def test_gpu_kinds_are_valid_settings():
 @pytest.mark.parametrize("params,problem", cases(GPU_KINDS))
 def test_every_epilogue_kind_is_exact_and_close_to_torch(params, problem):
     check_kernel("sm90_wgmma", params, problem)
+
+
+@pytest.mark.parametrize("group, wave", [(3, 4), (3, 11), (8, 16), (1, 5)])
+def test_the_byte_model_reads_the_panels_of_the_kernels_own_tile_order(group, wave):
+    from templates.sm90_wgmma.costs import wave_bytes
+
+    tiles_m, tiles_n = 13, 7
+    order = tile_order({**_PLAIN, "raster_group": group}, tiles_m, tiles_n)
+    expect = 0
+    for w0 in range(0, len(order), wave):
+        part = order[w0:w0 + wave]
+        expect += len({m for m, _ in part}) * 1000 + len({n for _, n in part}) * 1
+    assert wave_bytes(tiles_m, tiles_n, group, wave, 1000, 1) == expect

@@ -110,3 +110,25 @@ def test_what_leads_where(problem):
     # leads (ping-pong consumers, split K, swapped roles)
     if not {"ping-pong", "swap-tiny", "split-k-leaders", "k-groups-skinny", "narrow", "swap-split"} & set(names):
         assert (best.block_m, best.block_n) in [(p.block_m, p.block_n) for _, p in order[:6]]
+
+
+def test_settings_run_in_the_raster_group_whose_waves_read_the_fewest_bytes():
+    from templates.sm90_wgmma.costs import DEFAULT_GROUP, byte_group, wave_bytes
+
+    big = Problem(4437, 8192, 8192, "nk")  # 35 x 32 tiles of 128 x 256: a wave of 132 reads 8 rows, 16.5 columns
+    order = traced(big)
+    lead = order[0][1]
+    g = byte_group(lead.model_copy(update={"raster_group": DEFAULT_GROUP}), big, H200)
+    assert g != DEFAULT_GROUP and lead.raster_group == g
+    tiles_m, tiles_n, panel = 35, 32, 8192 * 2
+    chosen, default = (wave_bytes(tiles_m, tiles_n, x, 132, 128 * panel, 256 * panel) for x in (g, DEFAULT_GROUP))
+    assert chosen < 0.95 * default and abs(default / 1e6 - 888) < 0.02 * 888  # ncu's 888 MB at group 8 (session 23)
+    groups = [p.raster_group for _, p in order if (p.block_m, p.block_n, p.persistent) == (128, 256, True)
+              and not p.tail_split]
+    assert groups[0] == g and DEFAULT_GROUP in [p.raster_group for _, p in order]  # the old group is still tried
+    for _, p in order:  # clusters and split K keep the default
+        if p.cluster_m > 1 or p.cluster_n > 1 or p.split_k > 1 or p.k_groups > 1:
+            assert p.raster_group in (DEFAULT_GROUP, 16, 4, 1)
+    small = traced(Problem(256, 4096, 4096, "nk"))  # one wave: every group reads the same panels
+    assert {p.raster_group for _, p in small} <= {DEFAULT_GROUP, 16, 4, 1}
+    assert [p.raster_group for _, p in small[:3]] == [DEFAULT_GROUP] * 3

@@ -297,7 +297,9 @@ def listed_settings(shapes: list[tuple[float, list[Sm90WgmmaParams]]]) -> list[S
     return picked
 
 
-def raster_settings(best: Sm90WgmmaParams, problem: Problem) -> list[Sm90WgmmaParams]:
-    """The best guess with raster groups 16, 4 and 1, each where the tile rows outnumber it (1 always)."""
+def raster_settings(best: Sm90WgmmaParams, problem: Problem, chosen: int = 8) -> list[Sm90WgmmaParams]:
+    """The best guess with three of the raster groups 16, 8, 4 and 1 other than `chosen` (the group the best guess
+    runs in), each where the tile rows outnumber it (1 always)."""
     tiles_m = ceil_div(problem.m, best.block_m)
-    return [best.model_copy(update={"raster_group": group}) for group in (16, 4, 1) if group < tiles_m or group == 1]
+    groups = [g for g in (16, 8, 4, 1) if g != chosen and (g < tiles_m or g == 1)]
+    return [best.model_copy(update={"raster_group": g}) for g in groups[:3]]

@@ -22,7 +22,7 @@ from typing import Any
 from core.device import H200, DeviceFacts
 from core.plan import ceil_div
 from core.records import Problem
-from templates.sm90_wgmma.costs import TILES
+from templates.sm90_wgmma.costs import TILES, byte_group
 from templates.sm90_wgmma.kinds import (
     fitted_settings,
     listed_settings,
@@ -70,10 +70,15 @@ class Search:
         return listed_shapes(self.problem, self.device)
 
     @cached_property
+    def raster(self) -> list[Sm90WgmmaParams]:
+        """The best guess with other raster groups than the one its waves read the fewest bytes in."""
+        best = listed_settings(self.shapes)[0]
+        return raster_settings(best, self.problem, byte_group(best, self.problem, self.device))
+
+    @cached_property
     def listed(self) -> list[Sm90WgmmaParams]:
-        """The best guesses of the listed shapes, then the best guess's raster groups."""
-        picked = listed_settings(self.shapes)
-        return picked + raster_settings(picked[0], self.problem)
+        """The best guesses of the listed shapes, then the best guess's other raster groups."""
+        return listed_settings(self.shapes) + self.raster
 
     @cached_property
     def first(self) -> list[Sm90WgmmaParams]:
@@ -226,16 +231,20 @@ RULES: tuple[Rule, ...] = (
 
 
 def traced(problem: Problem, device: DeviceFacts = H200) -> list[tuple[str, Sm90WgmmaParams]]:
-    """The order with the rule that placed each setting: every rule's settings, placed as the table says, each
-    setting at its first place, the first MAX_SEEDS."""
+    """The order with the rule that placed each setting: every rule's settings, placed as the table says, each in
+    the raster group its waves read the fewest bytes in (`byte_group`; the best guess's other groups as they are),
+    each setting at its first place, the first MAX_SEEDS."""
     s = Search(problem, device)
     ordered: list[tuple[str, Sm90WgmmaParams]] = []
     for rule in RULES:
         found = [(rule.name, p) for p in rule.settings(s, [p for _, p in ordered])]
         at = len(ordered) if rule.after is None else rule.after
         ordered[at:at] = found
+    others = {id(p) for p in s.raster}  # these objects, not their equals: one of them may be the default group's
     seen: dict[str, tuple[str, Sm90WgmmaParams]] = {}
     for name, p in ordered:
+        if id(p) not in others:
+            p = p.model_copy(update={"raster_group": byte_group(p, problem, device)})
         seen.setdefault(p.model_dump_json(), (name, p))
     return list(seen.values())[:MAX_SEEDS]
 
