@@ -332,11 +332,21 @@ at::Tensor compose(const at::Tensor& y, int64_t epilogue, const std::optional<at
 }
 
 // What the call means, computed by PyTorch: F.linear, torch.matmul, or with a K x N B and a bias the fused addmm
-// (at::linear of B's transpose: torch.addmm(bias, a, b) for a 2-D a, the same folded for more dimensions); then the
-// epilogue's ops (compose).
+// (at::linear of B's transpose: torch.addmm(bias, a, b)); then the epilogue's ops (compose). A's rows are one matrix
+// first: at::matmul does not fold a (B, 1, K) operand whose middle stride is not K (as torch.compile lays out size-1
+// dimensions) and runs a batched GEMM that reads B once a row instead (measured: 1.5 ms for 32 rows of gate/up).
 at::Tensor fallback(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
                     int64_t epilogue, const std::optional<at::Tensor>& residual) {
-  at::Tensor y = nk ? at::linear(a, b, bias) : bias && bias->defined() ? at::linear(a, b.t(), bias) : at::matmul(a, b);
+  // symbolic sizes throughout: fake tensors of torch.compile's dynamic shapes come this way too
+  const at::Tensor a2 = a.dim() == 2 ? a : a.reshape_symint({c10::SymInt(-1), a.sym_size(-1)});
+  at::Tensor y = nk                          ? at::linear(a2, b, bias)
+                 : bias && bias->defined() ? at::linear(a2, b.t(), bias)
+                                           : at::matmul(a2, b);
+  if (a.dim() != 2) {
+    std::vector<c10::SymInt> shape(a.sym_sizes().begin(), a.sym_sizes().end() - 1);
+    shape.push_back(y.sym_size(-1));
+    y = y.view_symint(shape);
+  }
   return epilogue == hgemm::kNone ? y : compose(y, epilogue, residual);
 }
 

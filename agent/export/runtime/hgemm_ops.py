@@ -205,10 +205,13 @@ def fallback(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout
     """What the call means, computed by PyTorch (cuBLAS): F.linear, torch.matmul, or with a K x N B and a bias the
     fused addmm (F.linear of B's transpose: torch.addmm(bias, a, b) for a 2-D a); then the epilogue's ops as a model
     runs them (an unserved gated call on a GPU: the export's one gated kernel where it has one, `_gated`)."""
+    a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])  # one matrix of rows (hgemm_op.cpp's fallback says why)
     if layout == "nk":
-        y = F.linear(a, b, bias)
+        y = F.linear(a2, b, bias)
     else:
-        y = torch.matmul(a, b) if bias is None else F.linear(a, b.t(), bias)
+        y = torch.mm(a2, b) if bias is None else F.linear(a2, b.t(), bias)
+    if a.dim() != 2:
+        y = y.view(*a.shape[:-1], y.shape[-1])
     if epi == "none":
         return y
     fused = epilogue.Epilogue(epi)
