@@ -952,3 +952,14 @@ def test_the_byte_model_reads_the_panels_of_the_kernels_own_tile_order(group, wa
         part = order[w0:w0 + wave]
         expect += len({m for m, _ in part}) * 1000 + len({n for _, n in part}) * 1
     assert wave_bytes(tiles_m, tiles_n, group, wave, 1000, 1) == expect
+
+
+def test_a_waves_panels_stay_in_l2_for_the_next_only_where_they_fit():
+    from templates.sm90_wgmma.costs import wave_bytes
+
+    # 4 tile-rows x 8 tile-columns in one group, waves of 4 tiles: each wave is the 4 rows and one column
+    streamed = 8 * (4 * 10 + 1)  # every wave reads its 4 A panels again
+    assert wave_bytes(4, 8, 4, 4, 10, 1) == streamed
+    assert wave_bytes(4, 8, 4, 4, 10, 1, reuse_bytes=40) == streamed  # a wave's 41 bytes do not fit: k-slices stream
+    assert wave_bytes(4, 8, 4, 4, 10, 1, reuse_bytes=41) == 4 * 10 + 8  # they fit: A's panels are read once
+    assert wave_bytes(4, 8, 4, 4, 10, 1, reuse_bytes=10 ** 6) == 4 * 10 + 8

@@ -7,6 +7,7 @@ the entries named beside them.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from functools import lru_cache
 
 import numpy as np
@@ -100,20 +101,45 @@ def split_cost(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -> flo
 RASTER_GROUPS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 DEFAULT_GROUP = 8
 GROUP_SAVING = 0.95
+# The share of the L2 a wave's panels stay in for the next waves: fitted to six ncu DRAM figures (4437 x 8192 x 8192,
+# 4981 x 4096 x 11008, 6278 x 12800 x 1600 at two groups each, 128 x 256 tiles; all within 7%) on the H200's 60 MiB
+L2_REUSE = 1 / 3
 
 
-def wave_bytes(tiles_m: int, tiles_n: int, group: int, wave: int, a_panel: int, b_panel: int) -> int:
+def wave_bytes(tiles_m: int, tiles_n: int, group: int, wave: int, a_panel: int, b_panel: int,
+               reuse_bytes: int = 0) -> int:
     """Operand bytes a grid of tiles reads from DRAM in grouped rasterisation along M (the kernel's tile_origin):
     each wave of `wave` consecutive tile indices reads the A panels of its distinct tile-rows and the B panels of its
-    distinct tile-columns once, and nothing is kept from one wave to the next. (Measured by ncu within 1% on
-    4437 x 8192 x 8192 at 128 x 256 tiles, group 8: 888 MB; where B fits in L2 with room, short K, it overstates.)"""
+    distinct tile-columns, K deep, except those still in L2 from earlier waves. A wave streams its panels a k-slice at
+    a time, so where its panels take more than `reuse_bytes` nothing useful is left for the next wave (it starts at
+    k = 0 again); where they fit, they stay, with the most recent earlier panels up to `reuse_bytes` (LRU)."""
     t = np.arange(tiles_m * tiles_n)
     per_group = group * tiles_n
     first = t // per_group * group
     in_group = t % per_group
     span = np.minimum(group, tiles_m - first)
-    row, col, w = first + in_group % span, in_group // span, t // wave
-    return int(len(np.unique(w * tiles_m + row)) * a_panel + len(np.unique(w * tiles_n + col)) * b_panel)
+    rows, cols = first + in_group % span, in_group // span
+    cached: OrderedDict[tuple[int, int], int] = OrderedDict()  # (0: A | 1: B, index) -> bytes, oldest first
+    held = total = 0
+    for w0 in range(0, len(t), wave):
+        need = ([(0, int(r)) for r in np.unique(rows[w0:w0 + wave])]
+                + [(1, int(c)) for c in np.unique(cols[w0:w0 + wave])])
+        footprint = 0
+        for panel in need:
+            size = a_panel if panel[0] == 0 else b_panel
+            footprint += size
+            if panel in cached:
+                cached.move_to_end(panel)
+            else:
+                total += size
+                cached[panel] = size
+                held += size
+        if footprint > reuse_bytes:
+            cached.clear()
+            held = 0
+        while held > reuse_bytes:
+            held -= cached.popitem(last=False)[1]
+    return total
 
 
 def byte_group(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -> int:
@@ -124,14 +150,14 @@ def byte_group(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -> int
             or p.raster_group != DEFAULT_GROUP):
         return p.raster_group
     return _byte_group(ceil_div(problem.m, p.block_m), ceil_div(problem.n, p.block_n), device.sms * p.min_blocks,
-                       p.block_m * problem.k * 2, p.block_n * problem.k * 2)
+                       p.block_m * problem.k * 2, p.block_n * problem.k * 2, int(device.l2_bytes * L2_REUSE))
 
 
 @lru_cache(maxsize=4096)
-def _byte_group(tiles_m: int, tiles_n: int, wave: int, a_panel: int, b_panel: int) -> int:
+def _byte_group(tiles_m: int, tiles_n: int, wave: int, a_panel: int, b_panel: int, reuse: int) -> int:
     if tiles_m <= 1 or tiles_m * tiles_n <= wave:
         return DEFAULT_GROUP  # one tile-row, or one wave: every group reads the same panels
-    cost = {g: wave_bytes(tiles_m, tiles_n, g, wave, a_panel, b_panel)
+    cost = {g: wave_bytes(tiles_m, tiles_n, g, wave, a_panel, b_panel, reuse)
             for g in RASTER_GROUPS if g <= tiles_m or g == DEFAULT_GROUP}
     best = min(cost, key=lambda g: (cost[g], abs(g - DEFAULT_GROUP)))
     return best if cost[best] <= GROUP_SAVING * cost[DEFAULT_GROUP] else DEFAULT_GROUP
