@@ -70,15 +70,20 @@ class Search:
         return listed_shapes(self.problem, self.device)
 
     @cached_property
+    def picked(self) -> list[Sm90WgmmaParams]:
+        """The best guesses of the listed shapes."""
+        return listed_settings(self.shapes)
+
+    @cached_property
     def raster(self) -> list[Sm90WgmmaParams]:
         """The best guess with other raster groups than the one its waves read the fewest bytes in."""
-        best = listed_settings(self.shapes)[0]
+        best = self.picked[0]
         return raster_settings(best, self.problem, byte_group(best, self.problem, self.device))
 
     @cached_property
     def listed(self) -> list[Sm90WgmmaParams]:
         """The best guesses of the listed shapes, then the best guess's other raster groups."""
-        return listed_settings(self.shapes) + self.raster
+        return self.picked + self.raster
 
     @cached_property
     def first(self) -> list[Sm90WgmmaParams]:
