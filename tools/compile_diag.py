@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from e2e_models import CONFIGS, Phase, build_model, make_step, settle  # noqa: E402
+from e2e_models import CONFIGS, Phase, build_model, counts, make_step, settle  # noqa: E402
 
 from sandbox.serve_bench import load_ops  # noqa: E402
 
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", choices=list(CONFIGS), default="llama3-8b")
     p.add_argument("--dtype", choices=("f16", "bf16"), default="f16")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--decode-batches", default="1,8")
+    p.add_argument("--decode-batches", default="1,8", help="1,8 or 1-64 (each)")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--prefill-tokens", type=int, default=0, help="a prefill phase of this many tokens too (0: none)")
     p.add_argument("--mode", default="default", help="torch.compile mode")
@@ -86,9 +86,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     try:
-        phases = [Phase(f"decode {int(b)}", int(b), 1, args.context) for b in args.decode_batches.split(",") if b]
-    except ValueError:
-        print(f"error: --decode-batches: not a list of integers: {args.decode_batches}", file=sys.stderr)
+        phases = [Phase(f"decode {b}", b, 1, args.context) for b in counts(args.decode_batches)]
+    except ValueError as e:
+        print(f"error: --decode-batches: {e}", file=sys.stderr)
         return 2
     if args.prefill_tokens > 0:
         phases.insert(0, Phase(f"prefill {args.prefill_tokens}", 1, args.prefill_tokens, 0))

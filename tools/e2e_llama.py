@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from e2e_models import CONFIGS, Phase, build_model, make_step, settle  # noqa: E402
+from e2e_models import CONFIGS, Phase, build_model, counts, make_step, settle  # noqa: E402
 
 from agent.recorder import GemmRecorder, record_gemm_shapes  # noqa: E402
 from sandbox.serve_bench import load_ops  # noqa: E402
@@ -93,19 +93,6 @@ def record(model, config, phases: list[Phase], folder: Path, device: str, name: 
     union.write_text(f"# the problems of a patched {name} (fused decoder layers): prefill and decode\n"
                      + "\n".join(dict.fromkeys(p.key for p in merged.problems)) + "\n")
     return union
-
-
-def counts(text: str) -> list[int]:
-    """'1,8,32' or '1-64' (every count from 1 to 64) or a mix: the counts, sorted, each once."""
-    out: set[int] = set()
-    for item in filter(None, text.split(",")):
-        lo, _, hi = item.partition("-")
-        if not (lo.isdigit() and (hi or lo).isdigit()) or not 1 <= int(lo) <= int(hi or lo):
-            raise ValueError(f"{text!r}: expected counts >= 1 such as 1,8,32 or 1-64")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    if not out:
-        raise ValueError(f"{text!r}: expected counts >= 1 such as 1,8,32 or 1-64")
-    return sorted(out)
 
 
 def phases_of(args) -> list[Phase]:

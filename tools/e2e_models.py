@@ -36,6 +36,19 @@ class Phase:
 
 
 
+def counts(text: str) -> list[int]:
+    """'1,8,32' or '1-64' (every count from 1 to 64) or a mix: the counts, sorted, each once."""
+    out: set[int] = set()
+    for item in filter(None, text.split(",")):
+        lo, _, hi = item.partition("-")
+        if not (lo.isdigit() and (hi or lo).isdigit()) or not 1 <= int(lo) <= int(hi or lo):
+            raise ValueError(f"{text!r}: expected counts >= 1 such as 1,8,32 or 1-64")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    if not out:
+        raise ValueError(f"{text!r}: expected counts >= 1 such as 1,8,32 or 1-64")
+    return sorted(out)
+
+
 def build_model(name: str, layers: int, dtype: str, device: str):
     """The model `name` (CONFIGS) with `layers` decoder layers, random weights, in `dtype`, on `device`."""
     import transformers

@@ -101,8 +101,8 @@ def split_cost(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -> flo
 RASTER_GROUPS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 DEFAULT_GROUP = 8
 GROUP_SAVING = 0.95
-# The share of the L2 a wave's panels stay in for the next waves: fitted to six ncu DRAM figures (4437 x 8192 x 8192,
-# 4981 x 4096 x 11008, 6278 x 12800 x 1600 at two groups each, 128 x 256 tiles; all within 7%) on the H200's 60 MiB
+# The share of the L2 a wave's panels stay in for the next waves (decisions.md `raster-bytes`: fitted to ncu's DRAM
+# figures on the H200)
 L2_REUSE = 1 / 3
 
 

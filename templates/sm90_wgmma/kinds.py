@@ -297,7 +297,7 @@ def listed_settings(shapes: list[tuple[float, list[Sm90WgmmaParams]]]) -> list[S
     return picked
 
 
-def raster_settings(best: Sm90WgmmaParams, problem: Problem, chosen: int = 8) -> list[Sm90WgmmaParams]:
+def raster_settings(best: Sm90WgmmaParams, problem: Problem, chosen: int) -> list[Sm90WgmmaParams]:
     """The best guess with three of the raster groups 16, 8, 4 and 1 other than `chosen` (the group the best guess
     runs in), each where the tile rows outnumber it (1 always)."""
     tiles_m = ceil_div(problem.m, best.block_m)
