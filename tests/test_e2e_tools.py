@@ -145,3 +145,18 @@ def test_after_compiling_the_compile_workers_are_shut_down_and_what_was_alive_is
         assert threads.endswith(" threads") and int(threads.split()[0]) >= 1
         assert children.endswith(" child processes") and int(children.split()[0]) >= 0
         assert load.startswith("load ") and float(load.split()[1]) >= -1
+
+
+def test_compile_diag_times_one_model_alone_with_only(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from tests.export_fixtures import small_export
+
+    diag = load_tool("compile_diag")
+    common = ["--model", "tiny", "--device", "cpu", "--layers", "1", "--decode-batches", "1", "--context", "8",
+              "--steps", "1"]
+    assert diag.main([str(tmp_path / "none"), "--only", "stock", *common]) == 0  # the export is never read
+    out = capsys.readouterr().out
+    assert "== decode 1 stock (default)" in out and "patched" not in out
+    assert diag.main([str(small_export(tmp_path / "export", [])), "--only", "patched", *common]) == 0
+    out = capsys.readouterr().out
+    assert "== decode 1 patched (default)" in out and "== decode 1 stock" not in out

@@ -2,6 +2,7 @@
 
     python tools/compile_diag.py EXPORT_DIR [--model llama3-8b] [--dtype f16] [--decode-batches 1,8] [--layers 4]
         [--prefill-tokens 2048] [--mode default|max-autotune-no-cudagraphs] [--stock-mode MODE] [--steps 30]
+        [--only stock|patched]
 
 For each decode batch (a step over a 512-token static KV cache, as tools/e2e_llama.py times it), the prefill of
 --prefill-tokens tokens where given, and each model (stock, compiled in --stock-mode, and a copy patched with the
@@ -9,7 +10,9 @@ export, compiled in --mode): the wall time of a step run back to back
 and run synchronised one at a time, the GPU's kernel time a step and the kernels a step (torch.profiler over a few
 steps), the kernels with the most GPU time (cuBLAS's names mark a fallback), the CPU ops with the most self time,
 and dynamo's counters (graphs, graph breaks, recompilations). A step whose wall time is well above its kernel time
-is host-bound; the CPU ops say on what. Needs a GPU and `transformers`; --device cpu --model tiny: a quick look.
+is host-bound; the CPU ops say on what. --only times one of the models, so that each compilation can run in a
+process of its own (run it once for each model). Needs a GPU and `transformers`; --device cpu --model tiny: a quick
+look.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", default="default", help="torch.compile mode")
     p.add_argument("--stock-mode", help="torch.compile mode of the stock model (default: --mode)")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--only", choices=("stock", "patched"), help="time this model alone (default: both)")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     try:
@@ -93,14 +97,18 @@ def main(argv=None) -> int:
     if args.prefill_tokens > 0:
         phases.insert(0, Phase(f"prefill {args.prefill_tokens}", 1, args.prefill_tokens, 0))
     model, config = build_model(args.model, args.layers, args.dtype, args.device)
-    ops = load_ops(args.export)
-    ours = copy.deepcopy(model)
-    print(f"launch path {ops.path()}; patch {ops.patch(ours)}", flush=True)
+    models = {"stock": model}
+    if args.only != "stock":
+        ops = load_ops(args.export)
+        models["patched"] = ours = copy.deepcopy(model)
+        print(f"launch path {ops.path()}; patch {ops.patch(ours)}", flush=True)
+        if args.only == "patched":
+            del models["stock"]
     from torch._dynamo.utils import counters
 
     with torch.inference_mode():
         for phase in phases:
-            for name, eager in (("stock", model), ("patched", ours)):
+            for name, eager in models.items():
                 torch._dynamo.reset()
                 counters.clear()
                 mode = (args.stock_mode or args.mode) if name == "stock" else args.mode

@@ -17,8 +17,9 @@
    torch.compile(mode="max-autotune-no-cudagraphs") against the patched model under torch.compile default
    (max-autotune). Compares their logits with each other and each with the same model's in fp32 (the stock
    model's own rounding is the bound for the patched one's; --no-fp32 skips it); reports the compilations' seconds.
-   After compiling, inductor's compile workers are shut down before the timing (`settle`): left running after a
-   max-autotune compilation they slowed both models' host-bound steps, the patched one most (notebook, session 26).
+   After compiling, inductor's compile workers are shut down before the timing (`settle`), so that nothing of a
+   compilation runs beside the timed steps. The compiled decode steps are host-bound and their wall times vary by
+   30-40% between runs; tools/compile_diag.py --only times each model in a process of its own.
 4. Prints a table, and per mode the geomean and the lowest speed-up over the prefills and over the decode steps;
    with $OUT set, writes $OUT/e2e_<model>_<dtype>.json (and the shapes files, and with --tar-export the export as
    $OUT/export.tar.gz for --export in a later call).
