@@ -112,6 +112,31 @@ def test_kn_b_is_one_copy_of_every_panel_where_n_is_a_multiple_of_64(cluster_m):
     assert (b.dims, b.box, b.strides) == ((4040, 1000), (64, 64), ())
 
 
+@pytest.mark.parametrize("persistent,stages", [(False, 4), (True, 3)])
+def test_kn_b_panels_bring_a_tile_off_64_columns_as_whole_panels_from_any_16th_column(persistent, stages):
+    """b_panels: a kn tile of 240 columns has a 256-column stage; a 4-D view (panels 128 B apart, tile starts 32 B
+    apart) brings it in one copy where its panels end inside N, a plain map one panel a copy at the last column
+    tile; the view's last address is B's last element, and the kernel compiles for sm_90a without spills."""
+    prob = Problem(1246, 3072, 8192, "kn")
+    params = {"block_m": 128, "block_n": 240, "consumers": 2, "stages": stages, "b_panels": True,
+              "persistent": persistent}
+    p = Sm90WgmmaParams(**params)
+    assert p.b_columns == 256 and p.ring_bytes == stages * (128 + 256) * 64 * 2
+    _, b4, b2 = FAMILY.launch(params, prob).tensor_maps
+    assert (b4.dims, b4.box, b4.strides) == ((64, 8192, 4, (3072 - 256) // 16 + 1), (64, 64, 4, 1), (6144, 128, 32))
+    assert (b2.operand, b2.dims, b2.box, b2.strides) == ("B", (3072, 8192), (64, 64), ())
+    for t in (b4, b2):
+        driver.check_tiled(0x7F0000000000, t.dims, t.box, t.swizzle, t.strides)
+    last = (b4.dims[0] - 1) * 2 + sum((d - 1) * s for d, s in zip(b4.dims[1:], b4.strides, strict=True))
+    assert last == prob.k * prob.n * 2 - 2
+    src = FAMILY.render(params, prob)
+    assert src.count("__grid_constant__ TmaMap") == 3 and "cp.async.bulk.tensor.4d" in src
+    assert "prefetch_tensormap(tm_b2);" in src and "n0 + B_COLS <= N" in src
+    b = compile_cuda(src, "sm_90a", cache_dir=None)
+    assert b.ok and b.spill_bytes == 0, b.log[-1500:]
+    assert "b_panels" not in Sm90WgmmaParams(block_n=256).model_dump()  # named only where true
+
+
 @pytest.mark.parametrize("problem,cp_async", [
     (Problem(4096, 4096, 4096), 0),  # two consumer warpgroups, K whole: cp.async never won there
     (Problem(64, 16384, 4096), 2),  # one consumer warpgroup
@@ -157,6 +182,12 @@ def test_kn_transposes_b_by_descriptor_and_nk_does_not():
     ({"block_n": 24}, Problem(256, 256, 256), "multiple of 16"),
     ({"block_n": 96}, Problem(256, 256, 256, "kn"), "multiple of 64"),
     ({"block_k": 32}, Problem(256, 256, 256), "block_k"),
+    ({"block_n": 240, "b_panels": True}, Problem(256, 3072, 256, "nk"), "b_layout kn"),
+    ({"block_n": 240, "b_panels": True}, Problem(256, 200, 256, "kn"), "N of at least 256"),
+    ({"block_n": 256, "b_panels": True}, Problem(256, 3072, 256, "kn"), "b_panels copies"),
+    ({"block_n": 240, "b_panels": True, "loader": "cp_async"}, Problem(256, 3072, 256, "kn"), "b_panels copies"),
+    ({"block_n": 240, "b_panels": True, "swap_ab": True, "epilogue": "smem"}, Problem(256, 3072, 256, "kn"),
+     "b_panels copies|swap_ab"),
     ({"stages": 6}, Problem(256, 256, 256), "exceeds the sm_90 limit"),
     ({"block_m": 256, "block_n": 256, "stages": 3}, Problem(256, 256, 256), "accumulator registers"),
     ({"block_m": 192, "block_n": 256, "consumers": 3}, Problem(256, 256, 256), "one m64n256 wgmma needs"),
@@ -939,6 +970,28 @@ def test_gpu_kinds_are_valid_settings():
 @pytest.mark.parametrize("params,problem", cases(GPU_KINDS))
 def test_every_epilogue_kind_is_exact_and_close_to_torch(params, problem):
     check_kernel("sm90_wgmma", params, problem)
+
+
+# kn only: tiles off 64 columns in whole B panels; at N = 1000 the last column tile (n0 960 at 240, 880 at 176) is
+# brought one panel a copy by the plain map, the others by the 4-D view
+B_PANEL_KINDS = {
+    "b_panels_240": ({"block_m": 128, "block_n": 240, "consumers": 2, "stages": 4, "b_panels": True}, (333, 1000, 520)),
+    "b_panels_176": ({"block_m": 128, "block_n": 176, "consumers": 2, "stages": 4, "b_panels": True}, (333, 1000, 520)),
+    "b_panels_persistent": ({"block_m": 128, "block_n": 240, "consumers": 2, "stages": 3, "b_panels": True,
+                             "persistent": True}, (1100, 1000, 520)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params,problem", [c for c in cases(B_PANEL_KINDS) if "-kn-" in c.id])
+def test_b_panels_tiles_are_exact_and_close_to_torch(params, problem):
+    check_kernel("sm90_wgmma", params, problem)
+
+
+def test_b_panel_kinds_are_valid_settings():
+    for params, mnk in B_PANEL_KINDS.values():
+        spec = FAMILY.launch(params, Problem(*mnk, "kn", "bf16", True))
+        assert [t.operand for t in spec.tensor_maps] == ["A", "B", "B"]
 
 
 @pytest.mark.parametrize("group, wave", [(3, 4), (3, 11), (8, 16), (1, 5)])

@@ -33,14 +33,14 @@ SWAP_C_CHUNK = 16
 
 # Fields added after settings were first stored, each with its default: a setting names them only where it differs.
 LATER_FIELDS = {"ping_pong": False, "raster_along": "m", "raster_snake": False, "c_panels": False,
-                "tail_split": False}
+                "tail_split": False, "b_panels": False}
 
 
 class Sm90WgmmaParams(Params):
     block_m: int = Field(128, ge=16, le=256, multiple_of=16,
                          description="rows of C per thread block: 64, 128, 192 or 256; with swap_ab any multiple of 16")
     block_n: int = Field(256, ge=16, le=256, multiple_of=16,
-                         description="columns of C per block = the wgmma N (kn layout: a multiple of 64)")
+                         description="columns of C per block = the wgmma N (kn: a multiple of 64, or b_panels)")
     block_k: Literal[64] = Field(64, description="K slice per stage: 64 16-bit elements = one 128-byte swizzle row")
     stages: int = Field(4, ge=2, le=12, description="depth of the shared-memory ring")
     consumers: Literal[1, 2, 3, 4] = Field(2, description="consumer warpgroups; each owns block_m/consumers rows "
@@ -107,6 +107,11 @@ class Sm90WgmmaParams(Params):
         "of 4+ k-tiles) that end it soonest, dealt out like tiles and summed through a workspace by the last to "
         "arrive; no clusters or ping-pong")
 
+    b_panels: bool = Field(
+        False, description="B in kn layout with block_n not a multiple of 64 (176, 240, ...): B's stage holds whole "
+        "64-column panels (block_n rounded up to 64), one 4-D TMA copy a stage from any column that is a multiple "
+        "of 16 (the last column tile: a 2-D copy a panel); needs loader tma, no multicast along M, no swap_ab")
+
     swap_ab: bool = Field(
         False, description="wgmma computes C^T = B^T A^T, the B tile (block_n rows, 64 per m64 wgmma, block_n / "
         "consumers per consumer) as wgmma's A operand and the A tile as its B operand (wgmma N = block_m, any "
@@ -116,9 +121,9 @@ class Sm90WgmmaParams(Params):
 
     @model_serializer(mode="wrap")
     def _without_defaults_of_later_fields(self, handler: Any) -> dict[str, Any]:
-        """ping_pong, raster_along, raster_snake and c_panels appear only where they differ from their defaults: every
-        other setting keeps the dict, and so the candidate id and the tuning database rows, it had before they
-        existed."""
+        """The LATER_FIELDS (ping_pong, raster_along, raster_snake, c_panels, ...) appear only where they differ from
+        their defaults: every other setting keeps the dict, and so the candidate id and the tuning database rows, it
+        had before they existed."""
         out = handler(self)
         for name, default in LATER_FIELDS.items():
             if out.get(name) == default:
@@ -145,7 +150,12 @@ class Sm90WgmmaParams(Params):
 
     @property
     def ring_bytes(self) -> int:
-        return self.stages * (self.block_m + self.block_n) * self.block_k * 2
+        return self.stages * (self.block_m + self.b_columns) * self.block_k * 2
+
+    @property
+    def b_columns(self) -> int:
+        """Columns of B a stage holds: block_n, or with b_panels whole 64-column panels."""
+        return ceil_div(self.block_n, 64) * 64 if self.b_panels else self.block_n
 
     @property
     def reduces(self) -> bool:
@@ -249,6 +259,9 @@ class Sm90WgmmaParams(Params):
             raise ValueError(f"cluster_n={self.cluster_n} with persistent blocks: a persistent grid fills every SM, "
                              "but fewer clusters of 4 run at once (30 of 33 on the H200), so the rest would wait a "
                              "whole wave")
+        if self.b_panels and (self.block_n % 64 == 0 or self.loader != "tma" or self.cluster_m > 1 or self.swap_ab):
+            raise ValueError(f"b_panels copies whole 64-column panels of a kn B for a block_n that is not a multiple "
+                             f"of 64 (not {self.block_n}): it needs loader=tma, cluster_m 1 and no swap_ab")
         if self.tail_split and (not self.persistent or self.ping_pong or self.cluster_m * self.cluster_n > 1):
             raise ValueError("tail_split cuts the last round of a persistent grid's tiles: it needs persistent=True, "
                              "no ping_pong and no clusters (cluster_m = cluster_n = 1)")

@@ -55,9 +55,12 @@ class Sm90Wgmma(Family):
 
     def check_for_problem(self, params: Params, problem: Problem) -> None:
         assert isinstance(params, Sm90WgmmaParams)
-        if problem.b_layout == "kn" and params.block_n % 64:
+        if problem.b_layout == "kn" and params.block_n % 64 and not params.b_panels:
             raise ValueError(f"block_n={params.block_n}: with B in kn layout (MN-major for wgmma) block_n must be "
-                             "a multiple of 64, the width of a 128-byte swizzle panel")
+                             "a multiple of 64, the width of a 128-byte swizzle panel, or b_panels=True")
+        if params.b_panels and (problem.b_layout != "kn" or problem.n < params.b_columns):
+            raise ValueError(f"b_panels copies whole 64-column panels of a kn B: it needs b_layout kn and N of at "
+                             f"least {params.b_columns} (not {problem.b_layout}, N={problem.n})")
         if problem.fused.gated and (why := gated_problem(params)):
             raise ValueError(f"a gated epilogue ({problem.epilogue}): {why}")
 
@@ -74,8 +77,14 @@ class Sm90Wgmma(Family):
         maps: tuple[TensorMapSpec, ...] = ()
         if p.loader == "tma":  # boxes land as 128-byte rows (64 fp16), swizzled like the cp.async copies
             k, n = problem.k, problem.n
+            b_maps: tuple[TensorMapSpec, ...] = ()
             if problem.b_layout == "nk":
                 b_map = TensorMapSpec("B", (k, n), (p.block_k, p.block_n // p.cluster_m))
+            elif p.b_panels:  # a tile's panels (128 B apart) from any 16th column (32 B apart), as far as they fit
+                panels = p.b_columns // 64  # in N; the last column tile: one copy a panel of the second, plain map
+                b_map = TensorMapSpec("B", (64, k, panels, (n - p.b_columns) // 16 + 1), (64, p.block_k, panels, 1),
+                                      strides=(n * 2, 128, 32))
+                b_maps = (TensorMapSpec("B", (n, k), (64, p.block_k)),)
             elif n % 64 == 0:  # 64-column panels as a third dimension 128 B apart: one copy per stage (and CTA)
                 b_map = TensorMapSpec("B", (64, k, n // 64), (64, p.block_k, p.block_n // 64 // p.cluster_m),
                                       strides=(n * 2, 128))
@@ -84,7 +93,7 @@ class Sm90Wgmma(Family):
             # where M fits one tile, the A box is only M rounded up to 8 rows (the kernel's a_box_rows); with
             # multicast along N each CTA's share of the tile's rows
             a_rows = p.block_m // p.cluster_n if p.cluster_n > 1 else min(p.block_m, ceil_div(problem.m, 8) * 8)
-            maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, a_rows)), b_map)
+            maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, a_rows)), b_map, *b_maps)
         if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels (swapped: 16-row chunks)
             c_rows = SWAP_C_CHUNK if p.swap_ab else p.block_m // p.row_owners
             maps += (TensorMapSpec("C", (problem.out_n, problem.m), (64, c_rows)),)

@@ -17,7 +17,7 @@ namespace hgemm {
 enum Epilogue : int { kNone = 0, kRelu, kSilu, kGeluTanh, kSiluMul, kGeluMul, kResidual, kEpilogues };
 inline bool gated(int epilogue) { return epilogue == kSiluMul || epilogue == kGeluMul; }
 
-constexpr size_t kMaxMaps = 4;  // A, B, C and the residual
+constexpr size_t kMaxMaps = 4;  // A, B, C and the residual (b_panels: A and B twice)
 
 struct MapSpec {  // cuTensorMapEncodeTiled's arguments but the address and the box (per segment of M)
   int operand = 0;  // 0 A, 1 B, 2 C, 3 the residual
