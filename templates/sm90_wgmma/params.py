@@ -272,7 +272,8 @@ class Sm90WgmmaParams(Params):
             c_note = " + C staging beside it (persistent)" if self.persistent and self.epilogue != "direct" else ""
             x_note = (f", or the split-K fp32 exchange tile of {self.exchange_bytes} B if larger"
                       if self.split_k > 1 else "")
-            raise ValueError(f"shared memory {self.smem_bytes} B (ring of stages*(block_m+block_n)*128 B{c_note}"
+            cols = "b_columns" if self.b_panels else "block_n"
+            raise ValueError(f"shared memory {self.smem_bytes} B (ring of stages*(block_m+{cols})*128 B{c_note}"
                              f"{x_note} + barriers + alignment) exceeds the sm_90 limit of {LIMITS.smem_per_block} B "
                              "per block")
         if self.min_blocks * (self.smem_bytes + LIMITS.smem_reserved_per_block) > LIMITS.smem_per_sm:
