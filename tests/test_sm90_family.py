@@ -137,6 +137,29 @@ def test_kn_b_panels_bring_a_tile_off_64_columns_as_whole_panels_from_any_16th_c
     assert "b_panels" not in Sm90WgmmaParams(block_n=256).model_dump()  # named only where true
 
 
+@pytest.mark.parametrize("n", [8, 24, 200, 248])
+def test_b_panels_under_a_stage_of_columns_take_every_tile_a_panel_a_copy_from_a_view_inside_b(n):
+    """N under the stage's 256 columns (the sandbox's ragged shapes): every column tile is a last one, so the 4-D
+    map is never read; it is still a valid view that ends inside B."""
+    prob = Problem(17, n, 40, "kn")
+    _, b4, b2 = FAMILY.launch({"block_m": 128, "block_n": 240, "consumers": 2, "stages": 4, "b_panels": True},
+                              prob).tensor_maps
+    assert b4.dims == (min(n, 64), 40, 1, 1) and b2.dims == (n, 40)
+    for t in (b4, b2):
+        driver.check_tiled(0x7F0000000000, t.dims, t.box, t.swizzle, t.strides)
+    last = (b4.dims[0] - 1) * 2 + sum((d - 1) * s for d, s in zip(b4.dims[1:], b4.strides, strict=True))
+    assert last < prob.k * prob.n * 2
+
+
+def test_b_panels_launch_at_every_shape_the_sandbox_checks():
+    from sandbox.check import edge_shapes
+
+    params = {"block_m": 128, "block_n": 240, "consumers": 2, "stages": 4, "b_panels": True}
+    target = Problem(1246, 3072, 8192, "kn")
+    for m, n, k in edge_shapes(target):  # the target, ragged shapes of 8 and 24 columns, shapes off the tiles
+        assert len(FAMILY.launch(params, Problem(m, n, k, "kn")).tensor_maps) == 3
+
+
 @pytest.mark.parametrize("problem,cp_async", [
     (Problem(4096, 4096, 4096), 0),  # two consumer warpgroups, K whole: cp.async never won there
     (Problem(64, 16384, 4096), 2),  # one consumer warpgroup
@@ -183,7 +206,6 @@ def test_kn_transposes_b_by_descriptor_and_nk_does_not():
     ({"block_n": 96}, Problem(256, 256, 256, "kn"), "multiple of 64"),
     ({"block_k": 32}, Problem(256, 256, 256), "block_k"),
     ({"block_n": 240, "b_panels": True}, Problem(256, 3072, 256, "nk"), "b_layout kn"),
-    ({"block_n": 240, "b_panels": True}, Problem(256, 200, 256, "kn"), "N of at least 256"),
     ({"block_n": 256, "b_panels": True}, Problem(256, 3072, 256, "kn"), "b_panels copies"),
     ({"block_n": 240, "b_panels": True, "loader": "cp_async"}, Problem(256, 3072, 256, "kn"), "b_panels copies"),
     ({"block_n": 240, "b_panels": True, "swap_ab": True, "epilogue": "smem"}, Problem(256, 3072, 256, "kn"),
@@ -977,6 +999,8 @@ def test_every_epilogue_kind_is_exact_and_close_to_torch(params, problem):
 B_PANEL_KINDS = {
     "b_panels_240": ({"block_m": 128, "block_n": 240, "consumers": 2, "stages": 4, "b_panels": True}, (333, 1000, 520)),
     "b_panels_176": ({"block_m": 128, "block_n": 176, "consumers": 2, "stages": 4, "b_panels": True}, (333, 1000, 520)),
+    "b_panels_small_n": ({"block_m": 128, "block_n": 240, "consumers": 2, "stages": 4, "b_panels": True},
+                         (333, 200, 520)),
     "b_panels_persistent": ({"block_m": 128, "block_n": 240, "consumers": 2, "stages": 3, "b_panels": True,
                              "persistent": True}, (1100, 1000, 520)),
 }

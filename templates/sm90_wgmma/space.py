@@ -58,9 +58,9 @@ class Sm90Wgmma(Family):
         if problem.b_layout == "kn" and params.block_n % 64 and not params.b_panels:
             raise ValueError(f"block_n={params.block_n}: with B in kn layout (MN-major for wgmma) block_n must be "
                              "a multiple of 64, the width of a 128-byte swizzle panel, or b_panels=True")
-        if params.b_panels and (problem.b_layout != "kn" or problem.n < params.b_columns):
-            raise ValueError(f"b_panels copies whole 64-column panels of a kn B: it needs b_layout kn and N of at "
-                             f"least {params.b_columns} (not {problem.b_layout}, N={problem.n})")
+        if params.b_panels and problem.b_layout != "kn":
+            raise ValueError(f"b_panels copies whole 64-column panels of a kn B: it needs b_layout kn (not "
+                             f"{problem.b_layout})")
         if problem.fused.gated and (why := gated_problem(params)):
             raise ValueError(f"a gated epilogue ({problem.epilogue}): {why}")
 
@@ -82,8 +82,10 @@ class Sm90Wgmma(Family):
                 b_map = TensorMapSpec("B", (k, n), (p.block_k, p.block_n // p.cluster_m))
             elif p.b_panels:  # a tile's panels (128 B apart) from any 16th column (32 B apart), as far as they fit
                 panels = p.b_columns // 64  # in N; the last column tile: one copy a panel of the second, plain map
-                b_map = TensorMapSpec("B", (64, k, panels, (n - p.b_columns) // 16 + 1), (64, p.block_k, panels, 1),
-                                      strides=(n * 2, 128, 32))
+                # where N is under a stage's columns every tile is a last one and the view, never read, is B's first
+                # columns (so that it still lies inside B)
+                view = (64, k, panels, (n - p.b_columns) // 16 + 1) if n >= p.b_columns else (min(n, 64), k, 1, 1)
+                b_map = TensorMapSpec("B", view, (64, p.block_k, panels, 1), strides=(n * 2, 128, 32))
                 b_maps = (TensorMapSpec("B", (n, k), (64, p.block_k)),)
             elif n % 64 == 0:  # 64-column panels as a third dimension 128 B apart: one copy per stage (and CTA)
                 b_map = TensorMapSpec("B", (64, k, n // 64), (64, p.block_k, p.block_n // 64 // p.cluster_m),
