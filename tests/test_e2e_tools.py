@@ -3,7 +3,9 @@ end-to-end tool records a (small) Llama's prefill and decode GEMMs where transfo
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -62,6 +64,28 @@ def test_with_ranges_each_problem_is_recorded_once_over_the_m_its_phases_run(tmp
     assert Problem(21, 2 * inter, hidden, "nk", epilogue="silu_mul", m_range=(1, 40)) in union  # M: the middle
     assert Problem(2, vocab, hidden, "nk", m_range=(1, 3)) in union  # lm_head: the last position of each sequence
     assert len(union) == 5
+
+
+def test_the_search_keeps_its_per_shape_table_beside_the_figures(tmp_path, monkeypatch):
+    e2e = load_tool("e2e_llama")
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    runs.mkdir(), out.mkdir()
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd[3:5])
+        if cmd[3] == "run":  # the agent makes a new run directory
+            (runs / f"run-{len(list(runs.iterdir()))}").mkdir()
+        return subprocess.CompletedProcess(cmd, 0, stdout="shape  tried  best\n1_4096_14336 12 0.957x\n", stderr="")
+
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+    args = argparse.Namespace(runs_dir=runs, budget_minutes=1.0, max_candidates=4, model="llama3-8b", dtype="f16")
+    assert e2e.search(tmp_path / "shapes.txt", args, out) == "run-0"
+    assert calls == [["run", "--shapes"], ["show", "run-0"]]
+    assert "0.957x" in (out / "search_llama3-8b_f16.txt").read_text()
+    calls.clear()
+    assert e2e.search(tmp_path / "shapes.txt", args) == "run-1"
+    assert calls == [["run", "--shapes"]]  # without $OUT nothing is shown or written
 
 
 def test_phases_every_batch_of_a_range_and_seeded_random_prefills():

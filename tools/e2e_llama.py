@@ -21,8 +21,9 @@
    compilation runs beside the timed steps. The compiled decode steps are host-bound and their wall times vary by
    30-40% between runs; tools/compile_diag.py --only times each model in a process of its own.
 4. Prints a table, and per mode the geomean and the lowest speed-up over the prefills and over the decode steps;
-   with $OUT set, writes $OUT/e2e_<model>_<dtype>.json (and the shapes files, and with --tar-export the export as
-   $OUT/export.tar.gz for --export in a later call).
+   with $OUT set, writes $OUT/e2e_<model>_<dtype>.json (and the shapes files, the search's per-shape table as
+   $OUT/search_<model>_<dtype>.txt, and with --tar-export the export as $OUT/export.tar.gz for --export in a later
+   call).
 
 --record-only stops after step 1 and needs no GPU (--device cpu --model tiny: a quick look).
 Needs `transformers` (on the GPU image; not a dependency of the project).
@@ -131,11 +132,17 @@ def agent_cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "agent", *args], cwd=ROOT, check=True)
 
 
-def search(shapes: Path, args) -> str:
+def search(shapes: Path, args, out_dir: Path | None = None) -> str:
+    """The run's id; with `out_dir`, the run's per-shape table (`agent show`: candidates tried, the best and its
+    ratio, also where cuBLAS kept a problem) in out_dir/search_<model>_<dtype>.txt."""
     before = set(os.listdir(args.runs_dir)) if args.runs_dir.is_dir() else set()
     agent_cli("run", "--shapes", str(shapes), "--budget-minutes", str(args.budget_minutes), "--max-candidates",
               str(args.max_candidates), "--no-profile", "--runs-dir", str(args.runs_dir))
     (run,) = set(os.listdir(args.runs_dir)) - before
+    if out_dir is not None:
+        shown = subprocess.run([sys.executable, "-m", "agent", "show", run, "--runs-dir", str(args.runs_dir)],
+                               cwd=ROOT, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+        (out_dir / f"search_{args.model}_{args.dtype}.txt").write_text(shown.stdout + shown.stderr)
     return run
 
 
@@ -304,7 +311,7 @@ def main(argv=None) -> int:
         if args.record_only:
             print(f"shapes written to {shapes.parent}")
             return 0
-        run = args.run or search(shapes, args)
+        run = args.run or search(shapes, args, out_dir)
         export = work / f"export-{run}"
         agent_cli("export", run, "--out", str(export), "--runs-dir", str(args.runs_dir),
                   *(["--no-check"] if args.no_check else []))
