@@ -110,7 +110,8 @@ class Sm90WgmmaParams(Params):
     b_panels: bool = Field(
         False, description="B in kn layout with block_n not a multiple of 64 (176, 240, ...): B's stage holds whole "
         "64-column panels (block_n rounded up to 64), one 4-D TMA copy a stage from any column that is a multiple "
-        "of 16 (the last column tile: a 2-D copy a panel); needs loader tma, no multicast along M, no swap_ab")
+        "of 16 (the last column tile: a 2-D copy a panel); needs loader tma, no multicast along M, no swap_ab; "
+        "measured no faster than the 64-column multiples (its rows start mid-line), slower on most large shapes")
 
     swap_ab: bool = Field(
         False, description="wgmma computes C^T = B^T A^T, the B tile (block_n rows, 64 per m64 wgmma, block_n / "
