@@ -127,9 +127,14 @@ def summary(rows: list[Row]) -> dict[str, dict[str, float]]:
     return out
 
 
-def agent_cli(*args: str) -> None:
+def agent_cli(*args: str, capture: bool = False) -> str:
+    """`python -m agent ARGS` in a subprocess (a failure raises); with `capture`, its output (tables 200 wide)
+    instead of the console."""
     print("$ python -m agent " + " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "agent", *args], cwd=ROOT, check=True)
+    env = {**os.environ, "COLUMNS": "200"} if capture else None
+    done = subprocess.run([sys.executable, "-m", "agent", *args], cwd=ROOT, check=True, capture_output=capture,
+                          text=True, env=env)
+    return (done.stdout or "") + (done.stderr or "") if capture else ""
 
 
 def search(shapes: Path, args, out_dir: Path | None = None) -> str:
@@ -140,9 +145,8 @@ def search(shapes: Path, args, out_dir: Path | None = None) -> str:
               str(args.max_candidates), "--no-profile", "--runs-dir", str(args.runs_dir))
     (run,) = set(os.listdir(args.runs_dir)) - before
     if out_dir is not None:
-        shown = subprocess.run([sys.executable, "-m", "agent", "show", run, "--runs-dir", str(args.runs_dir)],
-                               cwd=ROOT, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
-        (out_dir / f"search_{args.model}_{args.dtype}.txt").write_text(shown.stdout + shown.stderr)
+        shown = agent_cli("show", run, "--runs-dir", str(args.runs_dir), capture=True)
+        (out_dir / f"search_{args.model}_{args.dtype}.txt").write_text(shown)
     return run
 
 
