@@ -178,9 +178,34 @@ def test_compile_diag_times_one_model_alone_with_only(tmp_path, capsys):
     diag = load_tool("compile_diag")
     common = ["--model", "tiny", "--device", "cpu", "--layers", "1", "--decode-batches", "1", "--context", "8",
               "--steps", "1"]
-    assert diag.main([str(tmp_path / "none"), "--only", "stock", *common]) == 0  # the export is never read
-    out = capsys.readouterr().out
+    assert diag.main([str(tmp_path / "none"), "--only", "stock", *common, "--timeline", str(tmp_path / "tl")]) == 0
+    out = capsys.readouterr().out  # the export is never read
     assert "== decode 1 stock (default)" in out and "patched" not in out
+    assert "timeline (decode_1_stock.txt): span" in out  # no kernels on the CPU: an empty table
+    assert (tmp_path / "tl" / "decode_1_stock.txt").read_text().startswith("# decode 1 stock (default): 0 kernels")
     assert diag.main([str(small_export(tmp_path / "export", [])), "--only", "patched", *common]) == 0
     out = capsys.readouterr().out
     assert "== decode 1 patched (default)" in out and "== decode 1 stock" not in out
+
+
+def test_compile_diag_timeline_takes_the_middle_step_and_sums_the_gpus_idle_time(tmp_path):
+    from types import SimpleNamespace
+
+    diag = load_tool("compile_diag")
+
+    def kernel(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    # three steps of three kernels, given out of order; the middle step starts at 100 and idles 4 + 6 us
+    steps = [[kernel(f"k{i}", base, base + 10), kernel(f"m{i}", base + 14, base + 20),
+              kernel(f"n{i}", base + 26, base + 30)] for i, base in enumerate((0, 100, 200))]
+    events = [e for step in reversed(steps) for e in reversed(step)]
+    rows, span, idle = diag.step_timeline(events, 3)
+    assert [r[3] for r in rows] == ["k1", "m1", "n1"]
+    assert [r[0] for r in rows] == [0, 14, 26] and [r[1] for r in rows] == [0.0, 4, 6]
+    assert (span, idle) == (30, 10)
+    line = diag.write_timeline(tmp_path / "t" / "decode_1_stock.txt", "decode 1 stock", (rows, span, idle))
+    assert line.startswith("span 30.0 us, GPU idle 10.0 us (33%); largest: 6.0 us before n1")
+    table = (tmp_path / "t" / "decode_1_stock.txt").read_text().splitlines()
+    assert table[0].startswith("# decode 1 stock: 3 kernels") and len(table) == 5
+    assert diag.step_timeline([], 5) == ([], 0.0, 0.0)

@@ -2,7 +2,7 @@
 
     python tools/compile_diag.py EXPORT_DIR [--model llama3-8b] [--dtype f16] [--decode-batches 1,8] [--layers 4]
         [--prefill-tokens 2048] [--mode default|max-autotune-no-cudagraphs] [--stock-mode MODE] [--steps 30]
-        [--only stock|patched]
+        [--only stock|patched] [--timeline DIR]
 
 For each decode batch (a step over a 512-token static KV cache, as tools/e2e_llama.py times it), the prefill of
 --prefill-tokens tokens where given, and each model (stock, compiled in --stock-mode, and a copy patched with the
@@ -10,7 +10,10 @@ export, compiled in --mode): the wall time of a step run back to back
 and run synchronised one at a time, the GPU's kernel time a step and the kernels a step (torch.profiler over a few
 steps), the kernels with the most GPU time (cuBLAS's names mark a fallback), the CPU ops with the most self time,
 and dynamo's counters (graphs, graph breaks, recompilations). A step whose wall time is well above its kernel time
-is host-bound; the CPU ops say on what. --only times one of the models, so that each compilation can run in a
+is host-bound; the CPU ops say on what. --timeline DIR writes one step's kernels in the order they ran (start, the
+GPU's idle time before each, duration, name) to DIR/<phase>_<model>.txt and prints the step's idle time: where a
+step's wall time exceeds its kernels' sum, it says whether the GPU waited between kernels and after which ones.
+--only times one of the models, so that each compilation can run in a
 process of its own (run it once for each model). Needs a GPU and `transformers`; --device cpu --model tiny: a quick
 look.
 """
@@ -52,8 +55,27 @@ def wall_ms(step, n: int, device: str, each: bool) -> float:
     return (time.perf_counter() - t0) * 1e3 / n
 
 
+def step_timeline(kernels: list, n: int) -> tuple[list[tuple[float, float, float, str]], float, float]:
+    """One step's kernels of n profiled back-to-back steps (the middle one, by count; `kernels` are profiler events
+    with time_range in µs): (start from the step's first kernel, GPU idle before it, duration, name) each, the
+    step's span from its first kernel's start to its last's end, and its idle time inside that span."""
+    ordered = sorted(kernels, key=lambda e: e.time_range.start)
+    per = len(ordered) // n if n else 0
+    one = ordered[per * (n // 2): per * (n // 2 + 1)]
+    rows, end, idle = [], None, 0.0
+    for e in one:
+        start, stop = e.time_range.start, e.time_range.end
+        gap = 0.0 if end is None else max(0.0, start - end)
+        idle += gap
+        rows.append((start - one[0].time_range.start, gap, stop - start, e.name))
+        end = stop if end is None else max(end, stop)
+    span = (end - one[0].time_range.start) if one else 0.0
+    return rows, span, idle
+
+
 def profiled(step, n: int, device: str) -> dict:
-    """Kernels a step, GPU kernel time a step, the top kernels by GPU time and the top CPU ops by self time."""
+    """Kernels a step, GPU kernel time a step, the top kernels by GPU time, the top CPU ops by self time and one
+    step's timeline (step_timeline)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -71,7 +93,22 @@ def profiled(step, n: int, device: str) -> dict:
     cpu = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)
     return {"kernels_a_step": len(kernels) / n, "gpu_ms_a_step": sum(gpu_us.values()) / n / 1e3,
             "top_kernels": [(name, calls[name] / n, us / n) for name, us in gpu_us.most_common(14)],
-            "top_cpu": [(a.key[:70], a.count / n, a.self_cpu_time_total / n) for a in cpu[:12]]}
+            "top_cpu": [(a.key[:70], a.count / n, a.self_cpu_time_total / n) for a in cpu[:12]],
+            "timeline": step_timeline(kernels, n)}
+
+
+def write_timeline(path: Path, title: str, timeline) -> str:
+    """The step's timeline as a table in `path`; a line for the log: its span, idle time and largest gaps."""
+    rows, span, idle = timeline
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {title}: {len(rows)} kernels, span {span:.1f} us, GPU idle {idle:.1f} us between them",
+             "#  start_us   idle_before_us   duration_us  kernel"]
+    lines += [f"{start:10.1f} {gap:16.1f} {dur:13.1f}  {name[:120]}" for start, gap, dur, name in rows]
+    path.write_text("\n".join(lines) + "\n")
+    worst = sorted(range(len(rows)), key=lambda i: rows[i][1], reverse=True)[:3]
+    gaps = ", ".join(f"{rows[i][1]:.1f} us before {rows[i][3][:40]}" for i in worst if rows[i][1] > 0)
+    share = 100 * idle / span if span else 0
+    return f"span {span:.1f} us, GPU idle {idle:.1f} us ({share:.0f}%); largest: {gaps or '-'}"
 
 
 def main(argv=None) -> int:
@@ -88,6 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--only", choices=("stock", "patched"), help="time this model alone (default: both)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--timeline", type=Path, help="write each step's kernel timeline into this folder")
     args = p.parse_args(argv)
     try:
         phases = [Phase(f"decode {b}", b, 1, args.context) for b in counts(args.decode_batches)]
@@ -132,6 +170,10 @@ def main(argv=None) -> int:
                     print(f"   gpu {us:9.1f} us {n:5.1f}x  {kname}")
                 for op, n, us in prof["top_cpu"]:
                     print(f"   cpu {us:9.1f} us {n:5.1f}x  {op}")
+                if args.timeline is not None:
+                    where = args.timeline / f"{phase.name.replace(' ', '_')}_{name}.txt"
+                    print(f"   timeline ({where.name}): "
+                          f"{write_timeline(where, f'{phase.name} {name} ({mode})', prof['timeline'])}")
     return 0
 
 
