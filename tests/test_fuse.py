@@ -157,9 +157,12 @@ def test_each_fusion_is_recognised_and_the_logits_match(bias, act, epilogue):
         ref = model(ids)
     params = dict(model.named_parameters())
     before, size = {n: p.detach().clone() for n, p in params.items()}, storage_bytes(model)
+    classes, text = {n: type(m) for n, m in model.named_modules()}, repr(model)
     assert hgemm_fuse.fuse(model, TorchOps) == {"qkv": 2, "gate_up": 2, "o_residual": 2, "down_residual": 2,
-                                                "rms_norm": 5}  # two a layer, and the final norm
+                                                "rms_norm": 5, "rotary": 0}  # two a layer, and the final norm
     assert storage_bytes(model) == size  # merged buffers replace the parameters' storage: nothing held twice
+    assert repr(model) == text and all(isinstance(m, classes[n]) for n, m in model.named_modules())
+    assert type(model.layers[0]).forward is hgemm_fuse._layer_forward  # the class's: one path to each module
     assert hgemm_fuse.fuse(model, TorchOps) == dict.fromkeys(hgemm_fuse.KINDS, 0)  # fused once
     TorchOps.calls = []
     with torch.no_grad():
@@ -177,6 +180,8 @@ def test_each_fusion_is_recognised_and_the_logits_match(bias, act, epilogue):
     assert hgemm_fuse.unfuse(model) == 3 and hgemm_fuse.describe(model) == []
     for n, p in model.named_parameters():  # the same parameter objects, bit for bit, each its own storage again
         assert p is params[n] and torch.equal(p, before[n]), n
+    assert {n: type(m) for n, m in model.named_modules()} == classes
+    assert not any(a.startswith("_hgemm_") for m in model.modules() for a in vars(m))
     assert storage_bytes(model) == size
     with torch.no_grad():
         assert torch.equal(model(ids), ref)
@@ -188,9 +193,14 @@ def test_what_is_not_recognised_stays_as_it_is():
     with torch.no_grad():
         ref = model(ids)
     assert hgemm_fuse.fuse(model, TorchOps) == {"qkv": 2, "gate_up": 0, "o_residual": 0, "down_residual": 0,
-                                                "rms_norm": 0}
+                                                "rms_norm": 0, "rotary": 0}
     with torch.no_grad():
         assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    hgemm_fuse.unfuse(model)
+    model, ids = model_and_ids()
+    model.layers[0].forward = model.layers[0].forward  # a forward of its own (a hook's): that layer stays as it is
+    assert hgemm_fuse.fuse(model, TorchOps)["qkv"] == 1 and "forward" in vars(model.layers[0])
+    assert type(model.layers[0].self_attn.q_proj) is nn.Linear
     hgemm_fuse.unfuse(model)
     plain = nn.Sequential(nn.Linear(8, 8))
     assert hgemm_fuse.fuse(plain, TorchOps) == dict.fromkeys(hgemm_fuse.KINDS, 0)
@@ -230,3 +240,48 @@ def test_only_llamas_rms_norm_is_recognised_and_it_is_bit_identical(dtype):
     ones = WeightlessNorm(40)
     nn.init.ones_(ones.weight)  # here the two formulas agree: either computes what the module computes
     assert hgemm_fuse.rms_norm_eps(ones) == 1e-6
+
+
+class MatmulRotary(nn.Module):
+    """A rotary embedding as older transformers versions wrote it: the frequencies by a batched matmul of K = 1."""
+
+    def __init__(self, dim: int = 16, scaling: float = 1.0, rope_type: str = "default"):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
+        self.attention_scaling, self.rope_type = scaling, rope_type
+
+    def forward(self, x, position_ids):
+        inv = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(x.device)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            freqs = (inv.float() @ position_ids[:, None, :].float()).transpose(1, 2)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+class UnscaledRotary(MatmulRotary):
+    """Forgets its scaling: not the same (cos, sin) where the scaling is not 1."""
+
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def test_a_rotary_embedding_computes_its_frequencies_by_broadcasting_bit_for_bit():
+    model, ids = model_and_ids()
+    model.rotary = MatmulRotary(scaling=0.75)
+    model.others = nn.ModuleList([MatmulRotary(rope_type="dynamic"), UnscaledRotary(scaling=0.75)])
+    x, pos = torch.randn(3, 6, 8).half(), torch.randint(0, 4096, (3, 6))
+    want = model.rotary(x, pos)
+    assert hgemm_fuse.is_rotary(model.rotary) and hgemm_fuse.is_rotary(UnscaledRotary())  # scaling 1: the same
+    assert hgemm_fuse.is_rotary(MatmulRotary().half())  # frequencies in the model's dtype (model.to(float16))
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert counts["rotary"] == 1 and type(model.rotary).forward is hgemm_fuse._rotary_forward
+    assert type(model.rotary).__name__ == "MatmulRotary" and isinstance(model.rotary, MatmulRotary)
+    assert all(type(m).forward is not hgemm_fuse._rotary_forward for m in model.others)  # dynamic; unscaled
+    got = model.rotary(x, pos)
+    assert all(torch.equal(g, w) and g.dtype == w.dtype for g, w in zip(got, want, strict=True))
+    assert "rotary: rotary frequencies by broadcasting, no matmul" in hgemm_fuse.describe(model)
+    hgemm_fuse.unfuse(model)
+    assert type(model.rotary) is MatmulRotary and not any(n.startswith("_hgemm") for n in vars(model.rotary))

@@ -14,13 +14,21 @@ Qwen2 (q/k/v with biases) and any decoder built the same way. What `fuse(model, 
   layer runs as the same steps with the residual adds fused into o_proj and down_proj (`residual` epilogue);
 - rms_norm: every module of the model (in a decoder layer or not) that computes Llama's RMSNorm (a probe call at
   fuse time matches `llama_rms_norm` bit for bit; Gemma's 1 + weight does not) runs as `ops.rms_norm`, one kernel
-  where the model runs eight; only where `ops` has rms_norm.
+  where the model runs eight; only where `ops` has rms_norm;
+- rotary: a rotary embedding module whose (cos, sin) equal `rotary_cos_sin`'s bit for bit (a probe call at fuse
+  time; not the dynamic and long-context kinds, which change their frequencies as they run) computes its frequencies
+  by broadcasting, not by the batched matmul of K = 1 that older transformers versions run (a cuBLAS call that
+  torch.compile's default mode leaves outside its fused kernels).
 
 `ops` computes: `ops.linear(x, w, bias)` (F.linear) and `ops.fused_linear(x, w, bias, epilogue, residual)` (and
 may carry `ops.epilogue`, core/epilogue.py as the export ships it);
 hgemm_ops passes itself (exported kernels, PyTorch where none serves), the shape recorder an object that records the
 problems and computes with PyTorch. What is not recognised stays as it is. Works eager, in CUDA graphs and under
 torch.compile(fullgraph=True).
+
+A fused module keeps its identity, parameters and place in the model; its class becomes a subclass of its own (same
+name) whose forward is one of this file's, reading what it needs from attributes `fuse` sets (`_hgemm_*`), so that
+torch.compile reaches every module by one path (closures over modules made dynamo guard each module a second time).
 """
 
 from __future__ import annotations
@@ -31,9 +39,10 @@ import weakref
 import torch
 from torch import nn
 
-KINDS = ("qkv", "gate_up", "o_residual", "down_residual", "rms_norm")
+KINDS = ("qkv", "gate_up", "o_residual", "down_residual", "rms_norm", "rotary")
 _fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder layer -> _Layer (what fuse changed)
 _forwards: weakref.WeakSet = weakref.WeakSet()  # every module whose forward a fused layer replaced
+_classes: dict = {}  # (a module's class, a forward of this file) -> the subclass that runs it
 
 
 def _epilogue_module(ops):
@@ -81,8 +90,48 @@ def rms_norm_eps(m: nn.Module) -> float | None:
     return eps if isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref) else None
 
 
+def rotary_cos_sin(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor,
+                   scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Llama-style rotary embedding's (cos, sin) in x's dtype: the frequencies position x inv_freq in fp32 by
+    broadcasting (one rounding a product, as the matmul of K = 1 gives them), twice over, times `scaling`."""
+    freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
+
+
+def is_rotary(m: nn.Module) -> bool:
+    """Whether `m` is a rotary embedding whose forward(x, position_ids) gives rotary_cos_sin's (cos, sin) bit for
+    bit (a probe call on its device), with fixed frequencies (`inv_freq`, in fp32 or the model's dtype) and
+    `attention_scaling`."""
+    inv, scaling = getattr(m, "inv_freq", None), getattr(m, "attention_scaling", None)
+    if (not isinstance(inv, torch.Tensor) or inv.dim() != 1 or not inv.is_floating_point() or inv.is_meta
+            or isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or "forward" in m.__dict__
+            or list(m.children()) or any(k in str(getattr(m, "rope_type", "")) for k in ("dynamic", "longrope"))):
+        return False
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    pos = torch.randint(0, 8192, (2, 5), generator=gen).to(inv.device)
+    x = torch.randn(2, 5, 2 * inv.numel(), generator=gen).to(device=inv.device, dtype=torch.float16)
+    try:
+        with torch.no_grad():
+            out = type(m).forward(m, x, pos)
+    except Exception:  # another signature
+        return False
+    ref = rotary_cos_sin(x, pos, inv, scaling)
+    return isinstance(out, tuple) and len(out) == 2 and all(
+        isinstance(o, torch.Tensor) and o.dtype == r.dtype and o.shape == r.shape and torch.equal(o, r)
+        for o, r in zip(out, ref, strict=True))
+
+
+def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rotary_cos_sin(x, position_ids, self.inv_freq, self.attention_scaling)
+
+
+def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self._hgemm_ops.rms_norm(x, self.weight, self._hgemm_eps)
+
+
 def _norm(layer: _Layer, m: nn.Module, eps: float, ops) -> None:
-    layer.set_forward(m, lambda x: ops.rms_norm(x, m.weight, eps))
+    layer.set_forward(m, _norm_forward, ops=ops, eps=eps)
     layer.kinds.append("rms_norm")
 
 
@@ -95,12 +144,11 @@ def _returns_tensor(layer: nn.Module) -> bool:
     return ann is torch.Tensor or ann in ("torch.Tensor", "Tensor")
 
 
-class _Holder:
-    """What a patched forward reads beside its input: merged weights, a product shared by q, k and v, a residual."""
+class _Shared:
+    """What q, k and v's forwards share: the merged weight and bias, their columns, and the last merged product."""
 
-    def __init__(self, ops, **fields):
-        self.ops, self.x, self.y, self.residual = ops, None, None, None
-        self.__dict__.update(fields)
+    def __init__(self, weight, bias, bounds):
+        self.weight, self.bias, self.bounds, self.x, self.y = weight, bias, bounds, None, None
 
 
 class _Layer:
@@ -109,10 +157,45 @@ class _Layer:
     def __init__(self, name: str):
         self.name, self.forwards, self.kinds, self.restore = name, [], [], []
 
-    def set_forward(self, module: nn.Module, forward) -> None:
+    def set_forward(self, module: nn.Module, forward, ops=None, **state) -> None:
+        """`module` runs `forward(self, ...)`: its class becomes the subclass of its own that has it (one per class,
+        forward and `ops`, with the class's name; `ops` its class attribute `_hgemm_ops`), and each of `state`
+        becomes its attribute `_hgemm_<name>`."""
+        base = type(module)
+        cls = _classes.get((base, forward, id(ops)))
+        if cls is None:
+            cls = _classes[(base, forward, id(ops))] = type(base.__name__, (base,), {
+                "forward": forward, "__module__": base.__module__, "__qualname__": base.__qualname__,
+                "_hgemm_base": base, "_hgemm_ops": ops})
+        for name, value in state.items():
+            object.__setattr__(module, f"_hgemm_{name}", value)
+        module.__class__ = cls
         self.forwards.append(module)
         _forwards.add(module)
-        module.forward = forward
+
+    @staticmethod
+    def put_back(module: nn.Module) -> None:
+        """`module` as it was before set_forward: its own class, no `_hgemm_` attributes."""
+        module.__class__ = type(module)._hgemm_base
+        for name in [n for n in module.__dict__ if n.startswith("_hgemm_")]:
+            del module.__dict__[name]
+        _forwards.discard(module)
+
+
+def _qkv_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """q's forward runs the merged GEMM and keeps its product; k's and v's take their columns of it when their
+    input is the same tensor (v, the last, lets it go), else run their own rows of the merged weight."""
+    shared, index = self._hgemm_qkv, self._hgemm_index
+    lo, hi = shared.bounds[index]
+    if index == 0:
+        shared.x, shared.y = x, self._hgemm_ops.linear(x, shared.weight, shared.bias)
+        return shared.y[..., lo:hi]
+    if shared.x is x:
+        y = shared.y
+        if index == 2:
+            shared.x = shared.y = None
+        return y[..., lo:hi]
+    return self._hgemm_ops.linear(x, shared.weight[lo:hi], None if shared.bias is None else shared.bias[lo:hi])
 
 
 def _qkv(layer: _Layer, attn: nn.Module, ops) -> None:
@@ -130,26 +213,9 @@ def _qkv(layer: _Layer, attn: nn.Module, ops) -> None:
         p.weight.data = weight[lo:hi]
         if p.bias is not None:
             p.bias.data = bias[lo:hi]
-    holder = _Holder(ops, weight=weight, bias=bias, bounds=bounds)
-
-    def project(index: int):
-        lo, hi = bounds[index]
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            if index == 0:  # q: the merged product, kept for k and v
-                holder.x, holder.y = x, ops.linear(x, holder.weight, holder.bias)
-                return holder.y[..., lo:hi]
-            if holder.x is x:
-                y = holder.y
-                if index == 2:
-                    holder.x = holder.y = None
-                return y[..., lo:hi]
-            return ops.linear(x, holder.weight[lo:hi], None if holder.bias is None else holder.bias[lo:hi])
-
-        return forward
-
+    shared = _Shared(weight, bias, bounds)
     for i, p in enumerate((q, k, v)):
-        layer.set_forward(p, project(i))
+        layer.set_forward(p, _qkv_forward, ops=ops, qkv=shared, index=i)
 
     def restore():
         for p in (q, k, v):  # their own storage again, the same values
@@ -162,7 +228,12 @@ def _qkv(layer: _Layer, attn: nn.Module, ops) -> None:
     layer.kinds.append("qkv")
 
 
-def _gate_up(layer: _Layer, mlp: nn.Module, ops) -> _Holder | None:
+def _gate_up_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(self._hgemm_ops.fused_linear(x, self.hgemm_gate_up_weight, self.hgemm_gate_up_bias,
+                                                       self._hgemm_epilogue, None))
+
+
+def _gate_up(layer: _Layer, mlp: nn.Module, ops) -> None:
     epilogue = gated_epilogue(mlp.act_fn)
     gate, up = mlp.gate_proj, mlp.up_proj
     if epilogue is None or (gate.bias is None) != (up.bias is None) or gate.weight.shape != up.weight.shape:
@@ -175,12 +246,7 @@ def _gate_up(layer: _Layer, mlp: nn.Module, ops) -> _Holder | None:
     params = [p for p in (gate.weight, up.weight, gate.bias, up.bias) if p is not None]
     for p in params:  # the merged buffer is the only copy
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    holder = _Holder(ops, weight=weight, bias=bias, epilogue=epilogue)
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return mlp.down_proj(ops.fused_linear(x, holder.weight, holder.bias, holder.epilogue, None))
-
-    layer.set_forward(mlp, forward)
+    layer.set_forward(mlp, _gate_up_forward, ops=ops, epilogue=epilogue)
 
     def restore():
         split = _epilogue_module(ops).split_gate_up
@@ -191,41 +257,35 @@ def _gate_up(layer: _Layer, mlp: nn.Module, ops) -> _Holder | None:
 
     layer.restore.append(restore)
     layer.kinds.append("gate_up")
-    return holder
 
 
-def _with_residual(layer: _Layer, proj: nn.Linear, ops) -> _Holder:
-    """proj's forward adds the residual its layer left in the holder (once), in the GEMM's epilogue."""
-    holder = _Holder(ops)
+def _residual_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A projection that adds the residual its layer left on it (once), in the GEMM's epilogue."""
+    r = self._hgemm_residual
+    if r is None:
+        return self._hgemm_ops.linear(x, self.weight, self.bias)
+    self._hgemm_residual = None
+    return self._hgemm_ops.fused_linear(x, self.weight, self.bias, "residual", r)
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        r = holder.residual
-        if r is None:
-            return ops.linear(x, proj.weight, proj.bias)
-        holder.residual = None
-        return ops.fused_linear(x, proj.weight, proj.bias, "residual", r)
 
-    layer.set_forward(proj, forward)
-    return holder
+def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The decoder layer's steps with both residual adds left on o_proj and down_proj."""
+    if args:  # arguments by position: by name, as the layer's own forward would pass them on
+        bound = self._hgemm_signature.bind(self, hidden_states, *args, **kwargs).arguments
+        kwargs = {**{k: v for k, v in bound.items() if k not in ("self", "hidden_states", "kwargs")},
+                  **bound.get("kwargs", {})}
+    attn, mlp = self.self_attn, self.mlp
+    attn.o_proj._hgemm_residual = hidden_states
+    out = attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    hidden = out[0] if isinstance(out, tuple) else out  # o_proj added the residual
+    mlp.down_proj._hgemm_residual = hidden
+    return mlp(self.post_attention_layernorm(hidden))  # down_proj adds it
 
 
 def _residuals(layer: _Layer, module: nn.Module, ops) -> None:
-    attn, mlp = module.self_attn, module.mlp
-    o_res, down_res = _with_residual(layer, attn.o_proj, ops), _with_residual(layer, mlp.down_proj, ops)
-    signature = inspect.signature(type(module).forward)
-
-    def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if args:  # arguments by position: by name, as the layer's own forward would pass them on
-            bound = signature.bind(module, hidden_states, *args, **kwargs).arguments
-            kwargs = {**{k: v for k, v in bound.items() if k not in ("self", "hidden_states", "kwargs")},
-                      **bound.get("kwargs", {})}
-        o_res.residual = hidden_states
-        out = attn(hidden_states=module.input_layernorm(hidden_states), **kwargs)
-        hidden = out[0] if isinstance(out, tuple) else out  # o_proj added the residual
-        down_res.residual = hidden
-        return mlp(module.post_attention_layernorm(hidden))  # down_proj adds it
-
-    layer.set_forward(module, forward)
+    for proj in (module.self_attn.o_proj, module.mlp.down_proj):
+        layer.set_forward(proj, _residual_forward, ops=ops, residual=None)
+    layer.set_forward(module, _layer_forward, signature=inspect.signature(type(module).forward))
     layer.kinds += ["o_residual", "down_residual"]
 
 
@@ -236,6 +296,8 @@ def decoder_layers(model: nn.Module):
         if attn is None or mlp is None or not all(hasattr(m, n) for n in ("input_layernorm",
                                                                          "post_attention_layernorm")):
             continue
+        if any("forward" in x.__dict__ for x in (m, attn, mlp)):  # a forward of its own (a hook's) would shadow ours
+            continue
         if all(_plain_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) and all(
                 _plain_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")) \
                 and hasattr(mlp, "act_fn"):
@@ -243,8 +305,9 @@ def decoder_layers(model: nn.Module):
 
 
 def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
-    """Fuse every recognised decoder layer of `model` and, where `norms` and `ops` has rms_norm, every Llama-style
-    RMSNorm (once; a fused layer is left alone); returns how many of each kind (KINDS) were fused."""
+    """Fuse every recognised decoder layer of `model`, every rotary embedding (is_rotary) and, where `norms` and
+    `ops` has rms_norm, every Llama-style RMSNorm (once; a fused layer is left alone); returns how many of each kind
+    (KINDS) were fused."""
     counts = dict.fromkeys(KINDS, 0)
     norms = norms and hasattr(ops, "rms_norm")
     for name, module in list(decoder_layers(model)):
@@ -262,11 +325,18 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
                     _norm(layer, norm, eps, ops)
         for kind in layer.kinds:
             counts[kind] += 1
-    for name, module in list(model.named_modules()) if norms else ():  # the norms outside decoder layers
-        eps = None if module in _fused or owns(module) else rms_norm_eps(module)
+    for name, module in list(model.named_modules()):  # rotary embeddings, and the norms outside decoder layers
+        if module in _fused or owns(module):
+            continue
+        eps = rms_norm_eps(module) if norms else None
         if eps is not None:
             _norm(_fused.setdefault(module, _Layer(name)), module, eps, ops)
             counts["rms_norm"] += 1
+        elif is_rotary(module):
+            layer = _fused.setdefault(module, _Layer(name))
+            layer.set_forward(module, _rotary_forward)
+            layer.kinds.append("rotary")
+            counts["rotary"] += 1
     return counts
 
 
@@ -279,8 +349,7 @@ def unfuse(model: nn.Module) -> int:
         if layer is None:
             continue
         for m in layer.forwards:
-            m.__dict__.pop("forward", None)
-            _forwards.discard(m)
+            _Layer.put_back(m)
         with torch.no_grad():
             for restore in layer.restore:
                 restore()
@@ -296,7 +365,8 @@ def owns(module: nn.Module) -> bool:
 def describe(model: nn.Module) -> list[str]:
     """One line per fused layer: its name and what runs fused there."""
     words = {"qkv": "q/k/v as one GEMM", "gate_up": "gate/up as one gated GEMM", "o_residual": "o_proj + residual",
-             "down_residual": "down_proj + residual", "rms_norm": "RMSNorm in one kernel"}
+             "down_residual": "down_proj + residual", "rms_norm": "RMSNorm in one kernel",
+             "rotary": "rotary frequencies by broadcasting, no matmul"}
     lines = []
     for module in model.modules():
         layer = _fused.get(module)
