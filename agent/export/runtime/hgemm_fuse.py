@@ -42,7 +42,7 @@ from torch import nn
 KINDS = ("qkv", "gate_up", "o_residual", "down_residual", "rms_norm", "rotary")
 _fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder layer -> _Layer (what fuse changed)
 _forwards: weakref.WeakSet = weakref.WeakSet()  # every module whose forward a fused layer replaced
-_classes: dict = {}  # (a module's class, a forward of this file) -> the subclass that runs it
+_classes: dict = {}  # (a module's class, a forward of this file, id(ops)) -> the subclass that runs it (ops kept alive)
 
 
 def _epilogue_module(ops):
