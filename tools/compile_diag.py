@@ -13,9 +13,9 @@ and dynamo's counters (graphs, graph breaks, recompilations). A step whose wall 
 is host-bound; the CPU ops say on what. --timeline DIR writes one step's kernels in the order they ran (start, the
 GPU's idle time before each, duration, name) to DIR/<phase>_<model>.txt and prints the step's idle time: where a
 step's wall time exceeds its kernels' sum, it says whether the GPU waited between kernels and after which ones.
---only times one of the models, so that each compilation can run in a
-process of its own (run it once for each model). Needs a GPU and `transformers`; --device cpu --model tiny: a quick
-look.
+--only times one of the models, so that each compilation can run in a process of its own (run it once for each
+model; between processes the host's speed varies, so host-bound steps compare in one process). Needs a GPU and
+`transformers`; --device cpu --model tiny: a quick look.
 """
 
 from __future__ import annotations
@@ -62,15 +62,15 @@ def step_timeline(kernels: list, n: int) -> tuple[list[tuple[float, float, float
     ordered = sorted(kernels, key=lambda e: e.time_range.start)
     per = len(ordered) // n if n else 0
     one = ordered[per * (n // 2): per * (n // 2 + 1)]
-    rows, end, idle = [], None, 0.0
+    t0 = end = one[0].time_range.start if one else 0.0
+    rows, idle = [], 0.0
     for e in one:
         start, stop = e.time_range.start, e.time_range.end
-        gap = 0.0 if end is None else max(0.0, start - end)
+        gap = max(0.0, start - end)
         idle += gap
-        rows.append((start - one[0].time_range.start, gap, stop - start, e.name))
-        end = stop if end is None else max(end, stop)
-    span = (end - one[0].time_range.start) if one else 0.0
-    return rows, span, idle
+        rows.append((start - t0, gap, stop - start, e.name))
+        end = max(end, stop)
+    return rows, end - t0, idle
 
 
 def profiled(step, n: int, device: str) -> dict:
