@@ -14,6 +14,8 @@ from agent.export.runtime import hgemm_fuse
 from agent.recorder import record_gemm_shapes
 from core.epilogue import Epilogue, compose
 
+recognise = hgemm_fuse.recognise
+
 
 class RMSNorm(nn.Module):
     """transformers' LlamaRMSNorm, as it is written there."""
@@ -133,7 +135,7 @@ class TorchOps:
     @classmethod
     def rms_norm(cls, x, w, eps):
         cls.calls.append(("rms_norm", tuple(w.shape)))
-        return hgemm_fuse.llama_rms_norm(x, w, eps)
+        return recognise.llama_rms_norm(x, w, eps)
 
 
 def model_and_ids(**kw):
@@ -206,6 +208,84 @@ def test_what_is_not_recognised_stays_as_it_is():
     assert hgemm_fuse.fuse(plain, TorchOps) == dict.fromkeys(hgemm_fuse.KINDS, 0)
 
 
+class SandwichLayer(Layer):
+    """Gemma2's steps: a norm after the attention and around the MLP too, before each residual add."""
+
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__(hidden, inter, act, bias, norm)
+        self.post_feedforward_layernorm, self.pre_feedforward_layernorm = norm(hidden), norm(hidden)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask)
+        h = hidden_states + self.post_attention_layernorm(h)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class ScaledResidualLayer(Layer):
+    """Granite's steps: the branches scaled before each residual add."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask)
+        h = hidden_states + h * 0.25
+        return h + self.mlp(self.post_attention_layernorm(h)) * 0.25
+
+
+class SubNormMLP(MLP):
+    """A gated MLP with a norm before down_proj (BitNet's steps, with SiLU): not down(act(gate) * up)."""
+
+    def __init__(self, hidden, inter, act):
+        super().__init__(hidden, inter, act)
+        self.ffn_sub_norm = RMSNorm(inter)
+
+    def forward(self, x):
+        return self.down_proj(self.ffn_sub_norm(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class ScaledOutputAttention(Attention):
+    """An attention that scales o_proj's output before returning it."""
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        out, weights = super().forward(hidden_states, attention_mask)
+        return out * 0.5, weights
+
+
+@pytest.mark.parametrize("layer", [SandwichLayer, ScaledResidualLayer])
+def test_a_layer_whose_steps_are_not_llamas_keeps_its_residual_adds(layer):
+    model, ids = model_and_ids(layer=layer)
+    with torch.no_grad():
+        ref = model(ids)
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert (counts["qkv"], counts["gate_up"], counts["o_residual"], counts["down_residual"]) == (2, 2, 0, 0)
+    assert type(model.layers[0]).forward is layer.forward
+    with torch.no_grad():
+        assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    hgemm_fuse.unfuse(model)
+
+
+def test_an_mlp_that_is_not_down_of_act_gate_times_up_stays_as_it_is():
+    model, ids = model_and_ids()
+    for layer in model.layers:
+        layer.mlp = SubNormMLP(64, 96, nn.SiLU())
+    with torch.no_grad():
+        ref = model(ids)
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert counts["gate_up"] == 0 and counts["down_residual"] == 2  # down_proj still returns the MLP's output
+    assert type(model.layers[0].mlp) is SubNormMLP
+    with torch.no_grad():
+        assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    hgemm_fuse.unfuse(model)
+
+
+def test_an_attention_that_changes_o_projs_output_is_an_error_not_a_wrong_answer():
+    model, ids = model_and_ids()
+    model.layers[0].self_attn = ScaledOutputAttention(64, 4, 2, False)
+    assert hgemm_fuse.fuse(model, TorchOps)["o_residual"] == 2  # the layer's own steps are Llama's
+    with torch.no_grad(), pytest.raises(RuntimeError, match="ScaledOutputAttention returns something other than"):
+        model(ids)
+    assert model.layers[0].self_attn.o_proj._hgemm_residual is None  # nothing left over for the next call
+    hgemm_fuse.unfuse(model)
+
+
 def test_a_fused_model_compiles_whole():
     model, ids = model_and_ids()
     with torch.no_grad():
@@ -232,14 +312,14 @@ def test_the_recorder_names_the_fused_problems(tmp_path):
 def test_only_llamas_rms_norm_is_recognised_and_it_is_bit_identical(dtype):
     torch.manual_seed(1)
     norm = RMSNorm(40, eps=1e-5).to(dtype)
-    assert hgemm_fuse.rms_norm_eps(norm) == 1e-5
+    assert recognise.rms_norm_eps(norm) == 1e-5
     x = torch.randn(2, 3, 40, dtype=dtype) * 4
-    assert torch.equal(hgemm_fuse.llama_rms_norm(x, norm.weight, 1e-5), norm(x))
+    assert torch.equal(recognise.llama_rms_norm(x, norm.weight, 1e-5), norm(x))
     for other in (GemmaRMSNorm(40), WeightlessNorm(40), nn.LayerNorm(40), nn.Linear(40, 40)):
-        assert hgemm_fuse.rms_norm_eps(other.to(dtype)) is None, type(other).__name__
+        assert recognise.rms_norm_eps(other.to(dtype)) is None, type(other).__name__
     ones = WeightlessNorm(40)
     nn.init.ones_(ones.weight)  # here the two formulas agree: either computes what the module computes
-    assert hgemm_fuse.rms_norm_eps(ones) == 1e-6
+    assert recognise.rms_norm_eps(ones) == 1e-6
 
 
 class MatmulRotary(nn.Module):
@@ -274,8 +354,8 @@ def test_a_rotary_embedding_computes_its_frequencies_by_broadcasting_bit_for_bit
     model.others = nn.ModuleList([MatmulRotary(rope_type="dynamic"), UnscaledRotary(scaling=0.75)])
     x, pos = torch.randn(3, 6, 8).half(), torch.randint(0, 4096, (3, 6))
     want = model.rotary(x, pos)
-    assert hgemm_fuse.is_rotary(model.rotary) and hgemm_fuse.is_rotary(UnscaledRotary())  # scaling 1: the same
-    assert hgemm_fuse.is_rotary(MatmulRotary().half())  # frequencies in the model's dtype (model.to(float16))
+    assert recognise.is_rotary(model.rotary) and recognise.is_rotary(UnscaledRotary())  # scaling 1: the same
+    assert recognise.is_rotary(MatmulRotary().half())  # frequencies in the model's dtype (model.to(float16))
     counts = hgemm_fuse.fuse(model, TorchOps)
     assert counts["rotary"] == 1 and type(model.rotary).forward is hgemm_fuse._rotary_forward
     assert type(model.rotary).__name__ == "MatmulRotary" and isinstance(model.rotary, MatmulRotary)

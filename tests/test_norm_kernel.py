@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from agent.export import export_run
-from agent.export.runtime.hgemm_fuse import llama_rms_norm
+from agent.export.runtime.hgemm_fuse import recognise
 from agent.export.writer import norm_kernels
 from tests.export_fixtures import helper_ops_on_this_gpu, load_ops
 from tests.helpers import populated_run
@@ -36,9 +36,9 @@ def test_an_export_ships_them_and_the_cpu_computes_the_models_ops(tmp_path, op_b
     ops = load_ops(tmp_path / "out")
     assert ops.compiled() is not None, "the C++ extension did not build (see the warning)"
     x, w = torch.randn(3, 64).half(), torch.randn(64).half()
-    assert torch.equal(ops.rms_norm(x, w, 1e-5), llama_rms_norm(x, w, 1e-5))
+    assert torch.equal(ops.rms_norm(x, w, 1e-5), recognise.llama_rms_norm(x, w, 1e-5))
     compiled = torch.compile(lambda x, w: ops.rms_norm(x, w, 1e-5), fullgraph=True, backend="aot_eager")
-    assert torch.equal(compiled(x, w), llama_rms_norm(x, w, 1e-5))
+    assert torch.equal(compiled(x, w), recognise.llama_rms_norm(x, w, 1e-5))
     # the Python launch path knows both sections' kernels, and leaves CPU tensors to PyTorch
     assert set(ops._helpers.entries) == set(KEYS) | set(manifest["gated"])
     assert ops._rms_norm(x, w, 1e-5) is None and ops.PythonPath.rms_norm(x, w, 1e-5) is None
@@ -58,7 +58,7 @@ def test_on_the_gpu_it_is_the_models_norm_within_two_ulps(tmp_path, op_build_dir
         for shape in ((1, 4096), (5, 3584), (2, 1024, 4096), (7, 40), (3, 36)):  # 36: no kernel (h % 8), the ops
             x = torch.randn(*shape, device="cuda", dtype=dtype) * 3
             w = 1 + 0.2 * torch.randn(shape[-1], device="cuda", dtype=dtype)
-            want, got = llama_rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5)
+            want, got = recognise.llama_rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5)
             assert got.shape == want.shape and got.dtype == want.dtype
             off = ulps(got, want)
             assert off.max() <= 2 and (off > 0).float().mean() < 0.01, (dtype, shape, off.max(), (off > 0).sum())
@@ -69,7 +69,7 @@ def test_on_the_gpu_it_is_the_models_norm_within_two_ulps(tmp_path, op_build_dir
             out = ops.rms_norm(static, w, 1e-6)
         static.copy_(torch.randn_like(static))
         graph.replay()
-        assert ulps(out, llama_rms_norm(static, w, 1e-6)).max() <= 2
+        assert ulps(out, recognise.llama_rms_norm(static, w, 1e-6)).max() <= 2
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         ops.rms_norm(x, w[:36].contiguous() if x.shape[-1] == 36 else w, 1e-5)
         ops.rms_norm(static, w, 1e-6)

@@ -9,9 +9,13 @@ Qwen2 (q/k/v with biases) and any decoder built the same way. What `fuse(model, 
   their columns of the one product;
 - gate_up: gate and up as one gated GEMM (`silu_mul`, or `gelu_mul` for a tanh-GELU), its weight the two
   interleaved in blocks of 8 rows (hgemm_epilogue.interleave_gate_up), the only copy: gate_proj's and up_proj's
-  parameters keep their identity but give up their storage until `unfuse` writes it back, bit for bit;
-- o_residual, down_residual: where the layer's forward returns a tensor (transformers 5's decoder layers), the
-  layer runs as the same steps with the residual adds fused into o_proj and down_proj (`residual` epilogue);
+  parameters keep their identity but give up their storage until `unfuse` writes it back, bit for bit; only where
+  the MLP's own forward is down(act(gate(x)) * up(x)) (a probe call: the same values bit for bit);
+- o_residual, down_residual: where the layer's own forward is Llama's, x + attn(norm1(x)) and then h + mlp(norm2(h)),
+  returning a tensor (a probe call with the attention and the MLP stood in for by fixed functions: the same values
+  bit for bit; Gemma2's extra norms and Granite's residual multiplier are not), the layer runs as the same steps
+  with the residual adds fused into o_proj and down_proj (`residual` epilogue); an attention that changes o_proj's
+  output before returning it is an error at its first call;
 - rms_norm: every module of the model (in a decoder layer or not) that computes Llama's RMSNorm (a probe call at
   fuse time matches `llama_rms_norm` bit for bit; Gemma's 1 + weight does not) runs as `ops.rms_norm`, one kernel
   where the model runs eight; only where `ops` has rms_norm;
@@ -33,11 +37,28 @@ torch.compile reaches every module by one path (closures over modules made dynam
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import sys
+import types
 import weakref
+from pathlib import Path
 
 import torch
 from torch import nn
+
+
+def _beside(name: str) -> types.ModuleType:
+    """A runtime file next to this one as a module of its own (an export's folder is no package), loaded once."""
+    full = f"{__name__}__{name}"
+    if full not in sys.modules:
+        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
+        sys.modules[full] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[full])
+    return sys.modules[full]
+
+
+recognise = _beside("hgemm_recognise")
 
 KINDS = ("qkv", "gate_up", "o_residual", "down_residual", "rms_norm", "rotary")
 _fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder layer -> _Layer (what fuse changed)
@@ -53,77 +74,8 @@ def _epilogue_module(ops):
     return epilogue
 
 
-def gated_epilogue(act: nn.Module) -> str | None:
-    """The gated epilogue of an MLP whose activation is `act`: silu_mul, gelu_mul (tanh GELU), or None."""
-    name = type(act).__name__
-    if isinstance(act, nn.SiLU) or name in ("SiLUActivation", "SiLU"):
-        return "silu_mul"
-    if (isinstance(act, nn.GELU) and act.approximate == "tanh") or "GELUTanh" in name or name == "PytorchGELUTanh":
-        return "gelu_mul"
-    return None
-
-
-def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm.forward, op for op: x in fp32 times rsqrt(mean(x^2) + eps), rounded to x's dtype,
-    times weight."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def rms_norm_eps(m: nn.Module) -> float | None:
-    """The epsilon of a module that computes Llama's RMSNorm with its one parameter `weight` (checked by a probe
-    call against llama_rms_norm: the same values bit for bit), or None."""
-    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
-    w = getattr(m, "weight", None)
-    if (not isinstance(eps, float) or not isinstance(w, nn.Parameter) or w.dim() != 1 or w.numel() == 0
-            or w.is_meta or "forward" in m.__dict__ or list(m.children()) or len(list(m.parameters())) != 1):
-        return None
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(3, w.numel(), generator=gen).to(device=w.device, dtype=w.dtype) * 3
-    try:
-        with torch.no_grad():
-            out = type(m).forward(m, x)
-    except Exception:  # a forward that takes more than one tensor, or not this one
-        return None
-    ref = llama_rms_norm(x, w.detach(), eps)
-    return eps if isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref) else None
-
-
-def rotary_cos_sin(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor,
-                   scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Llama-style rotary embedding's (cos, sin) in x's dtype: the frequencies position x inv_freq in fp32 by
-    broadcasting (one rounding a product, as the matmul of K = 1 gives them), twice over, times `scaling`."""
-    freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
-
-
-def is_rotary(m: nn.Module) -> bool:
-    """Whether `m` is a rotary embedding whose forward(x, position_ids) gives rotary_cos_sin's (cos, sin) bit for
-    bit (a probe call on its device), with fixed frequencies (`inv_freq`, in fp32 or the model's dtype) and
-    `attention_scaling`."""
-    inv, scaling = getattr(m, "inv_freq", None), getattr(m, "attention_scaling", None)
-    if (not isinstance(inv, torch.Tensor) or inv.dim() != 1 or not inv.is_floating_point() or inv.is_meta
-            or isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or "forward" in m.__dict__
-            or list(m.children()) or any(k in str(getattr(m, "rope_type", "")) for k in ("dynamic", "longrope"))):
-        return False
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    pos = torch.randint(0, 8192, (2, 5), generator=gen).to(inv.device)
-    x = torch.randn(2, 5, 2 * inv.numel(), generator=gen).to(device=inv.device, dtype=torch.float16)
-    try:
-        with torch.no_grad():
-            out = type(m).forward(m, x, pos)
-    except Exception:  # another signature
-        return False
-    ref = rotary_cos_sin(x, pos, inv, scaling)
-    return isinstance(out, tuple) and len(out) == 2 and all(
-        isinstance(o, torch.Tensor) and o.dtype == r.dtype and o.shape == r.shape and torch.equal(o, r)
-        for o, r in zip(out, ref, strict=True))
-
-
 def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return rotary_cos_sin(x, position_ids, self.inv_freq, self.attention_scaling)
+    return recognise.rotary_cos_sin(x, position_ids, self.inv_freq, self.attention_scaling)
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,15 +85,6 @@ def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
 def _norm(layer: _Layer, m: nn.Module, eps: float, ops) -> None:
     layer.set_forward(m, _norm_forward, ops=ops, eps=eps)
     layer.kinds.append("rms_norm")
-
-
-def _plain_linear(m) -> bool:
-    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and "forward" not in m.__dict__
-
-
-def _returns_tensor(layer: nn.Module) -> bool:
-    ann = inspect.signature(type(layer).forward).return_annotation
-    return ann is torch.Tensor or ann in ("torch.Tensor", "Tensor")
 
 
 class _Shared:
@@ -234,7 +177,7 @@ def _gate_up_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _gate_up(layer: _Layer, mlp: nn.Module, ops) -> None:
-    epilogue = gated_epilogue(mlp.act_fn)
+    epilogue = recognise.gated_epilogue(mlp.act_fn)
     gate, up = mlp.gate_proj, mlp.up_proj
     if epilogue is None or (gate.bias is None) != (up.bias is None) or gate.weight.shape != up.weight.shape:
         return None
@@ -260,12 +203,14 @@ def _gate_up(layer: _Layer, mlp: nn.Module, ops) -> None:
 
 
 def _residual_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """A projection that adds the residual its layer left on it (once), in the GEMM's epilogue."""
+    """A projection that adds the residual its layer left on it (once), in the GEMM's epilogue; it keeps the sum
+    for its layer to check that the sum is what the attention returns."""
     r = self._hgemm_residual
     if r is None:
         return self._hgemm_ops.linear(x, self.weight, self.bias)
     self._hgemm_residual = None
-    return self._hgemm_ops.fused_linear(x, self.weight, self.bias, "residual", r)
+    self._hgemm_sum = self._hgemm_ops.fused_linear(x, self.weight, self.bias, "residual", r)
+    return self._hgemm_sum
 
 
 def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -277,31 +222,27 @@ def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.
     attn, mlp = self.self_attn, self.mlp
     attn.o_proj._hgemm_residual = hidden_states
     out = attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
-    hidden = out[0] if isinstance(out, tuple) else out  # o_proj added the residual
+    hidden = _summed(attn, attn.o_proj, out[0] if isinstance(out, tuple) else out)  # o_proj added the residual
     mlp.down_proj._hgemm_residual = hidden
-    return mlp(self.post_attention_layernorm(hidden))  # down_proj adds it
+    return _summed(mlp, mlp.down_proj, mlp(self.post_attention_layernorm(hidden)))  # down_proj added it
+
+
+def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """`out`, the block's output, after checking that it is the sum its projection computed (a block that changes
+    its projection's output, or does not call it, would have the residual added in the wrong place or not at all)."""
+    if out is not proj._hgemm_sum:
+        proj._hgemm_residual = None
+        raise RuntimeError(f"hgemm: {type(block).__name__} returns something other than its {type(proj).__name__}'s "
+                           "output with the residual fused into it; patch this model with fuse=False")
+    proj._hgemm_sum = None
+    return out
 
 
 def _residuals(layer: _Layer, module: nn.Module, ops) -> None:
     for proj in (module.self_attn.o_proj, module.mlp.down_proj):
-        layer.set_forward(proj, _residual_forward, ops=ops, residual=None)
+        layer.set_forward(proj, _residual_forward, ops=ops, residual=None, sum=None)
     layer.set_forward(module, _layer_forward, signature=inspect.signature(type(module).forward))
     layer.kinds += ["o_residual", "down_residual"]
-
-
-def decoder_layers(model: nn.Module):
-    """(name, module) of every decoder layer `fuse` recognises."""
-    for name, m in model.named_modules():
-        attn, mlp = getattr(m, "self_attn", None), getattr(m, "mlp", None)
-        if attn is None or mlp is None or not all(hasattr(m, n) for n in ("input_layernorm",
-                                                                         "post_attention_layernorm")):
-            continue
-        if any("forward" in x.__dict__ for x in (m, attn, mlp)):  # a forward of its own (a hook's) would shadow ours
-            continue
-        if all(_plain_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) and all(
-                _plain_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")) \
-                and hasattr(mlp, "act_fn"):
-            yield name, m
 
 
 def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
@@ -310,17 +251,20 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
     (KINDS) were fused."""
     counts = dict.fromkeys(KINDS, 0)
     norms = norms and hasattr(ops, "rms_norm")
-    for name, module in list(decoder_layers(model)):
+    for name, module in list(recognise.decoder_layers(model)):
         if module in _fused:
             continue
         layer = _fused[module] = _Layer(name)
         with torch.no_grad():
+            llama = recognise.layer_is_llama(module)  # probes first, on the modules as the model has them
+            gated = recognise.mlp_is_gated(module.mlp)
             _qkv(layer, module.self_attn, ops)
-            _gate_up(layer, module.mlp, ops)
-            if _returns_tensor(module):
+            if gated:
+                _gate_up(layer, module.mlp, ops)
+            if llama:
                 _residuals(layer, module, ops)
             for norm in (module.input_layernorm, module.post_attention_layernorm):
-                eps = rms_norm_eps(norm) if norms and not owns(norm) else None
+                eps = recognise.rms_norm_eps(norm) if norms and not owns(norm) else None
                 if eps is not None:
                     _norm(layer, norm, eps, ops)
         for kind in layer.kinds:
@@ -328,11 +272,11 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
     for name, module in list(model.named_modules()):  # rotary embeddings, and the norms outside decoder layers
         if module in _fused or owns(module):
             continue
-        eps = rms_norm_eps(module) if norms else None
+        eps = recognise.rms_norm_eps(module) if norms else None
         if eps is not None:
             _norm(_fused.setdefault(module, _Layer(name)), module, eps, ops)
             counts["rms_norm"] += 1
-        elif is_rotary(module):
+        elif recognise.is_rotary(module):
             layer = _fused.setdefault(module, _Layer(name))
             layer.set_forward(module, _rotary_forward)
             layer.kinds.append("rotary")
@@ -373,7 +317,7 @@ def describe(model: nn.Module) -> list[str]:
         if layer is not None:
             extra = ""
             if "gate_up" in layer.kinds:
-                extra = f" ({gated_epilogue(module.mlp.act_fn)})"
+                extra = f" ({recognise.gated_epilogue(module.mlp.act_fn)})"
             kinds = [k for k in KINDS if k in layer.kinds]
             norms = layer.kinds.count("rms_norm")
             lines.append(f"{layer.name}: " + ", ".join(words[k] if k != "rms_norm" or norms == 1 else

@@ -329,7 +329,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = _eager.rms_norm(x, weight, eps)
         if out is not None:
             return out
-    return _patching.fuse.llama_rms_norm(x, weight, eps)
+    return _patching.fuse.recognise.llama_rms_norm(x, weight, eps)
 
 
 def patch(model: nn.Module, matmul: bool = False, fuse: bool = True, norms: bool = True) -> dict[str, int]:
@@ -368,7 +368,8 @@ def checked() -> types.SimpleNamespace:
     return types.SimpleNamespace(MANIFEST=MANIFEST, DTYPES=DTYPES, parse_key=parse_key, problem_key=problem_key,
                                  compiled=compiled, PythonPath=PythonPath, mm=mm, linear=linear, fallback=fallback,
                                  fused_linear=fused_linear, EPILOGUE_CODES=EPILOGUE_CODES, epilogue=epilogue,
-                                 INDEX=INDEX, intervals=intervals, llama_rms_norm=_patching.fuse.llama_rms_norm)
+                                 INDEX=INDEX, intervals=intervals,
+                                 llama_rms_norm=_patching.fuse.recognise.llama_rms_norm)
 
 
 def selfcheck(factor: float = 2.0) -> list[str]:

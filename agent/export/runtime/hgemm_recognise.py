@@ -1,0 +1,155 @@
+"""Recognising what hgemm_fuse.py fuses in a Hugging Face model: decoder layers built as Llama's, MLPs that are
+down(act(gate(x)) * up(x)), Llama-style RMSNorms and rotary embeddings. Each is recognised by its modules' names
+and types and by probe calls that must give the same values bit for bit as the steps the fused forwards run, not by
+its class: a model built otherwise (Gemma2's extra norms, Granite's residual multiplier, Gemma's 1 + weight) keeps
+its own code there. Shipped in an export beside hgemm_fuse.py, which loads it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def gated_epilogue(act: nn.Module) -> str | None:
+    """The gated epilogue of an MLP whose activation is `act`: silu_mul, gelu_mul (tanh GELU), or None."""
+    name = type(act).__name__
+    if isinstance(act, nn.SiLU) or name in ("SiLUActivation", "SiLU"):
+        return "silu_mul"
+    if (isinstance(act, nn.GELU) and act.approximate == "tanh") or "GELUTanh" in name or name == "PytorchGELUTanh":
+        return "gelu_mul"
+    return None
+
+
+def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward, op for op: x in fp32 times rsqrt(mean(x^2) + eps), rounded to x's dtype,
+    times weight."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rms_norm_eps(m: nn.Module) -> float | None:
+    """The epsilon of a module that computes Llama's RMSNorm with its one parameter `weight` (checked by a probe
+    call against llama_rms_norm: the same values bit for bit), or None."""
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    w = getattr(m, "weight", None)
+    if (not isinstance(eps, float) or not isinstance(w, nn.Parameter) or w.dim() != 1 or w.numel() == 0
+            or w.is_meta or "forward" in m.__dict__ or list(m.children()) or len(list(m.parameters())) != 1):
+        return None
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(3, w.numel(), generator=gen).to(device=w.device, dtype=w.dtype) * 3
+    try:
+        with torch.no_grad():
+            out = type(m).forward(m, x)
+    except Exception:  # a forward that takes more than one tensor, or not this one
+        return None
+    ref = llama_rms_norm(x, w.detach(), eps)
+    return eps if isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref) else None
+
+
+def rotary_cos_sin(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor,
+                   scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Llama-style rotary embedding's (cos, sin) in x's dtype: the frequencies position x inv_freq in fp32 by
+    broadcasting (one rounding a product, as the matmul of K = 1 gives them), twice over, times `scaling`."""
+    freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
+
+
+def is_rotary(m: nn.Module) -> bool:
+    """Whether `m` is a rotary embedding whose forward(x, position_ids) gives rotary_cos_sin's (cos, sin) bit for
+    bit (a probe call on its device), with fixed frequencies (`inv_freq`, in fp32 or the model's dtype) and
+    `attention_scaling`."""
+    inv, scaling = getattr(m, "inv_freq", None), getattr(m, "attention_scaling", None)
+    if (not isinstance(inv, torch.Tensor) or inv.dim() != 1 or not inv.is_floating_point() or inv.is_meta
+            or isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or "forward" in m.__dict__
+            or list(m.children()) or any(k in str(getattr(m, "rope_type", "")) for k in ("dynamic", "longrope"))):
+        return False
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    pos = torch.randint(0, 8192, (2, 5), generator=gen).to(inv.device)
+    x = torch.randn(2, 5, 2 * inv.numel(), generator=gen).to(device=inv.device, dtype=torch.float16)
+    try:
+        with torch.no_grad():
+            out = type(m).forward(m, x, pos)
+    except Exception:  # another signature
+        return False
+    ref = rotary_cos_sin(x, pos, inv, scaling)
+    return isinstance(out, tuple) and len(out) == 2 and all(
+        isinstance(o, torch.Tensor) and o.dtype == r.dtype and o.shape == r.shape and torch.equal(o, r)
+        for o, r in zip(out, ref, strict=True))
+
+
+def plain_linear(m) -> bool:
+    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and "forward" not in m.__dict__
+
+
+def _probe_input(linear: nn.Linear, *lead: int) -> torch.Tensor:
+    """Random activations for `linear`'s input (its device and dtype), large enough that functions bend on them."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    w = linear.weight
+    return (torch.randn(*lead, w.shape[1], generator=gen) * 2).to(device=w.device, dtype=w.dtype)
+
+
+def mlp_is_gated(mlp: nn.Module) -> bool:
+    """Whether the MLP's own forward computes down(act(gate(x)) * up(x)): a probe call, the same values bit for bit."""
+    if mlp.gate_proj.weight.is_meta:
+        return False
+    x = _probe_input(mlp.gate_proj, 3)
+    try:
+        out = type(mlp).forward(mlp, x)
+    except Exception:  # another signature
+        return False
+    ref = mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+    return isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref)
+
+
+class _Stand(nn.Module):
+    """A stand-in for a decoder layer's attention (a pair, as attentions return) or MLP in `_layer_is_llama`'s probe:
+    a fixed elementwise function of its input."""
+
+    def __init__(self, scale: float, pair: bool):
+        super().__init__()
+        self.scale, self.pair = scale, pair
+
+    def forward(self, *args, **kwargs):
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        y = torch.tanh(x) * self.scale + 0.25
+        return (y, None) if self.pair else y
+
+
+def layer_is_llama(layer: nn.Module) -> bool:
+    """Whether the decoder layer's own forward returns x + attn(norm1(x)) and then h + mlp(norm2(h)) as one tensor,
+    Llama's steps, which hgemm_fuse's `_layer_forward` runs with the adds fused: its forward called with the attention
+    and the MLP stood in for by fixed functions (_Stand), against those steps, bit for bit."""
+    o_proj = layer.self_attn.o_proj
+    if o_proj.weight.is_meta:
+        return False
+    x = _probe_input(o_proj, 2, 3)
+    attn, mlp = _Stand(1.5, pair=True), _Stand(-0.75, pair=False)
+    saved = layer._modules["self_attn"], layer._modules["mlp"]
+    layer._modules["self_attn"], layer._modules["mlp"] = attn, mlp
+    try:
+        out = type(layer).forward(layer, x)
+        h = x + attn(hidden_states=layer.input_layernorm(x))[0]
+        ref = h + mlp(layer.post_attention_layernorm(h))
+    except Exception:  # a forward that needs more than its input, or other modules' outputs
+        return False
+    finally:
+        layer._modules["self_attn"], layer._modules["mlp"] = saved
+    return isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref)
+
+
+def decoder_layers(model: nn.Module):
+    """(name, module) of every decoder layer `fuse` recognises."""
+    for name, m in model.named_modules():
+        attn, mlp = getattr(m, "self_attn", None), getattr(m, "mlp", None)
+        if attn is None or mlp is None or not all(hasattr(m, n) for n in ("input_layernorm",
+                                                                         "post_attention_layernorm")):
+            continue
+        if any("forward" in x.__dict__ for x in (m, attn, mlp)):  # a forward of its own (a hook's) would shadow ours
+            continue
+        if all(plain_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) and all(
+                plain_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")) \
+                and hasattr(mlp, "act_fn"):
+            yield name, m
