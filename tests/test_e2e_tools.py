@@ -100,6 +100,8 @@ def test_phases_every_batch_of_a_range_and_seeded_random_prefills():
     assert len(prefills) == 11 and 2048 in prefills and all(100 <= t <= 4000 for t in prefills)
     assert [p.batch for p in phases if p.context] == list(range(1, 65))
     assert phases == e2e.phases_of(args)  # the same seed draws the same lengths
+    only_decode = e2e.phases_of(e2e.parse_args(["--prefill-tokens", "", "--decode-batches", "32,64"]))
+    assert [(p.batch, p.context) for p in only_decode] == [(32, 512), (64, 512)]
     rows = [e2e.Row("decode1", "graphs", 1.0, 0.8, 1.25, 0.0, 2e-3, 3e-3),
             e2e.Row("decode2", "graphs", 1.0, 1.0, 1.0, 0.0),
             e2e.Row("prefill100", "graphs", note="failed")]

@@ -98,8 +98,9 @@ def record(model, config, phases: list[Phase], folder: Path, device: str, name: 
 
 
 def phases_of(args) -> list[Phase]:
-    """The prefills (--prefill-tokens, plus --prefill-random lengths drawn from --prefill-span) and decode steps."""
-    tokens = counts(args.prefill_tokens)
+    """The prefills (--prefill-tokens, none where it is "", plus --prefill-random lengths drawn from --prefill-span)
+    and decode steps."""
+    tokens = counts(args.prefill_tokens) if args.prefill_tokens else []
     if args.prefill_random:
         span = counts(args.prefill_span)
         pool = sorted(set(span) - set(tokens))
@@ -277,7 +278,8 @@ def parse_args(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the export's self-check")
     p.add_argument("--no-norms", action="store_true", help="patch without the RMSNorm kernel (patch(norms=False))")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--prefill-tokens", default="2048", help="prefill lengths: 2048, or 512,2048, or 100-110")
+    p.add_argument("--prefill-tokens", default="2048",
+                   help="prefill lengths: 2048, or 512,2048, or 100-110, or \"\" for none")
     p.add_argument("--prefill-random", type=int, default=0, help="this many more prefill lengths, drawn at random")
     p.add_argument("--prefill-span", default="100-4000", help="where --prefill-random draws from")
     p.add_argument("--seed", type=int, default=0, help="for --prefill-random")
