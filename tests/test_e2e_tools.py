@@ -202,12 +202,14 @@ def test_compile_diag_timeline_takes_the_middle_step_and_sums_the_gpus_idle_time
     steps = [[kernel(f"k{i}", base, base + 10), kernel(f"m{i}", base + 14, base + 20),
               kernel(f"n{i}", base + 26, base + 30)] for i, base in enumerate((0, 100, 200))]
     events = [e for step in reversed(steps) for e in reversed(step)]
-    rows, span, idle = diag.step_timeline(events, 3)
+    rows, span, idle, after = diag.step_timeline(events, 3)
     assert [r[3] for r in rows] == ["k1", "m1", "n1"]
     assert [r[0] for r in rows] == [0, 14, 26] and [r[1] for r in rows] == [0.0, 4, 6]
-    assert (span, idle) == (30, 10)
-    line = diag.write_timeline(tmp_path / "t" / "decode_1_stock.txt", "decode 1 stock", (rows, span, idle))
+    assert (span, idle, after) == (30, 10, 70)  # the middle step ends at 130, the next starts at 200
+    line = diag.write_timeline(tmp_path / "t" / "decode_1_stock.txt", "decode 1 stock", (rows, span, idle, after))
     assert line.startswith("span 30.0 us, GPU idle 10.0 us (33%); largest: 6.0 us before n1")
+    assert line.endswith("then 70.0 us idle before the next step's first kernel")
     table = (tmp_path / "t" / "decode_1_stock.txt").read_text().splitlines()
     assert table[0].startswith("# decode 1 stock: 3 kernels") and len(table) == 5
-    assert diag.step_timeline([], 5) == ([], 0.0, 0.0)
+    assert diag.step_timeline([], 5) == ([], 0.0, 0.0, None)
+    assert diag.step_timeline(events[:3], 1)[3] is None  # one step: none follows

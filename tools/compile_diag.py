@@ -11,8 +11,9 @@ and run synchronised one at a time, the GPU's kernel time a step and the kernels
 steps), the kernels with the most GPU time (cuBLAS's names mark a fallback), the CPU ops with the most self time,
 and dynamo's counters (graphs, graph breaks, recompilations). A step whose wall time is well above its kernel time
 is host-bound; the CPU ops say on what. --timeline DIR writes one step's kernels in the order they ran (start, the
-GPU's idle time before each, duration, name) to DIR/<phase>_<model>.txt and prints the step's idle time: where a
-step's wall time exceeds its kernels' sum, it says whether the GPU waited between kernels and after which ones.
+GPU's idle time before each, duration, name) to DIR/<phase>_<model>.txt and prints the step's idle time, and the
+GPU's idle time from the step's last kernel to the next step's first: where a step's wall time exceeds its kernels'
+sum, it says whether the GPU waited between kernels (after which ones) or between steps.
 --only times one of the models, so that each compilation can run in a process of its own (run it once for each
 model; between processes the host's speed varies, so host-bound steps compare in one process). Needs a GPU and
 `transformers`; --device cpu --model tiny: a quick look.
@@ -55,13 +56,15 @@ def wall_ms(step, n: int, device: str, each: bool) -> float:
     return (time.perf_counter() - t0) * 1e3 / n
 
 
-def step_timeline(kernels: list, n: int) -> tuple[list[tuple[float, float, float, str]], float, float]:
+def step_timeline(kernels: list, n: int) -> tuple[list[tuple[float, float, float, str]], float, float, float | None]:
     """One step's kernels of n profiled back-to-back steps (the middle one, by count; `kernels` are profiler events
     with time_range in µs): (start from the step's first kernel, GPU idle before it, duration, name) each, the
-    step's span from its first kernel's start to its last's end, and its idle time inside that span."""
+    step's span from its first kernel's start to its last's end, its idle time inside that span, and the GPU's idle
+    time from its end to the next step's first kernel (None where no step follows)."""
     ordered = sorted(kernels, key=lambda e: e.time_range.start)
     per = len(ordered) // n if n else 0
     one = ordered[per * (n // 2): per * (n // 2 + 1)]
+    following = ordered[per * (n // 2 + 1)] if per and per * (n // 2 + 1) < len(ordered) else None
     t0 = end = one[0].time_range.start if one else 0.0
     rows, idle = [], 0.0
     for e in one:
@@ -70,7 +73,8 @@ def step_timeline(kernels: list, n: int) -> tuple[list[tuple[float, float, float
         idle += gap
         rows.append((start - t0, gap, stop - start, e.name))
         end = max(end, stop)
-    return rows, end - t0, idle
+    after = max(0.0, following.time_range.start - end) if following is not None else None
+    return rows, end - t0, idle, after
 
 
 def profiled(step, n: int, device: str) -> dict:
@@ -98,17 +102,19 @@ def profiled(step, n: int, device: str) -> dict:
 
 
 def write_timeline(path: Path, title: str, timeline) -> str:
-    """The step's timeline as a table in `path`; a line for the log: its span, idle time and largest gaps."""
-    rows, span, idle = timeline
+    """The step's timeline as a table in `path`; a line for the log: its span, idle time, largest gaps and the idle
+    time before the next step."""
+    rows, span, idle, after = timeline
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [f"# {title}: {len(rows)} kernels, span {span:.1f} us, GPU idle {idle:.1f} us between them",
+    then = "" if after is None else f"; then {after:.1f} us idle before the next step's first kernel"
+    lines = [f"# {title}: {len(rows)} kernels, span {span:.1f} us, GPU idle {idle:.1f} us between them{then}",
              "#  start_us   idle_before_us   duration_us  kernel"]
     lines += [f"{start:10.1f} {gap:16.1f} {dur:13.1f}  {name[:120]}" for start, gap, dur, name in rows]
     path.write_text("\n".join(lines) + "\n")
     worst = sorted(range(len(rows)), key=lambda i: rows[i][1], reverse=True)[:3]
     gaps = ", ".join(f"{rows[i][1]:.1f} us before {rows[i][3][:40]}" for i in worst if rows[i][1] > 0)
     share = 100 * idle / span if span else 0
-    return f"span {span:.1f} us, GPU idle {idle:.1f} us ({share:.0f}%); largest: {gaps or '-'}"
+    return f"span {span:.1f} us, GPU idle {idle:.1f} us ({share:.0f}%); largest: {gaps or '-'}{then}"
 
 
 def main(argv=None) -> int:
