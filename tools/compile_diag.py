@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", choices=list(CONFIGS), default="llama3-8b")
     p.add_argument("--dtype", choices=("f16", "bf16"), default="f16")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--decode-batches", default="1,8", help="1,8 or 1-64 (each)")
+    p.add_argument("--decode-batches", default="1,8", help='1,8 or 1-64 (each), or "" for none')
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--prefill-tokens", type=int, default=0, help="a prefill phase of this many tokens too (0: none)")
     p.add_argument("--mode", default="default", help="torch.compile mode")
@@ -134,7 +134,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeline", type=Path, help="write each step's kernel timeline into this folder")
     args = p.parse_args(argv)
     try:
-        phases = [Phase(f"decode {b}", b, 1, args.context) for b in counts(args.decode_batches)]
+        batches = counts(args.decode_batches) if args.decode_batches else []
+        phases = [Phase(f"decode {b}", b, 1, args.context) for b in batches]
     except ValueError as e:
         print(f"error: --decode-batches: {e}", file=sys.stderr)
         return 2
