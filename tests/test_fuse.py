@@ -230,6 +230,22 @@ class ScaledResidualLayer(Layer):
         return h + self.mlp(self.post_attention_layernorm(h)) * 0.25
 
 
+class RequiredArgumentLayer(Layer):
+    """Llama's steps, with the position embeddings a required argument passed on to the attention (as some
+    transformers versions write the layer)."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, **kwargs) -> torch.Tensor:
+        return super().forward(hidden_states, attention_mask, position_embeddings=position_embeddings, **kwargs)
+
+
+class PositionModel(Model):
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h, None)
+        return self.lm_head(self.norm(h))
+
+
 class SubNormMLP(MLP):
     """A gated MLP with a norm before down_proj (BitNet's steps, with SiLU): not down(act(gate) * up)."""
 
@@ -257,6 +273,18 @@ def test_a_layer_whose_steps_are_not_llamas_keeps_its_residual_adds(layer):
     counts = hgemm_fuse.fuse(model, TorchOps)
     assert (counts["qkv"], counts["gate_up"], counts["o_residual"], counts["down_residual"]) == (2, 2, 0, 0)
     assert type(model.layers[0]).forward is layer.forward
+    with torch.no_grad():
+        assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    hgemm_fuse.unfuse(model)
+
+
+def test_a_layer_that_requires_more_arguments_is_probed_with_them_as_none():
+    torch.manual_seed(0)
+    model, ids = PositionModel(layer=RequiredArgumentLayer).eval(), torch.randint(50, (2, 9))
+    with torch.no_grad():
+        ref = model(ids)
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert counts["o_residual"] == counts["down_residual"] == 2
     with torch.no_grad():
         assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
     hgemm_fuse.unfuse(model)

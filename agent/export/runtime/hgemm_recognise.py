@@ -7,6 +7,8 @@ its own code there. Shipped in an export beside hgemm_fuse.py, which loads it.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -121,16 +123,21 @@ class _Stand(nn.Module):
 def layer_is_llama(layer: nn.Module) -> bool:
     """Whether the decoder layer's own forward returns x + attn(norm1(x)) and then h + mlp(norm2(h)) as one tensor,
     Llama's steps, which hgemm_fuse's `_layer_forward` runs with the adds fused: its forward called with the attention
-    and the MLP stood in for by fixed functions (_Stand), against those steps, bit for bit."""
+    and the MLP stood in for by fixed functions (_Stand), against those steps, bit for bit. Arguments the forward
+    requires besides the hidden states (position embeddings, in some transformers versions) are given as None: the
+    layer passes them on to the stand-ins, which ignore them."""
     o_proj = layer.self_attn.o_proj
     if o_proj.weight.is_meta:
         return False
     x = _probe_input(o_proj, 2, 3)
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    required = {q.name: None for q in list(inspect.signature(type(layer).forward).parameters.values())[2:]
+                if q.default is inspect.Parameter.empty and q.kind in named}
     attn, mlp = _Stand(1.5, pair=True), _Stand(-0.75, pair=False)
     saved = layer._modules["self_attn"], layer._modules["mlp"]
     layer._modules["self_attn"], layer._modules["mlp"] = attn, mlp
     try:
-        out = type(layer).forward(layer, x)
+        out = type(layer).forward(layer, x, **required)
         h = x + attn(hidden_states=layer.input_layernorm(x))[0]
         ref = h + mlp(layer.post_attention_layernorm(h))
     except Exception:  # a forward that needs more than its input, or other modules' outputs
