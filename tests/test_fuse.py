@@ -61,11 +61,12 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
 
+    def projections(self, hidden_states):
+        return self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+
     def forward(self, hidden_states, attention_mask=None, **kwargs):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in self.projections(hidden_states))
         k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
@@ -246,6 +247,47 @@ class PositionModel(Model):
         return self.lm_head(self.norm(h))
 
 
+class MergedAttention(Attention):
+    """Phi-3's attention: q, k and v already one projection, qkv_proj."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, bias: bool):
+        super().__init__(hidden, heads, kv_heads, bias)
+        self.qkv_proj = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=bias)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def projections(self, hidden_states):
+        q_end, k_end = self.heads * self.head_dim, (self.heads + self.kv_heads) * self.head_dim
+        qkv = self.qkv_proj(hidden_states)
+        return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
+
+
+class MergedMLP(nn.Module):
+    """Phi-3's MLP: gate and up as one projection, gate's rows first; the activation is `activation_fn`."""
+
+    def __init__(self, hidden: int, inter: int, act: nn.Module):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj, self.activation_fn = nn.Linear(inter, hidden, bias=False), act
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.activation_fn(gate))
+
+
+class DropoutLayer(Layer):
+    """Phi-3's layer: its attention and MLP merged, a dropout (identity when evaluating) on each branch."""
+
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__(hidden, inter, act, bias, norm)
+        self.self_attn, self.mlp = MergedAttention(hidden, 4, 2, bias), MergedMLP(hidden, inter, act)
+        self.resid_attn_dropout, self.resid_mlp_dropout = nn.Dropout(0.1), nn.Dropout(0.1)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask)
+        h = hidden_states + self.resid_attn_dropout(h)
+        return h + self.resid_mlp_dropout(self.mlp(self.post_attention_layernorm(h)))
+
+
 class SubNormMLP(MLP):
     """A gated MLP with a norm before down_proj (BitNet's steps, with SiLU): not down(act(gate) * up)."""
 
@@ -288,6 +330,24 @@ def test_a_layer_that_requires_more_arguments_is_probed_with_them_as_none():
     with torch.no_grad():
         assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
     hgemm_fuse.unfuse(model)
+
+
+def test_phi3s_merged_gate_up_is_interleaved_in_place_and_put_back_bit_for_bit():
+    model, ids = model_and_ids(layer=DropoutLayer)
+    with torch.no_grad():
+        ref = model(ids)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    size = storage_bytes(model)
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert (counts["qkv"], counts["gate_up"], counts["o_residual"], counts["down_residual"]) == (0, 2, 2, 2)
+    assert storage_bytes(model) == size and model.layers[0].mlp.gate_up_proj.weight.numel() == 0
+    TorchOps.calls = []
+    with torch.no_grad():
+        assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    assert ("silu_mul", (192, 64)) in TorchOps.calls and ("residual", (64, 96)) in TorchOps.calls
+    assert hgemm_fuse.unfuse(model) == 3
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert storage_bytes(model) == size
 
 
 def test_an_mlp_that_is_not_down_of_act_gate_times_up_stays_as_it_is():

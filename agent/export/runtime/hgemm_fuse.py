@@ -1,16 +1,18 @@
 """Fusions of decoder layers: what a serving engine merges, patched into a Hugging Face model in place.
 
-Recognised: a decoder layer with `self_attn` (q_proj, k_proj, v_proj, o_proj: nn.Linear) and `mlp` (gate_proj,
-up_proj, down_proj: nn.Linear, and act_fn) between `input_layernorm` and `post_attention_layernorm`: Llama, Mistral,
-Qwen2 (q/k/v with biases) and any decoder built the same way. What `fuse(model, ops)` does to each:
+Looked into: a decoder layer with `self_attn` (o_proj: nn.Linear) and `mlp` (down_proj: nn.Linear) between
+`input_layernorm` and `post_attention_layernorm` (hgemm_recognise.py decides what in it is fused): Llama, Mistral,
+Qwen2 (q/k/v with biases), Phi-3 (q/k/v already one projection, gate and up one gate_up_proj) and any decoder built
+the same way. What `fuse(model, ops)` does to each:
 
 - qkv: q, k and v as one GEMM of N = q + k + v on one merged weight (and merged biases); q_proj, k_proj and v_proj
   keep their parameters as views of it (one copy), and the three calls the attention makes on the same input take
   their columns of the one product;
 - gate_up: gate and up as one gated GEMM (`silu_mul`, or `gelu_mul` for a tanh-GELU), its weight the two
   interleaved in blocks of 8 rows (hgemm_epilogue.interleave_gate_up), the only copy: gate_proj's and up_proj's
-  parameters keep their identity but give up their storage until `unfuse` writes it back, bit for bit; only where
-  the MLP's own forward is down(act(gate(x)) * up(x)) (a probe call: the same values bit for bit);
+  parameters (or gate_up_proj's) keep their identity but give up their storage until `unfuse` writes it back, bit
+  for bit; only where the MLP's own forward is down(act(gate(x)) * up(x)) (a probe call: the same values bit for
+  bit);
 - o_residual, down_residual: where the layer's own forward is Llama's, x + attn(norm1(x)) and then h + mlp(norm2(h)),
   returning a tensor (a probe call with the attention and the MLP stood in for by fixed functions: the same values
   bit for bit; Gemma2's extra norms and Granite's residual multiplier are not), the layer runs as the same steps
@@ -176,26 +178,42 @@ def _gate_up_forward(self, x: torch.Tensor) -> torch.Tensor:
                                                        self._hgemm_epilogue, None))
 
 
-def _gate_up(layer: _Layer, mlp: nn.Module, ops) -> None:
-    epilogue = recognise.gated_epilogue(mlp.act_fn)
-    gate, up = mlp.gate_proj, mlp.up_proj
-    if epilogue is None or (gate.bias is None) != (up.bias is None) or gate.weight.shape != up.weight.shape:
+def _gate_up(layer: _Layer, mlp: nn.Module, ops, kind: str) -> None:
+    """gate and up (two projections, or one gate_up_proj of gate's rows then up's: `kind`) as one gated GEMM on
+    their interleaved weight, the only copy."""
+    epilogue = recognise.gated_epilogue(recognise.act_of(mlp))
+    if kind == "pair":
+        gate, up = mlp.gate_proj, mlp.up_proj
+        if (gate.bias is None) != (up.bias is None) or gate.weight.shape != up.weight.shape:
+            return None
+        weights, biases = (gate.weight, up.weight), None if gate.bias is None else (gate.bias, up.bias)
+    else:
+        merged = mlp.gate_up_proj
+        weights = merged.weight.detach().chunk(2, dim=0)
+        biases = None if merged.bias is None else merged.bias.detach().chunk(2, dim=0)
+    if epilogue is None:
         return None
     merge = _epilogue_module(ops).interleave_gate_up
-    weight = merge(gate.weight.detach(), up.weight.detach(), dim=0)
-    bias = None if gate.bias is None else merge(gate.bias.detach(), up.bias.detach(), dim=0)
+    weight = merge(weights[0].detach(), weights[1].detach(), dim=0)
+    bias = None if biases is None else merge(biases[0].detach(), biases[1].detach(), dim=0)
     mlp.register_buffer("hgemm_gate_up_weight", weight, persistent=False)
     mlp.register_buffer("hgemm_gate_up_bias", bias, persistent=False)
-    params = [p for p in (gate.weight, up.weight, gate.bias, up.bias) if p is not None]
+    owners = (mlp.gate_proj, mlp.up_proj) if kind == "pair" else (mlp.gate_up_proj,)
+    params = [p for m in owners for p in (m.weight, m.bias) if p is not None]
     for p in params:  # the merged buffer is the only copy
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     layer.set_forward(mlp, _gate_up_forward, ops=ops, epilogue=epilogue)
 
     def restore():
         split = _epilogue_module(ops).split_gate_up
-        gate.weight.data, up.weight.data = (t.contiguous() for t in split(mlp.hgemm_gate_up_weight, dim=0))
-        if gate.bias is not None:
-            gate.bias.data, up.bias.data = (t.contiguous() for t in split(mlp.hgemm_gate_up_bias, dim=0))
+        for name, owner_params in (("weight", [m.weight for m in owners]), ("bias", [m.bias for m in owners])):
+            merged_buffer = getattr(mlp, f"hgemm_gate_up_{name}")
+            if merged_buffer is None:
+                continue
+            halves = split(merged_buffer, dim=0)
+            values = halves if kind == "pair" else (torch.cat(halves, dim=0),)
+            for p, v in zip(owner_params, values, strict=True):
+                p.data = v.contiguous()
         del mlp.hgemm_gate_up_weight, mlp.hgemm_gate_up_bias
 
     layer.restore.append(restore)
@@ -257,10 +275,12 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
         layer = _fused[module] = _Layer(name)
         with torch.no_grad():
             llama = recognise.layer_is_llama(module)  # probes first, on the modules as the model has them
-            gated = recognise.mlp_is_gated(module.mlp)
-            _qkv(layer, module.self_attn, ops)
+            gated = recognise.gated_mlp(module.mlp)
+            attn = module.self_attn
+            if all(recognise.plain_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj")):
+                _qkv(layer, attn, ops)
             if gated:
-                _gate_up(layer, module.mlp, ops)
+                _gate_up(layer, module.mlp, ops, gated)
             if llama:
                 _residuals(layer, module, ops)
             for norm in (module.input_layernorm, module.post_attention_layernorm):
@@ -317,7 +337,7 @@ def describe(model: nn.Module) -> list[str]:
         if layer is not None:
             extra = ""
             if "gate_up" in layer.kinds:
-                extra = f" ({recognise.gated_epilogue(module.mlp.act_fn)})"
+                extra = f" ({recognise.gated_epilogue(recognise.act_of(module.mlp))})"
             kinds = [k for k in KINDS if k in layer.kinds]
             norms = layer.kinds.count("rms_norm")
             lines.append(f"{layer.name}: " + ", ".join(words[k] if k != "rms_norm" or norms == 1 else

@@ -1,8 +1,9 @@
 """Recognising what hgemm_fuse.py fuses in a Hugging Face model: decoder layers built as Llama's, MLPs that are
-down(act(gate(x)) * up(x)), Llama-style RMSNorms and rotary embeddings. Each is recognised by its modules' names
-and types and by probe calls that must give the same values bit for bit as the steps the fused forwards run, not by
-its class: a model built otherwise (Gemma2's extra norms, Granite's residual multiplier, Gemma's 1 + weight) keeps
-its own code there. Shipped in an export beside hgemm_fuse.py, which loads it.
+down(act(gate(x)) * up(x)) (gate and up as two projections or one), Llama-style RMSNorms and rotary embeddings.
+Each is recognised by its modules' names and types and by probe calls that must give the same values bit for bit as
+the steps the fused forwards run, not by its class: a model built otherwise (Gemma2's extra norms, Granite's
+residual multiplier, Gemma's 1 + weight) keeps its own code there. Shipped in an export beside hgemm_fuse.py, which
+loads it.
 """
 
 from __future__ import annotations
@@ -93,17 +94,41 @@ def _probe_input(linear: nn.Linear, *lead: int) -> torch.Tensor:
     return (torch.randn(*lead, w.shape[1], generator=gen) * 2).to(device=w.device, dtype=w.dtype)
 
 
-def mlp_is_gated(mlp: nn.Module) -> bool:
-    """Whether the MLP's own forward computes down(act(gate(x)) * up(x)): a probe call, the same values bit for bit."""
-    if mlp.gate_proj.weight.is_meta:
-        return False
-    x = _probe_input(mlp.gate_proj, 3)
+def act_of(mlp: nn.Module) -> nn.Module | None:
+    """The MLP's activation: `act_fn` (Llama's name) or `activation_fn` (Phi-3's)."""
+    act = getattr(mlp, "act_fn", None)
+    return act if act is not None else getattr(mlp, "activation_fn", None)
+
+
+def gated_mlp(mlp: nn.Module) -> str | None:
+    """How the MLP holds its gate and up projections where its own forward is down(act(gate(x)) * up(x)) (a probe
+    call, the same values bit for bit): "pair" (gate_proj and up_proj, Llama's) or "merged" (one gate_up_proj whose
+    rows are gate's, then up's, Phi-3's); None otherwise."""
+    act, down = act_of(mlp), getattr(mlp, "down_proj", None)
+    if act is None or not plain_linear(down):
+        return None
+    if plain_linear(getattr(mlp, "gate_proj", None)) and plain_linear(getattr(mlp, "up_proj", None)):
+        kind, first = "pair", mlp.gate_proj
+
+        def steps(x):
+            return down(act(mlp.gate_proj(x)) * mlp.up_proj(x))
+    elif plain_linear(getattr(mlp, "gate_up_proj", None)) and mlp.gate_up_proj.out_features % 2 == 0:
+        kind, first = "merged", mlp.gate_up_proj
+
+        def steps(x):
+            gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+            return down(act(gate) * up)
+    else:
+        return None
+    if first.weight.is_meta:
+        return None
+    x = _probe_input(first, 3)
     try:
         out = type(mlp).forward(mlp, x)
     except Exception:  # another signature
-        return False
-    ref = mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
-    return isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref)
+        return None
+    ref = steps(x)
+    return kind if isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref) else None
 
 
 class _Stand(nn.Module):
@@ -148,7 +173,10 @@ def layer_is_llama(layer: nn.Module) -> bool:
 
 
 def decoder_layers(model: nn.Module):
-    """(name, module) of every decoder layer `fuse` recognises."""
+    """(name, module) of every decoder layer `fuse` looks into: an attention (`self_attn`) with o_proj and an MLP
+    with down_proj (plain nn.Linear), between `input_layernorm` and `post_attention_layernorm`, none with a forward
+    of its own; what in it is fused is each part's own test (q/k/v: plain q_proj, k_proj, v_proj; gated_mlp;
+    layer_is_llama)."""
     for name, m in model.named_modules():
         attn, mlp = getattr(m, "self_attn", None), getattr(m, "mlp", None)
         if attn is None or mlp is None or not all(hasattr(m, n) for n in ("input_layernorm",
@@ -156,7 +184,5 @@ def decoder_layers(model: nn.Module):
             continue
         if any("forward" in x.__dict__ for x in (m, attn, mlp)):  # a forward of its own (a hook's) would shadow ours
             continue
-        if all(plain_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) and all(
-                plain_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")) \
-                and hasattr(mlp, "act_fn"):
+        if plain_linear(getattr(attn, "o_proj", None)) and plain_linear(getattr(mlp, "down_proj", None)):
             yield name, m
