@@ -182,23 +182,21 @@ def _gate_up(layer: _Layer, mlp: nn.Module, ops, kind: str) -> None:
     """gate and up (two projections, or one gate_up_proj of gate's rows then up's: `kind`) as one gated GEMM on
     their interleaved weight, the only copy."""
     epilogue = recognise.gated_epilogue(recognise.act_of(mlp))
-    if kind == "pair":
-        gate, up = mlp.gate_proj, mlp.up_proj
-        if (gate.bias is None) != (up.bias is None) or gate.weight.shape != up.weight.shape:
-            return None
-        weights, biases = (gate.weight, up.weight), None if gate.bias is None else (gate.bias, up.bias)
-    else:
-        merged = mlp.gate_up_proj
-        weights = merged.weight.detach().chunk(2, dim=0)
-        biases = None if merged.bias is None else merged.bias.detach().chunk(2, dim=0)
-    if epilogue is None:
-        return None
-    merge = _epilogue_module(ops).interleave_gate_up
-    weight = merge(weights[0].detach(), weights[1].detach(), dim=0)
-    bias = None if biases is None else merge(biases[0].detach(), biases[1].detach(), dim=0)
-    mlp.register_buffer("hgemm_gate_up_weight", weight, persistent=False)
-    mlp.register_buffer("hgemm_gate_up_bias", bias, persistent=False)
     owners = (mlp.gate_proj, mlp.up_proj) if kind == "pair" else (mlp.gate_up_proj,)
+    if epilogue is None or len({m.bias is None for m in owners}) > 1 or len({m.weight.shape for m in owners}) > 1:
+        return None
+
+    def halves(name: str):  # gate's and up's weight or bias, or None
+        first = getattr(owners[0], name)
+        if first is None:
+            return None
+        return tuple(getattr(m, name).detach() for m in owners) if kind == "pair" else first.detach().chunk(2, dim=0)
+
+    merge = _epilogue_module(ops).interleave_gate_up
+    for name in ("weight", "bias"):
+        parts = halves(name)
+        mlp.register_buffer(f"hgemm_gate_up_{name}", None if parts is None else merge(*parts, dim=0),
+                            persistent=False)
     params = [p for m in owners for p in (m.weight, m.bias) if p is not None]
     for p in params:  # the merged buffer is the only copy
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
