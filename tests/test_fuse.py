@@ -299,6 +299,13 @@ class SubNormMLP(MLP):
         return self.down_proj(self.ffn_sub_norm(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
 
 
+class ScaledOutputMLP(MLP):
+    """An MLP that scales down_proj's output before returning it (a gated MLP's steps otherwise)."""
+
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
 class ScaledOutputAttention(Attention):
     """An attention that scales o_proj's output before returning it."""
 
@@ -359,6 +366,19 @@ def test_an_mlp_that_is_not_down_of_act_gate_times_up_stays_as_it_is():
     counts = hgemm_fuse.fuse(model, TorchOps)
     assert counts["gate_up"] == 0 and counts["down_residual"] == 2  # down_proj still returns the MLP's output
     assert type(model.layers[0].mlp) is SubNormMLP
+    with torch.no_grad():
+        assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    hgemm_fuse.unfuse(model)
+
+
+def test_an_mlp_that_changes_down_projs_output_keeps_the_layers_residual_adds():
+    model, ids = model_and_ids()
+    for layer in model.layers:
+        layer.mlp = ScaledOutputMLP(64, 96, nn.SiLU())
+    with torch.no_grad():
+        ref = model(ids)
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert (counts["qkv"], counts["gate_up"], counts["o_residual"], counts["down_residual"]) == (2, 0, 0, 0)
     with torch.no_grad():
         assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
     hgemm_fuse.unfuse(model)

@@ -272,7 +272,8 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             continue
         layer = _fused[module] = _Layer(name)
         with torch.no_grad():
-            llama = recognise.layer_is_llama(module)  # probes first, on the modules as the model has them
+            # probes first, on the modules as the model has them
+            llama = recognise.layer_is_llama(module) and recognise.returns_down(module.mlp)
             gated = recognise.gated_mlp(module.mlp)
             attn = module.self_attn
             if all(recognise.plain_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj")):

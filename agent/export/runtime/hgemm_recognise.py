@@ -131,6 +131,24 @@ def gated_mlp(mlp: nn.Module) -> str | None:
     return kind if isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref) else None
 
 
+def returns_down(mlp: nn.Module) -> bool:
+    """Whether the MLP's own forward returns down_proj's output as it is (a probe call, the output object itself),
+    so that a residual added in down_proj's epilogue is what the layer adds."""
+    if mlp.down_proj.weight.is_meta:
+        return False
+    seen = []
+    hook = mlp.down_proj.register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        first = next(m for m in (getattr(mlp, n, None) for n in ("gate_proj", "gate_up_proj", "up_proj", "down_proj"))
+                     if plain_linear(m))
+        out = type(mlp).forward(mlp, _probe_input(first, 3))
+    except Exception:  # another signature
+        return False
+    finally:
+        hook.remove()
+    return len(seen) == 1 and out is seen[0]
+
+
 class _Stand(nn.Module):
     """A stand-in for a decoder layer's attention (a pair, as attentions return) or MLP in `_layer_is_llama`'s probe:
     a fixed elementwise function of its input."""
