@@ -357,28 +357,19 @@ def test_phi3s_merged_gate_up_is_interleaved_in_place_and_put_back_bit_for_bit()
     assert storage_bytes(model) == size
 
 
-def test_an_mlp_that_is_not_down_of_act_gate_times_up_stays_as_it_is():
+@pytest.mark.parametrize("mlp, fused", [
+    (SubNormMLP, (2, 0, 2, 2)),  # not down(act(gate) * up), but down_proj's output is the MLP's: the adds fuse
+    (ScaledOutputMLP, (2, 0, 0, 0)),  # down(act(gate) * up) scaled after down_proj: neither gate/up nor the adds
+])
+def test_an_mlp_whose_steps_are_not_llamas_keeps_what_they_change(mlp, fused):
     model, ids = model_and_ids()
     for layer in model.layers:
-        layer.mlp = SubNormMLP(64, 96, nn.SiLU())
+        layer.mlp = mlp(64, 96, nn.SiLU())
     with torch.no_grad():
         ref = model(ids)
     counts = hgemm_fuse.fuse(model, TorchOps)
-    assert counts["gate_up"] == 0 and counts["down_residual"] == 2  # down_proj still returns the MLP's output
-    assert type(model.layers[0].mlp) is SubNormMLP
-    with torch.no_grad():
-        assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
-    hgemm_fuse.unfuse(model)
-
-
-def test_an_mlp_that_changes_down_projs_output_keeps_the_layers_residual_adds():
-    model, ids = model_and_ids()
-    for layer in model.layers:
-        layer.mlp = ScaledOutputMLP(64, 96, nn.SiLU())
-    with torch.no_grad():
-        ref = model(ids)
-    counts = hgemm_fuse.fuse(model, TorchOps)
-    assert (counts["qkv"], counts["gate_up"], counts["o_residual"], counts["down_residual"]) == (2, 0, 0, 0)
+    assert (counts["qkv"], counts["gate_up"], counts["o_residual"], counts["down_residual"]) == fused
+    assert type(model.layers[0].mlp) is mlp
     with torch.no_grad():
         assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
     hgemm_fuse.unfuse(model)
