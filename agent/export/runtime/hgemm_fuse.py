@@ -15,9 +15,10 @@ the same way. What `fuse(model, ops)` does to each:
   bit);
 - o_residual, down_residual: where the layer's own forward is Llama's, x + attn(norm1(x)) and then h + mlp(norm2(h)),
   returning a tensor (a probe call with the attention and the MLP stood in for by fixed functions: the same values
-  bit for bit; Gemma2's extra norms and Granite's residual multiplier are not), the layer runs as the same steps
-  with the residual adds fused into o_proj and down_proj (`residual` epilogue); an attention that changes o_proj's
-  output before returning it is an error at its first call;
+  bit for bit; Gemma2's extra norms and Granite's residual multiplier are not), and its MLP returns down_proj's
+  output as it is (a probe call), the layer runs as the same steps with the residual adds fused into o_proj and
+  down_proj (`residual` epilogue); an attention that changes o_proj's output before returning it is an error at its
+  first call;
 - rms_norm: every module of the model (in a decoder layer or not) that computes Llama's RMSNorm (a probe call at
   fuse time matches `llama_rms_norm` bit for bit; Gemma's 1 + weight does not) runs as `ops.rms_norm`, one kernel
   where the model runs eight; only where `ops` has rms_norm;
@@ -208,8 +209,8 @@ def _gate_up(layer: _Layer, mlp: nn.Module, ops, kind: str) -> None:
             merged_buffer = getattr(mlp, f"hgemm_gate_up_{name}")
             if merged_buffer is None:
                 continue
-            halves = split(merged_buffer, dim=0)
-            values = halves if kind == "pair" else (torch.cat(halves, dim=0),)
+            gate_up = split(merged_buffer, dim=0)
+            values = gate_up if kind == "pair" else (torch.cat(gate_up, dim=0),)
             for p, v in zip(owner_params, values, strict=True):
                 p.data = v.contiguous()
         del mlp.hgemm_gate_up_weight, mlp.hgemm_gate_up_bias
