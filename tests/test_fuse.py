@@ -261,6 +261,23 @@ class MergedAttention(Attention):
         return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
 
 
+class WideAttention(Attention):
+    """Heads wider than the hidden size over their count (Qwen3's and Gemma's shapes): o_proj maps 2 x hidden back."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, bias: bool):
+        super().__init__(2 * hidden, heads, kv_heads, bias)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(self, name)
+            setattr(self, name, nn.Linear(hidden, old.out_features, bias=bias))
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
+
+
+class WideLayer(Layer):
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__(hidden, inter, act, bias, norm)
+        self.self_attn = WideAttention(hidden, 4, 2, bias)
+
+
 class MergedMLP(nn.Module):
     """Phi-3's MLP: gate and up as one projection, gate's rows first; the activation is `activation_fn`."""
 
@@ -322,6 +339,17 @@ def test_a_layer_whose_steps_are_not_llamas_keeps_its_residual_adds(layer):
     counts = hgemm_fuse.fuse(model, TorchOps)
     assert (counts["qkv"], counts["gate_up"], counts["o_residual"], counts["down_residual"]) == (2, 2, 0, 0)
     assert type(model.layers[0]).forward is layer.forward
+    with torch.no_grad():
+        assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    hgemm_fuse.unfuse(model)
+
+
+def test_a_layer_whose_heads_are_wider_than_its_hidden_size_fuses_its_adds():
+    model, ids = model_and_ids(layer=WideLayer)
+    with torch.no_grad():
+        ref = model(ids)
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert (counts["qkv"], counts["gate_up"], counts["o_residual"], counts["down_residual"]) == (2, 2, 2, 2)
     with torch.no_grad():
         assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
     hgemm_fuse.unfuse(model)

@@ -273,9 +273,8 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             continue
         layer = _fused[module] = _Layer(name)
         with torch.no_grad():
-            # probes first, on the modules as the model has them
-            llama = recognise.layer_is_llama(module) and recognise.returns_down(module.mlp)
-            gated = recognise.gated_mlp(module.mlp)
+            gated, returns_down = recognise.probe_mlp(module.mlp)  # probes first, on the modules as they are
+            llama = returns_down and recognise.layer_is_llama(module)
             attn = module.self_attn
             if all(recognise.plain_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj")):
                 _qkv(layer, attn, ops)

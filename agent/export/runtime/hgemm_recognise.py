@@ -32,6 +32,12 @@ def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * h.to(x.dtype)
 
 
+def _probe_input(like: torch.Tensor, *shape: int, scale: float = 2.0) -> torch.Tensor:
+    """Seeded random values of `shape` on `like`'s device and in its dtype, large enough that functions bend on them."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    return (torch.randn(*shape, generator=gen) * scale).to(device=like.device, dtype=like.dtype)
+
+
 def rms_norm_eps(m: nn.Module) -> float | None:
     """The epsilon of a module that computes Llama's RMSNorm with its one parameter `weight` (checked by a probe
     call against llama_rms_norm: the same values bit for bit), or None."""
@@ -40,8 +46,7 @@ def rms_norm_eps(m: nn.Module) -> float | None:
     if (not isinstance(eps, float) or not isinstance(w, nn.Parameter) or w.dim() != 1 or w.numel() == 0
             or w.is_meta or "forward" in m.__dict__ or list(m.children()) or len(list(m.parameters())) != 1):
         return None
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(3, w.numel(), generator=gen).to(device=w.device, dtype=w.dtype) * 3
+    x = _probe_input(w, 3, w.numel(), scale=3.0)
     try:
         with torch.no_grad():
             out = type(m).forward(m, x)
@@ -87,70 +92,56 @@ def plain_linear(m) -> bool:
     return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and "forward" not in m.__dict__
 
 
-def _probe_input(linear: nn.Linear, *lead: int) -> torch.Tensor:
-    """Random activations for `linear`'s input (its device and dtype), large enough that functions bend on them."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    w = linear.weight
-    return (torch.randn(*lead, w.shape[1], generator=gen) * 2).to(device=w.device, dtype=w.dtype)
-
-
 def act_of(mlp: nn.Module) -> nn.Module | None:
     """The MLP's activation: `act_fn` (Llama's name) or `activation_fn` (Phi-3's)."""
     act = getattr(mlp, "act_fn", None)
     return act if act is not None else getattr(mlp, "activation_fn", None)
 
 
-def gated_mlp(mlp: nn.Module) -> str | None:
-    """How the MLP holds its gate and up projections where its own forward is down(act(gate(x)) * up(x)) (a probe
-    call, the same values bit for bit): "pair" (gate_proj and up_proj, Llama's) or "merged" (one gate_up_proj whose
-    rows are gate's, then up's, Phi-3's); None otherwise."""
-    act, down = act_of(mlp), getattr(mlp, "down_proj", None)
-    if act is None or not plain_linear(down):
-        return None
-    if plain_linear(getattr(mlp, "gate_proj", None)) and plain_linear(getattr(mlp, "up_proj", None)):
+def probe_mlp(mlp: nn.Module) -> tuple[str | None, bool]:
+    """One call of the MLP's own forward on random input, with a hook on down_proj: how it holds its gate and up
+    projections where it computes down(act(gate(x)) * up(x)) (the same values bit for bit): "pair" (gate_proj and
+    up_proj, Llama's), "merged" (one gate_up_proj whose rows are gate's, then up's, Phi-3's) or None; and whether it
+    returns down_proj's output as it is (the output object itself), so that a residual added in down_proj's epilogue
+    is what the layer adds."""
+    act, down = act_of(mlp), mlp.down_proj
+    steps = None
+    if act is not None and plain_linear(getattr(mlp, "gate_proj", None)) and plain_linear(getattr(mlp, "up_proj",
+                                                                                                   None)):
         kind, first = "pair", mlp.gate_proj
 
         def steps(x):
             return down(act(mlp.gate_proj(x)) * mlp.up_proj(x))
-    elif plain_linear(getattr(mlp, "gate_up_proj", None)) and mlp.gate_up_proj.out_features % 2 == 0:
+    elif (act is not None and plain_linear(getattr(mlp, "gate_up_proj", None))
+          and mlp.gate_up_proj.out_features % 2 == 0):
         kind, first = "merged", mlp.gate_up_proj
 
         def steps(x):
             gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
             return down(act(gate) * up)
     else:
-        return None
+        kind, first = None, next(m for m in (getattr(mlp, "up_proj", None), down) if plain_linear(m))
     if first.weight.is_meta:
-        return None
-    x = _probe_input(first, 3)
+        return None, False
+    x, seen = _probe_input(first.weight, 3, first.in_features), []
+    hook = down.register_forward_hook(lambda module, args, out: seen.append(out))
     try:
         out = type(mlp).forward(mlp, x)
     except Exception:  # another signature
-        return None
-    ref = steps(x)
-    return kind if isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref) else None
-
-
-def returns_down(mlp: nn.Module) -> bool:
-    """Whether the MLP's own forward returns down_proj's output as it is (a probe call, the output object itself),
-    so that a residual added in down_proj's epilogue is what the layer adds."""
-    if mlp.down_proj.weight.is_meta:
-        return False
-    seen = []
-    hook = mlp.down_proj.register_forward_hook(lambda module, args, out: seen.append(out))
-    try:
-        first = next(m for m in (getattr(mlp, n, None) for n in ("gate_proj", "gate_up_proj", "up_proj", "down_proj"))
-                     if plain_linear(m))
-        out = type(mlp).forward(mlp, _probe_input(first, 3))
-    except Exception:  # another signature
-        return False
+        return None, False
     finally:
         hook.remove()
-    return len(seen) == 1 and out is seen[0]
+    if not isinstance(out, torch.Tensor):
+        return None, False
+    returns_down = len(seen) == 1 and out is seen[0]
+    if steps is None:
+        return None, returns_down
+    ref = steps(x)
+    return (kind if out.dtype == ref.dtype and torch.equal(out, ref) else None), returns_down
 
 
 class _Stand(nn.Module):
-    """A stand-in for a decoder layer's attention (a pair, as attentions return) or MLP in `_layer_is_llama`'s probe:
+    """A stand-in for a decoder layer's attention (a pair, as attentions return) or MLP in `layer_is_llama`'s probe:
     a fixed elementwise function of its input."""
 
     def __init__(self, scale: float, pair: bool):
@@ -172,7 +163,7 @@ def layer_is_llama(layer: nn.Module) -> bool:
     o_proj = layer.self_attn.o_proj
     if o_proj.weight.is_meta:
         return False
-    x = _probe_input(o_proj, 2, 3)
+    x = _probe_input(o_proj.weight, 2, 3, o_proj.out_features)
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     required = {q.name: None for q in list(inspect.signature(type(layer).forward).parameters.values())[2:]
                 if q.default is inspect.Parameter.empty and q.kind in named}
@@ -193,7 +184,7 @@ def layer_is_llama(layer: nn.Module) -> bool:
 def decoder_layers(model: nn.Module):
     """(name, module) of every decoder layer `fuse` looks into: an attention (`self_attn`) with o_proj and an MLP
     with down_proj (plain nn.Linear), between `input_layernorm` and `post_attention_layernorm`, none with a forward
-    of its own; what in it is fused is each part's own test (q/k/v: plain q_proj, k_proj, v_proj; gated_mlp;
+    of its own; what in it is fused is each part's own test (q/k/v: plain q_proj, k_proj, v_proj; probe_mlp;
     layer_is_llama)."""
     for name, m in model.named_modules():
         attn, mlp = getattr(m, "self_attn", None), getattr(m, "mlp", None)
