@@ -55,6 +55,12 @@ class DeviceFacts:
         """This device's limits: its own shared memory, the rest as its arch gives every device."""
         return replace(ARCH_LIMITS[self.arch], smem_per_block=self.smem_per_block, smem_per_sm=self.smem_per_sm)
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether a kernel may be launched overlapped with the one ahead of it (programmatic dependent launch,
+        sm_90 and newer; core/overlap.py)."""
+        return self.arch.startswith("sm_9")
+
     def clusters_at_once(self, size: int) -> int:
         """Thread-block clusters of `size` CTAs that run at once per CTA slot of an SM (size 1: one CTA an SM; 0 for
         a size no cluster takes): as many as ran on the H200, and never more than sms // size."""

@@ -191,6 +191,9 @@ class LaunchSpec:
     # one of each per GPU
     workspace_bytes: int = 0
     counters: int = 0
+    # True: the kernel waits for the kernel ahead of it before touching its operands (core/overlap.py), so it may be
+    # launched overlapped with it; the sandbox checks that it does, and the export launches it so
+    overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -310,6 +313,7 @@ class EvalJob:
     seed: int | None = None  # None: the worker draws fresh random inputs each time
     honest: bool = False  # also time it honestly (sandbox/timed.py), the figure that then ranks it
     honest_only: bool = False  # a re-measurement: the honest timing alone (warm and cold are the first screen's)
+    overlap: bool = False  # its source waits for the kernel ahead (core/overlap.waits): checked launched overlapped
 
 
 @dataclass(frozen=True)

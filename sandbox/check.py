@@ -19,7 +19,10 @@ Every candidate, before it is timed, on the target shape and on edge shapes:
 - the output poisoned with NaN before each launch (unwritten elements stay NaN), guard regions around inputs and
   output (out-of-bounds writes), inputs compared bit for bit afterwards (a kernel must not write its inputs),
   shared memory filled with NaN before each launch (reads of uninitialised shared memory),
-- the same inputs launched twice must give identical bits unless the family declares itself nondeterministic.
+- the same inputs launched twice must give identical bits unless the family declares itself nondeterministic;
+- a kernel its launch rule lets start before the kernel ahead of it has finished (an overlapped launch,
+  core/overlap.py) is launched so after one that writes its operands late, and must give the same output
+  (sandbox/overlap_check.py).
 `verify_batch` checks several outputs at once the same way; the timing checks (sandbox/timed.py) use it on a random
 sample of rows of every output of every timed replay.
 
@@ -347,6 +350,13 @@ class Checker:
             if i == 1 and self.dtype == "bf16":
                 self.check_random(*bufs, scale=RANGE_SCALE)
             del bufs
+        target = edge_shapes(problem, self.seed)[0]
+        overlaps = getattr(self.launch, "overlaps", None)
+        if overlaps is not None and overlaps(*target):  # last, so that every other finding is named first
+            from sandbox.overlap_check import check_overlapped
+
+            bufs = self.buffers(*target)
+            check_overlapped(self, *bufs, expected=self.check_random(*bufs))
 
     @staticmethod
     def _shape(c: GuardedStack, a: GuardedStack) -> str:

@@ -4,7 +4,8 @@ Standalone on purpose (ctypes only, no project imports): `agent export` copies i
 takes its six fixed arguments (A, B, C pointers; M, N, K), the bias and residual pointers where its problem has them,
 then, by value, one 128-byte `CUtensorMap` for each tensor map its family's launch rule declares, then, where the rule
 asks for them, a scratch buffer and a zeroed array of counters (the kernel leaves them zeroed); `launch` passes them all
-through `cuLaunchKernel`.
+through `cuLaunchKernel`, or `cuLaunchKernelEx` with programmatic stream serialisation where it is to overlap the kernel
+ahead (core/overlap.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,23 @@ SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}  # bytes -> CU_TENSOR_MAP_SWIZZLE_*
 L2_PROMOTION_128B, L2_PROMOTION_256B = 2, 3
 TENSOR_MAP_BYTES = 128
 MAX_BOX = 256
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union (its first int here)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
 class DriverError(RuntimeError):
@@ -36,6 +54,7 @@ def _cuda() -> ctypes.CDLL:
             raise DriverError(f"the CUDA driver library could not be loaded: {e}") from None
         _lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
         _lib.cuLaunchKernel.restype = ctypes.c_int
+        _lib.cuLaunchKernelEx.restype = ctypes.c_int
         _lib.cuGetErrorString.restype = ctypes.c_int
         _lib.cuMemAlloc_v2.restype = ctypes.c_int
         _lib.cuMemsetD8Async.restype = ctypes.c_int
@@ -158,13 +177,15 @@ def workspace(kind: str, nbytes: int, stream: int) -> int:
 def launch(function: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int, stream: int,
            pointers: tuple[int, int, int], sizes: tuple[int, int, int],
            tensor_maps: Iterable[tuple] = (),
-           workspace_bytes: int = 0, counters: int = 0, bias: int | None = None, residual: int | None = None) -> None:
+           workspace_bytes: int = 0, counters: int = 0, bias: int | None = None, residual: int | None = None,
+           overlap: bool = False) -> None:
     """cuLaunchKernel(function, ...) with (A, B, C, M, N, K[, bias][, R], *maps[, scratch, counters]) on `stream` (a
     CUstream handle); `bias` is the bias vector's address where the problem has one, `residual` R's where its
     epilogue adds one; each of `tensor_maps` is
     (operand "A" | "B" | "C" | "R", dims, box, swizzle[, strides]), encoded (remembered) over that operand;
     workspace_bytes or counters > 0 append the context's scratch buffer of at least workspace_bytes and its zeroed
-    buffer of at least `counters` 32-bit counters."""
+    buffer of at least `counters` 32-bit counters. `overlap`: the kernel may start before the one ahead of it on
+    the stream has finished (it must wait for it itself: core/overlap.py)."""
     args: list[ctypes._SimpleCData | ctypes.Structure] = [ctypes.c_uint64(p) for p in pointers]
     args += [ctypes.c_int32(s) for s in sizes]
     args += [ctypes.c_uint64(p) for p in (bias, residual) if p is not None]
@@ -176,6 +197,13 @@ def launch(function: int, grid: tuple[int, int, int], block: tuple[int, int, int
         args.append(ctypes.c_uint64(workspace("scratch", max(workspace_bytes, 16), stream)))
         args.append(ctypes.c_uint64(workspace("counters", max(counters * 4, 16), stream)))
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+    if overlap:
+        attr = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        config = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem_bytes,
+                              ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
+        _check(_cuda().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(function), params, None),
+               "cuLaunchKernelEx")
+        return
     _check(_cuda().cuLaunchKernel(
         ctypes.c_void_p(function), *(ctypes.c_uint(g) for g in grid), *(ctypes.c_uint(b) for b in block),
         ctypes.c_uint(smem_bytes), ctypes.c_void_p(stream), params, None,

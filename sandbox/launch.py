@@ -48,21 +48,30 @@ class Kernel:
 
     @classmethod
     def for_family(cls, cubin: bytes, family: str, params: dict, problem: Problem,
-                   device: DeviceFacts = H200) -> Kernel:
+                   device: DeviceFacts = H200, overlap: bool = False) -> Kernel:
         """A kernel launched by its family's trusted rule, for whatever M, N, K it is called with (the problem's
-        layout, dtype and bias)."""
+        layout, dtype and bias); `overlap`: its source waits for the kernel ahead (core/overlap.waits), so it may be
+        launched overlapped where the rule allows it."""
         from templates import get_family
 
         fam = get_family(family)
 
         @functools.lru_cache(maxsize=32)  # a spec per size: timed graphs capture hundreds of launches of one size
         def rule(m: int, n: int, k: int) -> LaunchSpec:
-            return fam.launch(params, dataclasses.replace(problem, m=m, n=n, k=k, m_range=None), device)
+            spec = fam.launch(params, dataclasses.replace(problem, m=m, n=n, k=k, m_range=None), device)
+            return dataclasses.replace(spec, overlap=spec.overlap and overlap)
 
         return cls(cubin, rule)
 
+    def overlaps(self, m: int, n: int, k: int) -> bool:
+        """Whether the launch rule lets the kernel start before the kernel ahead of it has finished."""
+        return self.launch_rule(m, n, k).overlap
+
     def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, m: int, n: int, k: int,
-                 bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                 overlap: bool = False) -> None:
+        """One launch; `overlap` (where the rule allows it) lets it start before the kernel ahead has finished:
+        only the overlapped-launch check asks for it, timed launches never do."""
         spec = self.launch_rule(m, n, k)
         if spec.smem_bytes > self._smem_raised:
             self.function.max_dynamic_shared_size_bytes = spec.smem_bytes
@@ -71,7 +80,7 @@ class Kernel:
                       torch.cuda.current_stream().cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()),
                       (m, n, k), [(t.operand, t.dims, t.box, t.swizzle, t.strides) for t in spec.tensor_maps],
                       spec.workspace_bytes, spec.counters, None if bias is None else bias.data_ptr(),
-                      None if residual is None else residual.data_ptr())
+                      None if residual is None else residual.data_ptr(), overlap=overlap and spec.overlap)
 
 
 SCRUB_SOURCE = r"""

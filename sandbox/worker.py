@@ -83,7 +83,7 @@ class GpuContext:
         from templates import get_family
 
         family, p = get_family(job.family), job.problem
-        kernel = Kernel.for_family(job.cubin, job.family, job.params, p, self.facts)
+        kernel = Kernel.for_family(job.cubin, job.family, job.params, p, self.facts, overlap=job.overlap)
         expected_us = floor_us(p, self.facts)
         say(job.timeout_s + 2.0 + 400 * expected_us * 1e-6)
         seed = job.seed if job.seed is not None else secrets.randbits(48)  # inputs a kernel cannot predict

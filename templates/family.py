@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from core.device import H200, DeviceFacts
 from core.epilogue import EPILOGUES, Epilogue, cuda_code
+from core.overlap import OVERLAP_CUDA
 from core.records import LaunchSpec, Problem
 from core.source import source_problem
 from core.validation import validation_message
@@ -107,7 +108,8 @@ class Family(ABC):
         p = self.parse(params, problem)
         try:
             text = _compiled(template if template is not None else self.template_source())
-            source = text.render(**p.model_dump(), **self.derived(p), **self.problem_variables(problem))
+            source = text.render(**p.model_dump(), **self.derived(p), **self.problem_variables(problem),
+                                 overlap_code=OVERLAP_CUDA)
         except Exception as e:  # syntax, undefined names, sandbox refusals, errors in template expressions
             raise ValueError(f"the template does not render: {type(e).__name__}: {e}") from None
         if (why := source_problem(source)) is not None:

@@ -37,9 +37,9 @@ def launch_table(family: Family, params: dict[str, Any], problem: Problem, devic
     specs = [(m, at(m)) for m in range(lo, hi + 1)]
     first = specs[0][1]
     for m, spec in specs:
-        if (spec.block, spec.smem_bytes, spec.kernel_name, len(spec.tensor_maps)) != \
-                (first.block, first.smem_bytes, first.kernel_name, len(first.tensor_maps)):
-            raise GeometryError(f"the launch rule changes the block, shared memory or tensor maps at M={m}")
+        if (spec.block, spec.smem_bytes, spec.kernel_name, len(spec.tensor_maps), spec.overlap) != \
+                (first.block, first.smem_bytes, first.kernel_name, len(first.tensor_maps), first.overlap):
+            raise GeometryError(f"the launch rule changes the block, shared memory, tensor maps or overlap at M={m}")
     # M's dimensions: those equal to M at every M of the span (one M: at the next too, so that K or N = M is not M)
     m_dims = [set(range(len(t.dims))) for t in first.tensor_maps]
     for m, spec in specs + ([(lo + 1, at(lo + 1))] if lo == hi else []):
@@ -59,7 +59,8 @@ def launch_table(family: Family, params: dict[str, Any], problem: Problem, devic
     maps = [{**asdict(t), "m_dims": sorted(marked)} for t, marked in zip(at.tensor_maps, m_dims, strict=True)]
     return {"m_range": [lo, hi], "grid": list(at.grid), "block": list(at.block), "smem_bytes": at.smem_bytes,
             "tensor_maps": maps, "segments": segments,
-            "workspace_bytes": max(s.workspace_bytes for _, s in specs), "counters": max(s.counters for _, s in specs)}
+            "workspace_bytes": max(s.workspace_bytes for _, s in specs), "counters": max(s.counters for _, s in specs),
+            "overlap": first.overlap}
 
 
 def _same_maps(first: LaunchSpec, spec: LaunchSpec, m_dims: list[set[int]], m: int) -> None:

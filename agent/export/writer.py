@@ -21,6 +21,7 @@ from agent.export.geometry import GeometryError, launch_table, resolve
 from agent.store import RunStore, Winner
 from core.device import DeviceFacts
 from core.epilogue import GATED
+from core.overlap import OVERLAP_CUDA, waits
 from core.records import Problem
 from sandbox.build import BASE_OPTIONS, compile_cuda
 from templates import get_family
@@ -70,6 +71,7 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
         (out / f"{stem}.cubin").write_bytes(build.cubin)
         manifest["kernels"][p.key] = {
             "file": f"{stem}.cu", "cubin": f"{stem}.cubin", "arch": build.arch, "candidate": cand.id, **launch,
+            "overlap": launch["overlap"] and waits(build.source),
             "time_us": result.time_us, "cublas_us": result.ranked[1].median_us, "speedup": ratio,
         }
         manifest["notes"][p.key] = (f"vs cuBLAS {pick.note(p)}" if isinstance(pick, buckets.Served)
@@ -86,18 +88,18 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
 
 def _runtime_cubins(out: Path, arch: str, notes: dict | None, source: str, variants: dict[str, tuple[str, ...]],
                     kind: str, what: str) -> dict[str, dict]:
-    """runtime/`source`, after runtime/hgemm_dtype.cuh's text, compiled for `arch` once per variant (key -> its -D
-    options), written into `out` as hgemm_<source's stem>_<key>.cubin: the manifest entries (key -> cubin and arch).
-    One that NVRTC cannot build here is left out, and why goes into `notes` under "`kind` KEY" ("the `what` kernel
-    did not build: ...")."""
-    text = (RUNTIME / "hgemm_dtype.cuh").read_text() + (RUNTIME / source).read_text()
+    """runtime/`source`, after runtime/hgemm_dtype.cuh's text and core/overlap.py's device code, compiled for `arch`
+    once per variant (key -> its -D options), written into `out` as hgemm_<source's stem>_<key>.cubin: the manifest
+    entries (key -> cubin, arch, and overlap: the kernel waits for the kernel ahead). One that NVRTC cannot build
+    here is left out, and why goes into `notes` under "`kind` KEY" ("the `what` kernel did not build: ...")."""
+    text = (RUNTIME / "hgemm_dtype.cuh").read_text() + OVERLAP_CUDA + (RUNTIME / source).read_text()
     stem, entries = Path(source).stem, {}
     for key, defines in variants.items():
         build = compile_cuda(text, arch, options=(*BASE_OPTIONS, *defines))
         if build.ok:
             name = f"{stem}_{key.replace(':', '_')}.cubin"
             (out / name).write_bytes(build.cubin)
-            entries[key] = {"cubin": name, "arch": arch}
+            entries[key] = {"cubin": name, "arch": arch, "overlap": True}  # it waits for the kernel ahead
         elif notes is not None:
             notes[f"{kind} {key}"] = f"the {what} kernel did not build: {build.error}"
     return entries

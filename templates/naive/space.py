@@ -26,7 +26,7 @@ class Naive(Family):
     def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
         p = self.parse(params, problem)
         grid = (ceil_div(problem.out_n, p.block_x), ceil_div(problem.m, p.block_y), 1)
-        return LaunchSpec(grid, (p.block_x, p.block_y, 1), 0)
+        return LaunchSpec(grid, (p.block_x, p.block_y, 1), 0, overlap=device.overlaps)
 
     def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
         return [{"block_x": 16, "block_y": 16}, {"block_x": 32, "block_y": 8}]

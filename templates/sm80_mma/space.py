@@ -141,7 +141,7 @@ class Sm80Mma(Family):
         p = self.parse(params, problem)
         assert isinstance(p, Sm80MmaParams)
         return LaunchSpec(grid=(launch_plan(p, problem, device).ctas, 1, 1), block=(p.threads, 1, 1),
-                          smem_bytes=p.smem_bytes)
+                          smem_bytes=p.smem_bytes, overlap=device.overlaps)
 
     def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
         shapes: list[tuple[float, list[Sm80MmaParams]]] = []

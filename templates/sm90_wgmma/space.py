@@ -106,7 +106,7 @@ class Sm90Wgmma(Family):
                                (plan.ctas * p.block_m * p.block_n * 4, plan.ctas) if p.tail_split
                                else (0, 0))
         return LaunchSpec(grid=(plan.ctas, 1, 1), block=(p.threads, 1, 1), smem_bytes=p.smem_bytes, tensor_maps=maps,
-                          workspace_bytes=workspace, counters=counters)
+                          workspace_bytes=workspace, counters=counters, overlap=device.overlaps)
 
     def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
         settings = seeds(problem, device)

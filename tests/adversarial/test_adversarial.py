@@ -31,6 +31,7 @@ from agent.loop import SearchLoop
 from agent.proposers.base import Proposer, SearchState
 from agent.store import RunStore
 from core.epilogue import EPILOGUES, Epilogue
+from core.overlap import waits
 from core.plan import ceil_div
 from core.records import Candidate, EvalJob, Problem, Status
 from sandbox.build import ARCHES, compile_cuda
@@ -149,14 +150,14 @@ def test_fixtures_declare_a_verdict_the_sandbox_can_give():
     caught = [f for f in FIXTURES if not f.hole]
     assert len(caught) >= MIN_FIXTURES - 1
     assert {Status.WRONG, Status.TIMEOUT, Status.FAULT} <= {f.status for f in caught}
-    sandbox = {name: (ROOT / "sandbox" / name).read_text() for name in ("check.py", "timed.py", "worker.py",
-                                                                         "pool.py")}
+    checks = ("check.py", "overlap_check.py", "timed.py", "worker.py")
+    sandbox = {name: (ROOT / "sandbox" / name).read_text() for name in (*checks, "pool.py")}
     for f in FIXTURES:
         if f.status is Status.WRONG:
             assert f.reasons or f.hole, f"{f.name}: a WRONG verdict needs the reason it must give"
             for r in f.reasons:  # the literal head of each reason must be text the checks raise
                 head = literal_prefix(r)
-                assert len(head) >= 8 and any(head in sandbox[n] for n in ("check.py", "timed.py", "worker.py")), \
+                assert len(head) >= 8 and any(head in sandbox[n] for n in checks), \
                     (f.name, r)
         if f.status is Status.TIMEOUT:
             assert all(literal_prefix(r) in sandbox["pool.py"] for r in f.reasons), f.name
@@ -214,7 +215,8 @@ def evaluate(pool, fx: Fixture, layout: str, cache: Path):
     cand = fx.candidate(layout)
     build = compile_cuda(render(fx, layout), pool.info["arch"], candidate_id=cand.id, cache_dir=cache)
     assert build.ok, f"{fx.name}: {build.error}"
-    return pool.evaluate(EvalJob(cand.id, cand.problem, "naive", dict(PARAMS), build.cubin, timeout_s=3.0))
+    return pool.evaluate(EvalJob(cand.id, cand.problem, "naive", dict(PARAMS), build.cubin, timeout_s=3.0,
+                                 overlap=waits(build.source)))
 
 
 def verdict_error(fx: Fixture, result) -> str | None:
@@ -251,7 +253,8 @@ def test_plain_naive_family_passes(pool, gpu_cache, layout):
     cand = Candidate(problem, "naive", dict(PARAMS))
     build = compile_cuda(get_family("naive").render(PARAMS, problem), pool.info["arch"], cache_dir=gpu_cache)
     assert build.ok, build.error
-    result = pool.evaluate(EvalJob(cand.id, problem, "naive", dict(PARAMS), build.cubin, timeout_s=3.0))
+    result = pool.evaluate(EvalJob(cand.id, problem, "naive", dict(PARAMS), build.cubin, timeout_s=3.0,
+                                   overlap=waits(build.source)))
     assert result.status is Status.OK, f"{result.status.value}: {result.reason}"
     assert result.warm is not None and result.speedup is not None and result.speedup > 0
     assert result.max_rel_err <= 2.0 * result.cublas_rel_err + 1e-6
@@ -347,7 +350,7 @@ def evaluate_honestly(pool, gpu_cache, cand: Candidate):
     source = get_family("naive").render(cand.params, cand.problem, cand.template_override)
     build = compile_cuda(source, pool.info["arch"], candidate_id=cand.id, cache_dir=gpu_cache)
     return pool.evaluate(EvalJob(cand.id, cand.problem, "naive", dict(PARAMS), build.cubin, timeout_s=3.0,
-                                 honest=True))
+                                 honest=True, overlap=waits(build.source)))
 
 
 @pytest.mark.gpu

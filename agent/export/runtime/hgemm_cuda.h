@@ -5,6 +5,8 @@
 
 #include <dlfcn.h>
 
+#include <array>
+
 #include <c10/util/Exception.h>
 
 namespace hgemm_cuda {
@@ -24,6 +26,25 @@ constexpr int kCcMajor = 75, kCcMinor = 76;    // CU_DEVICE_ATTRIBUTE_COMPUTE_CA
 constexpr int kCaptureRelaxed = 2;             // CU_STREAM_CAPTURE_MODE_RELAXED
 constexpr unsigned kStreamNonBlocking = 1;     // CU_STREAM_NON_BLOCKING
 constexpr int kTmaFloat16 = 6;                 // CU_TENSOR_MAP_DATA_TYPE_FLOAT16: TMA copies bytes, bf16 too
+
+// cuLaunchKernelEx's configuration, with one attribute: programmatic stream serialisation (an overlapped launch:
+// the kernel may start before the one ahead of it on the stream has finished, and waits for it itself)
+constexpr int kProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+struct CUlaunchAttribute {
+  int id;
+  char pad[4];
+  union {
+    int flag;
+    char value[64];
+  };
+};
+struct CUlaunchConfig {
+  unsigned grid[3], block[3], smem;
+  CUstream stream;
+  CUlaunchAttribute* attrs;
+  unsigned num_attrs;
+};
+static_assert(sizeof(CUlaunchAttribute) == 72 && sizeof(CUlaunchConfig) == 56, "the driver's launch structs");
 
 struct Driver {
   CUresult (*GetErrorString)(CUresult, const char**);
@@ -45,6 +66,7 @@ struct Driver {
                                    const unsigned long long*, const unsigned*, const unsigned*, int, int, int, int);
   CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                            CUstream, void**, void**);
+  CUresult (*LaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**);  // null: a driver without it
 };
 
 template <typename F>
@@ -75,6 +97,7 @@ inline const Driver& driver() {
     bind(lib, x.ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode");
     bind(lib, x.TensorMapEncodeTiled, "cuTensorMapEncodeTiled");
     bind(lib, x.LaunchKernel, "cuLaunchKernel");
+    x.LaunchKernelEx = reinterpret_cast<decltype(x.LaunchKernelEx)>(dlsym(lib, "cuLaunchKernelEx"));
     return x;
   }();
   return d;
@@ -85,6 +108,22 @@ inline void check(CUresult rc, const char* what) {
   const char* text = nullptr;
   driver().GetErrorString(rc, &text);
   TORCH_CHECK(false, "hgemm: ", what, " failed: CUDA error ", rc, " (", text ? text : "?", ")");
+}
+
+// Launches fn on `stream`, overlapped with the kernel ahead where `overlap` (a driver with cuLaunchKernelEx).
+inline void launch_kernel(CUfunction fn, const std::array<unsigned, 3>& grid, const std::array<unsigned, 3>& block,
+                          unsigned smem, CUstream stream, void** params, bool overlap) {
+  if (!overlap) {
+    check(driver().LaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream, params,
+                                nullptr),
+          "cuLaunchKernel");
+    return;
+  }
+  CUlaunchAttribute attr{};
+  attr.id = kProgrammaticStreamSerialization;
+  attr.flag = 1;
+  const CUlaunchConfig config{{grid[0], grid[1], grid[2]}, {block[0], block[1], block[2]}, smem, stream, &attr, 1};
+  check(driver().LaunchKernelEx(&config, fn, params, nullptr), "cuLaunchKernelEx");
 }
 
 // First use on a device may fall inside a CUDA-graph capture: loading a module, allocating and zeroing are not

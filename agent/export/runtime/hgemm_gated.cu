@@ -5,7 +5,7 @@
 // loop over the rows x n / 8 blocks). Rounded as a model's two ops round: the activation in fp32 (PyTorch's CUDA
 // formula) rounded to the dtype, then the product of the two rounded values in fp32, rounded.
 // Compiled by NVRTC once per dtype and activation with -DHGEMM_BF16=0|1 -DHGEMM_GELU=0|1, hgemm_dtype.cuh's text in
-// front of it (Block, to_f32, rounded; agent/export/writer.py).
+// front of it (Block, to_f32, rounded) and core/overlap.py's device code (agent/export/writer.py).
 
 __device__ __forceinline__ float act(float x) {
 #if HGEMM_GELU
@@ -20,6 +20,8 @@ __device__ __forceinline__ float act(float x) {
 
 extern "C" __global__ void __launch_bounds__(256)
 hgemm(const Block* __restrict__ y, Block* __restrict__ out, long long blocks) {
+    overlap_wait();  // launched overlapped: the kernel ahead (y's writer) has finished (core/overlap.py)
+    overlap_release();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < blocks;
          i += (long long)gridDim.x * blockDim.x) {
         const Block g = y[2 * i], u = y[2 * i + 1];

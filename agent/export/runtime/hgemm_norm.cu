@@ -5,13 +5,15 @@
 // the row's scale r = rsqrt(sum * (1 / h) + eps) is applied as the model rounds: x * r in fp32 rounded to the dtype,
 // then w times that rounded value in fp32, rounded.
 // Compiled by NVRTC once per dtype with -DHGEMM_BF16=0|1, hgemm_dtype.cuh's text in front of it (Block, to_f32,
-// rounded; agent/export/writer.py).
+// rounded) and core/overlap.py's device code (agent/export/writer.py).
 
 #define THREADS 256
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 hgemm(const Block* __restrict__ x, const Block* __restrict__ w, Block* __restrict__ out, int h, float eps) {
     __shared__ float partial[THREADS / 32];
+    overlap_wait();  // launched overlapped: the kernel ahead (x's writer) has finished (core/overlap.py)
+    overlap_release();
     const int blocks = h / 8;
     const Block* row = x + (long long)blockIdx.x * blocks;
     float sum = 0.0f;

@@ -16,12 +16,15 @@
 // Tensor maps are encoded once per (kernel, operand, address, M). Clusters need nothing here: kernels that use them
 // declare __cluster_dims__ in their source, so a plain cuLaunchKernel forms them. The stream is PyTorch's current
 // stream for the device (current_stream below: no CUDA build of torch's headers needed), so launches land in
-// CUDA-graph captures.
+// CUDA-graph captures. A kernel registered with `overlap` (it waits for the kernel ahead itself: core/overlap.py)
+// is launched overlapped on sm_90 and newer (cuLaunchKernelEx, programmatic stream serialisation) unless
+// HGEMM_OPS_OVERLAP=0.
 #include "hgemm_op.h"
 
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 #include <unordered_map>
 
@@ -79,6 +82,16 @@ bool arch_fits(const std::string& arch, int major, int minor) {
   if (arch == "sm_90a") return major == 9 && minor == 0;  // arch-specific code (wgmma, setmaxnreg): sm_90 only
   if (arch.size() != 5 || arch.compare(0, 3, "sm_") != 0) return false;
   return major == arch[3] - '0' && minor >= arch[4] - '0';  // SASS runs on later minors of its major
+}
+
+// Whether kern is launched overlapped on this device: it waits for the kernel ahead itself, the GPU is sm_90 or
+// newer, the driver has cuLaunchKernelEx, and HGEMM_OPS_OVERLAP is not 0.
+bool overlaps(const DeviceState& st, const Kernel& kern) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("HGEMM_OPS_OVERLAP");
+    return !(v && std::string(v) == "0");
+  }();
+  return kern.overlap && enabled && st.major >= 9 && driver().LaunchKernelEx;
 }
 
 DeviceState& device_state(int index) {  // with the device's primary context current
@@ -180,6 +193,7 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
   void* ptrs[3] = {const_cast<void*>(a.const_data_ptr()), const_cast<void*>(b.const_data_ptr()), nullptr};
   void* residual_ptr = residual ? const_cast<void*>(residual->const_data_ptr()) : nullptr;
   CUfunction fn = nullptr;
+  bool overlap = false;
   CUdeviceptr scratch = 0, counters = 0;
   at::Tensor c;
   {
@@ -187,6 +201,7 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
     DeviceState& st = device_state(device);
     fn = function_for(st, kern);
     if (!fn) return std::nullopt;
+    overlap = overlaps(st, kern);
     if (kern.workspace_bytes || kern.counters) {
       scratch = grow(st.scratch, st.scratch_bytes, std::max<size_t>(kern.workspace_bytes, 16), false);
       counters = grow(st.counters, st.counter_bytes, std::max<size_t>(kern.counters * 4, 16), true);
@@ -208,24 +223,26 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
   if (residual) params[np++] = &residual_ptr;
   for (size_t i = 0; i < kern.maps.size(); ++i) params[np++] = &maps[i];
   if (scratch) params[np++] = &scratch, params[np++] = &counters;
-  check(driver().LaunchKernel(fn, at.grid[0], at.grid[1], at.grid[2], kern.block[0], kern.block[1],
-                              kern.block[2], kern.smem, current_stream(device), params.data(), nullptr),
-        "cuLaunchKernel");
+  launch_kernel(fn, at.grid, kern.block, kern.smem, current_stream(device), params.data(), overlap);
   return c;
 }
 
-// The helper kernel registered under `key` as this GPU runs it (x's device current), or nullptr where none is or its
-// cubin does not fit the GPU.
-CUfunction helper_function(const std::string& key, const at::Tensor& x) {
+// The helper kernel registered under `key` as this GPU runs it (x's device current; fn nullptr where none is or its
+// cubin does not fit the GPU), and whether it is launched overlapped.
+struct Helper {
+  CUfunction fn = nullptr;
+  bool overlap = false;
+};
+Helper helper_function(const std::string& key, const at::Tensor& x) {
   const auto kern = hgemm::find_helper(key);
-  if (!kern) return nullptr;
+  if (!kern) return {};
   std::lock_guard<std::mutex> lock(mutex);
-  return function_for(device_state(x.get_device()), *kern);
+  DeviceState& st = device_state(x.get_device());
+  return {function_for(st, *kern), overlaps(st, *kern)};
 }
 
-void launch_helper(CUfunction fn, unsigned grid, const at::Tensor& x, void** params) {
-  check(driver().LaunchKernel(fn, grid, 1, 1, 256, 1, 1, 0, current_stream(x.get_device()), params, nullptr),
-        "cuLaunchKernel");
+void launch_helper(const Helper& h, unsigned grid, const at::Tensor& x, void** params) {
+  launch_kernel(h.fn, {grid, 1, 1}, {256, 1, 1}, 0, current_stream(x.get_device()), params, h.overlap);
 }
 
 bool plain_cuda(const at::Tensor& t) {
@@ -240,9 +257,9 @@ const char* dtype_name(const at::Tensor& t) { return t.scalar_type() == at::kBFl
 std::optional<at::Tensor> gated_kernel(const at::Tensor& y, int64_t epilogue) {
   if (!hgemm::gated(static_cast<int>(epilogue)) || !plain_cuda(y) || y.size(-1) % 16 != 0) return std::nullopt;
   c10::DeviceGuard guard(y.device());
-  CUfunction fn = helper_function(std::string(epilogue == hgemm::kGeluMul ? "gelu_mul:" : "silu_mul:") +
-                                      dtype_name(y), y);
-  if (!fn) return std::nullopt;
+  const Helper fn = helper_function(std::string(epilogue == hgemm::kGeluMul ? "gelu_mul:" : "silu_mul:") +
+                                        dtype_name(y), y);
+  if (!fn.fn) return std::nullopt;
   std::vector<int64_t> shape(y.sizes().begin(), y.sizes().end());
   shape.back() /= 2;
   at::Tensor out = at::empty(shape, y.options());
@@ -371,8 +388,8 @@ std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, dou
       w.device() != x.device() || (x.scalar_type() != at::kHalf && x.scalar_type() != at::kBFloat16))
     return std::nullopt;  // more rows than one grid holds among them: PyTorch's ops, as on the Python path
   c10::DeviceGuard guard(x.device());
-  CUfunction fn = helper_function(std::string("rms_norm:") + dtype_name(x), x);
-  if (!fn) return std::nullopt;
+  const Helper fn = helper_function(std::string("rms_norm:") + dtype_name(x), x);
+  if (!fn.fn) return std::nullopt;
   at::Tensor out = at::empty_like(x);
   const int64_t rows = x.numel() / h;
   if (rows == 0) return out;

@@ -43,6 +43,7 @@ struct Kernel {
   unsigned smem = 0;
   std::vector<MapSpec> maps;
   size_t workspace_bytes = 0, counters = 0;  // enough for the largest M it serves
+  bool overlap = false;  // it waits for the kernel ahead itself: launched overlapped where the GPU can (sm_90+)
 };
 
 // The launch of a kernel at one M: the grid and each tensor map's dims (M filled in) and box.

@@ -111,7 +111,8 @@ def compiled():
                 ext.add_kernel(_prepared(key, entry))
             for key, entry in _helpers.entries.items():
                 if (HERE / entry["cubin"]).is_file():  # a copied export without it: PyTorch's ops serve
-                    ext.add_helper({"key": key, "arch": entry["arch"], "cubin": (HERE / entry["cubin"]).read_bytes()})
+                    ext.add_helper({"key": key, "arch": entry["arch"], "cubin": (HERE / entry["cubin"]).read_bytes(),
+                                    "overlap": entry.get("overlap", False)})
         except Exception as e:  # no compiler, no ninja, a failed build or load: the Python path still works
             text = str(e).strip().splitlines() or [type(e).__name__]
             reason = next((ln for ln in text if "error" in ln.lower()), text[-1])[:200]
@@ -149,7 +150,7 @@ def _prepared(key: str, entry: dict) -> dict:
             "epilogue": EPILOGUE_CODES[epi], "serves": intervals.serves(key, entry), "arch": entry["arch"],
             "cubin": (HERE / entry["cubin"]).read_bytes(), "segments": segments, "block": entry["block"],
             "smem_bytes": entry["smem_bytes"], "workspace_bytes": entry.get("workspace_bytes", 0),
-            "counters": entry.get("counters", 0), "tensor_maps": maps}
+            "counters": entry.get("counters", 0), "tensor_maps": maps, "overlap": entry.get("overlap", False)}
 
 
 # ---- the Python launch path (where the compiled op is unavailable) ------------------------------------------------
