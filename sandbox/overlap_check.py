@@ -19,7 +19,7 @@ import torch
 if TYPE_CHECKING:
     from sandbox.check import Checker, GuardedStack
 
-WRITE_DELAY_NS = 50_000  # longer than any kernel's first reads take to be issued
+WRITE_DELAY_NS = 2_000_000  # longer than the host takes to issue the next launch, and any kernel its first reads
 WRITER_BLOCKS_PER_SM = 2
 
 WRITER_SOURCE = r"""
