@@ -6,7 +6,7 @@ first k-tiles of its weights meanwhile, then waits in `overlap_wait` until the k
 its writes are visible, and only then reads A, the residual or the bias, or writes anything. The L2 prefetch cannot
 feed a stale value: it only asks the L2, which every SM's writes reach, to hold lines early, so it is safe even
 where B is what the kernel before just wrote. The sandbox launches every kernel whose launch rule says `overlap`
-that way right after a kernel that writes the operands late (sandbox/check.py `check_overlapped`), so a kernel that
+that way right after a kernel that writes the operands late (sandbox/overlap_check.py), so a kernel that
 reads or writes before its wait is rejected; timing launches are never overlapped.
 
 Compiled for an arch below sm_90 the three functions are empty (no overlapped launch exists there).
@@ -31,24 +31,21 @@ __device__ __forceinline__ void overlap_release() {
     asm volatile("griddepcontrol.launch_dependents;\\n" ::: "memory");
 #endif
 }
-// `bytes` (a multiple of 16) from the 16-byte aligned `p` into the L2; nothing else.
-__device__ __forceinline__ void overlap_l2(const void* p, unsigned bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\\n" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-// Thread t of `threads` asks the L2 for its rows of B's tile at column n0 (`cols` wide) over k in [k0, k1): kn, B is
-// K x N (a row k holds the tile's columns); nk, N x K (a row n holds the k range). Rows and bytes past B's edges are
-// left out. N and K are multiples of 8, so every row starts 16-byte aligned and spans a multiple of 16 bytes.
+// Thread t of `threads` asks the L2 for its share of B's tile at column n0 (`cols` wide) over k in [k0, k1), one
+// 128-byte line a prefetch (through the load unit: the TMA unit stays free for the kernel's own copies): kn, B is
+// K x N (rows k hold the tile's columns); nk, N x K (rows n hold the k range). Nothing past B's edges.
 __device__ __forceinline__ void overlap_prefetch_b(const unsigned short* B, bool kn, int N, int K, int n0, int cols,
                                                    int k0, int k1, int t, int threads) {
+#if __CUDA_ARCH__ >= 900
     const int n1 = min(n0 + cols, N), kk1 = min(k1, K);
     if (n1 <= n0 || kk1 <= k0) return;
-    if (kn) {
-        for (int k = k0 + t; k < kk1; k += threads) overlap_l2(B + (long long)k * N + n0, (unsigned)(n1 - n0) * 2);
-    } else {
-        for (int n = n0 + t; n < n1; n += threads) overlap_l2(B + (long long)n * K + k0, (unsigned)(kk1 - k0) * 2);
+    const int rows = kn ? kk1 - k0 : n1 - n0, lines = ((kn ? n1 - n0 : kk1 - k0) + 63) / 64;
+    for (int i = t; i < rows * lines; i += threads) {
+        const int r = i / lines, c = i % lines * 64;
+        const unsigned short* p = kn ? B + (long long)(k0 + r) * N + n0 + c : B + (long long)(n0 + r) * K + k0 + c;
+        asm volatile("prefetch.global.L2 [%0];\\n" ::"l"(p));
     }
+#endif
 }
 """.replace("= PREFETCH_BYTES;", f"= {PREFETCH_BYTES};")
 
