@@ -4,8 +4,7 @@
 The writer lets the candidate start at once (it calls griddepcontrol.launch_dependents first), waits WRITE_DELAY_NS,
 then copies the true A, B, bias and residual over operands that hold NaN meanwhile, and NaN over C. A candidate that
 reads an operand before its overlap_wait() reads NaN; one that writes C before it has its values overwritten. Either
-way its output differs from the same launch made plainly. Only the L2 prefetch of B may come before the wait, and
-it cannot change a value (the L2 is where the writer's stores land).
+way its output differs from the same launch made plainly.
 """
 
 from __future__ import annotations
