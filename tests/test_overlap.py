@@ -83,6 +83,8 @@ def test_export_marks_only_kernels_built_with_the_wait(tmp_path, monkeypatch):
     manifest = json.loads((tmp_path / "new" / "manifest.json").read_text())
     assert all(e["overlap"] for e in manifest["kernels"].values())
     assert all(e["overlap"] for part in ("gated", "norm") for e in manifest[part].values())
+    header = "it waits for the kernel ahead of it (griddepcontrol.wait)"
+    assert all(header in (tmp_path / "new" / e["file"]).read_text() for e in manifest["kernels"].values())
     # a kernel built before the wait existed (its source without it) is never launched overlapped
     real = RunStore.build
 
@@ -94,3 +96,4 @@ def test_export_marks_only_kernels_built_with_the_wait(tmp_path, monkeypatch):
     export_run(store, tmp_path / "old")
     manifest = json.loads((tmp_path / "old" / "manifest.json").read_text())
     assert manifest["kernels"] and not any(e["overlap"] for e in manifest["kernels"].values())
+    assert not any(header in (tmp_path / "old" / e["file"]).read_text() for e in manifest["kernels"].values())

@@ -65,13 +65,13 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
             continue
         cand, result, ratio = pick.candidate, pick.result, pick.speedup
         build = store.build(cand.id)
+        launch["overlap"] = launch["overlap"] and waits(build.source)  # a kernel built before the wait: plain
         stem = "hgemm_" + p.key.replace(":", "_")
         pieces = list(pick.pieces) if isinstance(pick, buckets.Served) else [p.m_span]
         (out / f"{stem}.cu").write_text(_header(store, p, cand, result, launch, ratio, pieces) + build.source)
         (out / f"{stem}.cubin").write_bytes(build.cubin)
         manifest["kernels"][p.key] = {
             "file": f"{stem}.cu", "cubin": f"{stem}.cubin", "arch": build.arch, "candidate": cand.id, **launch,
-            "overlap": launch["overlap"] and waits(build.source),
             "time_us": result.time_us, "cublas_us": result.ranked[1].median_us, "speedup": ratio,
         }
         manifest["notes"][p.key] = (f"vs cuBLAS {pick.note(p)}" if isinstance(pick, buckets.Served)
@@ -182,6 +182,8 @@ def _header(store, p, cand, result, launch, ratio, pieces) -> str:
         + (f"// then a scratch buffer of at least {launch['workspace_bytes']} bytes and a zeroed array of at least "
            f"{launch['counters']} unsigned ints, reused from call to call (the kernel leaves the counters zeroed; one "
            "launch at a time)\n" if launch["workspace_bytes"] or launch["counters"] else "")
+        + ("// it waits for the kernel ahead of it (griddepcontrol.wait) before touching memory: on sm_90 it may be "
+           "launched with programmatic stream serialization (cudaLaunchKernelEx)\n" if launch.get("overlap") else "")
         + f"// measured: {result.time_us:.2f} us vs cuBLAS {result.ranked[1].median_us:.2f} us "
         f"(median ratio {ratio:.3f}x), {result.device.get('name', '?')}\n"
         f"// compile: nvrtc / nvcc -arch={store.get_meta('arch', 'sm_90a')} (no headers needed)\n\n"
