@@ -27,7 +27,6 @@ from pathlib import Path
 from agent import buckets
 from agent.store import RunStore
 from core.device import H200, DeviceFacts
-from core.overlap import waits
 from core.records import BaselineJob, EvalJob, EvalResult, Problem, Status
 from core.roofline import floor_pct
 
@@ -101,8 +100,7 @@ def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], pro
         if pick is not None:
             store, cid, _ = pick
             cand, build = store.candidate(cid), store.build(cid)
-            r = evaluate(EvalJob(cid, p, cand.family, cand.params, build.cubin, honest=True,
-                                  overlap=waits(build.source)))
+            r = evaluate(EvalJob.built(cid, p, cand.family, cand.params, build, honest=True))
             if r.status is Status.OK and r.speedup and r.speedup > 1.0:
                 rows.append(row_from(p, f"{store.run_id}/{cid}", r, device=device))
                 progress(f"{p.key}: {r.speedup:.3f}x")
@@ -124,8 +122,7 @@ def _bench_bucketed(evaluate, p: Problem, store: RunStore, cid: str, b: Problem,
     note = f"M={p.m} in bucket {b.mnk}"
     if cid != "cublas":
         cand, build = store.candidate(cid), store.build(cid)
-        r = evaluate(EvalJob(cid, p, cand.family, cand.params, build.cubin, honest=True,
-                                  overlap=waits(build.source)))
+        r = evaluate(EvalJob.built(cid, p, cand.family, cand.params, build, honest=True))
         if r.status is Status.OK:
             progress(f"{p.key}: {r.speedup:.3f}x ({note})")
             return [row_from(p, f"{store.run_id}/{cid}", r, note, device)]

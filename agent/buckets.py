@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from core.overlap import waits
 from core.records import Candidate, EvalJob, EvalResult, Problem, Status
 
 SERVING_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
@@ -227,8 +226,8 @@ class EndChecks:
             missing = [p for p in probe_problems(self.bucket) if p.m not in done]
             if missing:
                 build = self.store.build(c.id)
-                return [EvalJob(c.id, p, c.family, c.params, build.cubin, timeout_s=self.timeout_s, honest=True,
-                                overlap=waits(build.source)) for p in missing]
+                return [EvalJob.built(c.id, p, c.family, c.params, build, timeout_s=self.timeout_s, honest=True)
+                        for p in missing]
             self.todo.pop(0)
             pieces = spans(self.bucket, done)
             if pieces == [self.bucket.m_span]:

@@ -46,7 +46,6 @@ from agent.profiles import PROFILE_TOP, LeaderProfiles
 from agent.proposers.base import Proposer, SearchState, arm_of
 from agent.store import RunStore, Winner
 from core.device import H200, DeviceFacts
-from core.overlap import waits
 from core.records import BuildResult, Candidate, EvalJob, EvalResult, Problem, Status
 from core.roofline import floor_us
 from sandbox.build_pool import BuildPool
@@ -297,9 +296,8 @@ class SearchLoop:
         s.round_left = len(items)
         for cid in items:
             c = s.leaders[cid]
-            build = self.store.build(cid)
-            job = EvalJob(cid, s.problem, c.family, c.params, build.cubin, timeout_s=self.config.kernel_timeout_s,
-                          honest=True, honest_only=True, overlap=waits(build.source))
+            job = EvalJob.built(cid, s.problem, c.family, c.params, self.store.build(cid),
+                                timeout_s=self.config.kernel_timeout_s, honest=True, honest_only=True)
             self._await(self.executor.submit(job), s, lambda r, cid=cid: self._remeasured(s, cid, r))
 
     def _remeasured(self, s: _Shape, cid: str, r: EvalResult) -> None:
@@ -384,8 +382,8 @@ class SearchLoop:
             return
         if build.spill_bytes:
             self.store.event("build", f"{cand.id}: {build.spill_bytes} bytes of register spills")
-        job = EvalJob(cand.id, cand.problem, cand.family, cand.params, build.cubin,
-                      timeout_s=self.config.kernel_timeout_s, overlap=waits(build.source))
+        job = EvalJob.built(cand.id, cand.problem, cand.family, cand.params, build,
+                            timeout_s=self.config.kernel_timeout_s)
         self._await(self.executor.submit(job), s, lambda r: then(build, self._record(r)))
 
     # recording: a candidate's first result reaches the store here (a re-measurement's: `_remeasured`)

@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from core.epilogue import Epilogue
+from core.overlap import waits
 from core.plan import ceil_div
 
 B_LAYOUTS = ("kn", "nk")  # kn: B is K x N row-major (torch.matmul); nk: N x K row-major (nn.Linear weight)
@@ -314,6 +315,12 @@ class EvalJob:
     honest: bool = False  # also time it honestly (sandbox/timed.py), the figure that then ranks it
     honest_only: bool = False  # a re-measurement: the honest timing alone (warm and cold are the first screen's)
     overlap: bool = False  # its source waits for the kernel ahead (core/overlap.waits): checked launched overlapped
+
+    @classmethod
+    def built(cls, cid: str, problem: Problem, family: str, params: dict[str, Any], build: BuildResult,
+              **options: Any) -> EvalJob:
+        """The job for a built candidate: its cubin, checked launched overlapped where its source waits."""
+        return cls(cid, problem, family, params, build.cubin, overlap=waits(build.source), **options)
 
 
 @dataclass(frozen=True)

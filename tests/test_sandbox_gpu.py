@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from core.overlap import waits
 from core.records import Candidate, EvalJob, Problem, Status
 from sandbox.build import compile_cuda
 from templates import get_family
@@ -28,7 +27,7 @@ def build_job(family: str, params: dict, problem: Problem, time_it: bool = True)
     cand = Candidate(problem, family, params)
     b = compile_cuda(fam.render(params, problem), "sm_90a", candidate_id=cand.id)
     assert b.ok, b.log
-    return EvalJob(cand.id, problem, family, params, b.cubin, time_it=time_it, overlap=waits(b.source))
+    return EvalJob.built(cand.id, problem, family, params, b, time_it=time_it)
 
 
 def random_problems(count: int, seed: int) -> list[Problem]:

@@ -37,8 +37,7 @@ def main() -> int:
                 build = store.build(cand.id)
                 if build is None or not build.ok:
                     continue
-                r = pool.evaluate(EvalJob(cand.id, problem, cand.family, cand.params, build.cubin,
-                                          time_it=args.time))
+                r = pool.evaluate(EvalJob.built(cand.id, problem, cand.family, cand.params, build, time_it=args.time))
                 now[r.status.value] += 1
                 if (r.status is Status.OK) != (before.status is Status.OK):
                     changed.append(f"{problem.key} {cand.id} {cand.family}: was {before.status.value}, now "

@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.shapes import ShapeError, parse_shape  # noqa: E402
 from core.device import H200, DeviceFacts  # noqa: E402
-from core.overlap import waits  # noqa: E402
 from core.records import BuildResult, Candidate, EvalJob, EvalResult, Problem, Status  # noqa: E402
 from sandbox.build import DEFAULT_CACHE  # noqa: E402
 from sandbox.build_pool import BuildPool  # noqa: E402
@@ -261,9 +260,8 @@ def sweep(args: argparse.Namespace, device: DeviceFacts, evaluate: Callable[[Eva
             if args.budget_s is not None and time.monotonic() - t0 >= args.budget_s:
                 row.result = EvalResult(row.candidate_id, Status.SKIPPED, f"past --budget-s {args.budget_s:g}")
             else:
-                row.result = evaluate(EvalJob(row.candidate_id, row.problem, family.name, row.params,
-                                              row.build.cubin, timeout_s=args.kernel_timeout,
-                                              overlap=waits(row.build.source)))
+                row.result = evaluate(EvalJob.built(row.candidate_id, row.problem, family.name, row.params,
+                                                    row.build, timeout_s=args.kernel_timeout))
         print(line(family, row), flush=True)
     print("\n".join(report(rows, family, args.update)))
     if args.json:  # every field of every setting; the sources and cubins stay in the cache

@@ -31,7 +31,6 @@ from agent.loop import SearchLoop
 from agent.proposers.base import Proposer, SearchState
 from agent.store import RunStore
 from core.epilogue import EPILOGUES, Epilogue
-from core.overlap import waits
 from core.plan import ceil_div
 from core.records import Candidate, EvalJob, Problem, Status
 from sandbox.build import ARCHES, compile_cuda
@@ -215,8 +214,7 @@ def evaluate(pool, fx: Fixture, layout: str, cache: Path):
     cand = fx.candidate(layout)
     build = compile_cuda(render(fx, layout), pool.info["arch"], candidate_id=cand.id, cache_dir=cache)
     assert build.ok, f"{fx.name}: {build.error}"
-    return pool.evaluate(EvalJob(cand.id, cand.problem, "naive", dict(PARAMS), build.cubin, timeout_s=3.0,
-                                 overlap=waits(build.source)))
+    return pool.evaluate(EvalJob.built(cand.id, cand.problem, "naive", dict(PARAMS), build, timeout_s=3.0))
 
 
 def verdict_error(fx: Fixture, result) -> str | None:
@@ -253,8 +251,7 @@ def test_plain_naive_family_passes(pool, gpu_cache, layout):
     cand = Candidate(problem, "naive", dict(PARAMS))
     build = compile_cuda(get_family("naive").render(PARAMS, problem), pool.info["arch"], cache_dir=gpu_cache)
     assert build.ok, build.error
-    result = pool.evaluate(EvalJob(cand.id, problem, "naive", dict(PARAMS), build.cubin, timeout_s=3.0,
-                                   overlap=waits(build.source)))
+    result = pool.evaluate(EvalJob.built(cand.id, problem, "naive", dict(PARAMS), build, timeout_s=3.0))
     assert result.status is Status.OK, f"{result.status.value}: {result.reason}"
     assert result.warm is not None and result.speedup is not None and result.speedup > 0
     assert result.max_rel_err <= 2.0 * result.cublas_rel_err + 1e-6
@@ -349,8 +346,8 @@ def test_reuse_fixture_renders_and_compiles(cache_dir):
 def evaluate_honestly(pool, gpu_cache, cand: Candidate):
     source = get_family("naive").render(cand.params, cand.problem, cand.template_override)
     build = compile_cuda(source, pool.info["arch"], candidate_id=cand.id, cache_dir=gpu_cache)
-    return pool.evaluate(EvalJob(cand.id, cand.problem, "naive", dict(PARAMS), build.cubin, timeout_s=3.0,
-                                 honest=True, overlap=waits(build.source)))
+    return pool.evaluate(EvalJob.built(cand.id, cand.problem, "naive", dict(PARAMS), build, timeout_s=3.0,
+                                       honest=True))
 
 
 @pytest.mark.gpu
