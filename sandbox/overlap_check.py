@@ -18,7 +18,9 @@ import torch
 if TYPE_CHECKING:
     from sandbox.check import Checker, GuardedStack
 
-WRITE_DELAY_NS = 2_000_000  # longer than the host takes to issue the next launch, and any kernel its first reads
+# longer than the host takes to issue the candidate's launch after the writer's, and than any kernel takes to
+# issue its first reads
+WRITE_DELAY_NS = 2_000_000
 WRITER_BLOCKS_PER_SM = 2
 
 WRITER_SOURCE = r"""
@@ -79,7 +81,7 @@ def check_overlapped(checker: Checker, a: GuardedStack, b: GuardedStack, c: Guar
     for t in inputs:
         t.tensor.view(torch.int16).fill_(POISON)
     c_poison = torch.full_like(c.tensor.view(torch.int16), POISON).view(c.tensor.dtype)
-    c.tensor.view(torch.int16).fill_(0)  # zeros the writer's NaN must replace: a plain value, not the poison
+    c.tensor.view(torch.int16).fill_(0)  # C starts as zeros; the writer's late NaN must end under the results
     checker.scrub()
     _writer([*zip(true, (t.tensor for t in inputs), strict=True), (c_poison, c.tensor)])
     checker.launch(a.tensor, b.tensor, c.tensor, c.rows, checker.gemm_n(b), a.cols,

@@ -32,10 +32,12 @@ std::shared_ptr<hgemm::Kernel> kernel_record(const py::dict& entry, const char* 
   return kern;
 }
 
-// add_kernel(entry: dict): key, n, k, nk, bf16, bias, epilogue (hgemm::Epilogue's number), serves (the [lo, hi] M intervals it serves), arch, cubin
-// (bytes), overlap (optional: it may be launched overlapped with the kernel ahead, core/overlap.py), segments (dicts: m, grid, boxes (one per tensor map)), block, smem_bytes, workspace_bytes, counters,
-// tensor_maps (dicts: operand 0-3 (A, B, C, R), dims, m_dims (the dims that are the call's M), strides (bytes, all
-// but the first), swizzle and l2 (the driver's enum values)). Replaces what served those intervals of the series before.
+// add_kernel(entry: dict): key, n, k, nk, bf16, bias, epilogue (hgemm::Epilogue's number), serves (the [lo, hi] M
+// intervals it serves), arch, cubin (bytes), overlap (optional: it waits for the kernel ahead, so it may be launched
+// overlapped; core/overlap.py), segments (dicts: m, grid, boxes (one per tensor map)), block, smem_bytes,
+// workspace_bytes, counters, tensor_maps (dicts: operand 0-3 (A, B, C, R), dims, m_dims (the dims that are the call's
+// M), strides (bytes, all but the first), swizzle and l2 (the driver's enum values)). Replaces what served those
+// intervals of the series before.
 PyObject* py_add_kernel(PyObject*, PyObject* arg) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(PyDict_Check(arg), "add_kernel takes a dict");
@@ -104,8 +106,8 @@ PyObject* py_add_kernel(PyObject*, PyObject* arg) {
   END_HANDLE_TH_ERRORS
 }
 
-// add_helper(entry: dict): key ("silu_mul:f16", "rms_norm:bf16": the manifest's), arch, cubin (bytes), overlap: one of the
-// export's helper kernels (hgemm_gated.cu, hgemm_norm.cu; 256 threads a block).
+// add_helper(entry: dict): key ("silu_mul:f16", "rms_norm:bf16": the manifest's), arch, cubin (bytes), overlap
+// (optional, as add_kernel's): one of the export's helper kernels (hgemm_gated.cu, hgemm_norm.cu; 256 threads a block).
 PyObject* py_add_helper(PyObject*, PyObject* arg) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(PyDict_Check(arg), "add_helper takes a dict");
