@@ -27,7 +27,9 @@ per dtype and epilogue) and the RMSNorm's (`hgemm_norm.cu`, its cubins per dtype
   use and cached under
   `build/`; `compiled()` builds it) where it builds, else through the Python launch path (about 20 µs more host
   time a call), with a one-line warning. `HGEMM_OPS_COMPILED=0` chooses the Python path; `HGEMM_OPS_BUILD_DIR`
-  moves the build. Under `torch.compile` the calls trace as the ops `torch.ops.hgemm.mm` / `.linear`.
+  moves the build. Under `torch.compile` the calls trace as the ops `torch.ops.hgemm.mm` / `.linear`. On sm_90 and
+  newer the compiled op launches a kernel whose manifest entry says `overlap` overlapped with the kernel ahead of it
+  (it waits for that one itself); `HGEMM_OPS_OVERLAP=0` launches every kernel plainly.
 - Kernels with a `workspace_bytes` share one scratch buffer and one counter array per GPU: do not run two of them at
   the same time on different streams. `python hgemm_ops.py` runs `selfcheck()` (hgemm_selfcheck.py).
 """
