@@ -97,7 +97,7 @@ def profiled(step, n: int, device: str) -> dict:
     cpu = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)
     return {"kernels_a_step": len(kernels) / n, "gpu_ms_a_step": sum(gpu_us.values()) / n / 1e3,
             "top_kernels": [(name, calls[name] / n, us / n) for name, us in gpu_us.most_common(14)],
-            "top_cpu": [(a.key[:70], a.count / n, a.self_cpu_time_total / n) for a in cpu[:12]],
+            "top_cpu": [(a.key[:70], a.count / n, a.self_cpu_time_total / n) for a in cpu[:20]],
             "timeline": step_timeline(kernels, n)}
 
 
