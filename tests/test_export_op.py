@@ -55,6 +55,18 @@ def test_cpu_tensors_get_torchs_results(ops, dtype):
         ops.mm(a, w)  # torch's own error for a K mismatch
 
 
+def test_the_overlap_switch_reads_and_sets_what_later_launches_do(ops):
+    was = ops.overlap()
+    assert was is (os.environ.get("HGEMM_OPS_OVERLAP") != "0")
+    try:
+        assert ops.overlap(False) is was and ops.overlap() is False
+        assert ops.overlap(True) is False and ops.overlap() is True
+    finally:
+        ops.overlap(was)
+    with pytest.raises(TypeError):
+        ops.compiled().overlap(True, False)
+
+
 def test_explain_names_the_kernel_or_the_reason(ops):
     a, b = torch.randn(16, 8).half(), torch.randn(8, 24).half()
     assert ops.explain(a, b) == "operands are not on one CUDA device (tuned: 16_24_8:kn:f16)"

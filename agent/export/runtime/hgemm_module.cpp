@@ -251,6 +251,17 @@ PyObject* py_explain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// overlap([enabled]) -> bool: whether kernels are launched overlapped; with `enabled`, set it and return what it was
+PyObject* py_overlap(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs <= 1, "overlap([enabled])");
+  if (nargs == 0) return PyBool_FromLong(hgemm::overlap_enabled());
+  const int enabled = PyObject_IsTrue(args[0]);
+  if (enabled < 0) throw py::error_already_set();
+  return PyBool_FromLong(hgemm::set_overlap(enabled == 1));
+  END_HANDLE_TH_ERRORS
+}
+
 template <typename F>
 PyCFunction fastcall(F f) {
   return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f));
@@ -269,6 +280,8 @@ PyMethodDef methods[] = {
      "fused_linear(x, w, bias, epilogue, residual): F.linear(x, w, bias), then the epilogue (its number)"},
     {"rms_norm", fastcall(py_rms_norm), METH_FASTCALL, "rms_norm(x, w, eps): Llama's RMSNorm, or None"},
     {"explain", fastcall(py_explain), METH_FASTCALL, "explain(a, b, bias, nk): the kernel a call runs, or why not"},
+    {"overlap", fastcall(py_overlap), METH_FASTCALL,
+     "overlap([enabled]): whether kernels are launched overlapped; with enabled, set it and return what it was"},
     {nullptr, nullptr, 0, nullptr}};
 
 #define HGEMM_STR2(x) #x

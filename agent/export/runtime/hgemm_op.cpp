@@ -17,13 +17,14 @@
 // declare __cluster_dims__ in their source, so a plain cuLaunchKernel forms them. The stream is PyTorch's current
 // stream for the device (current_stream below: no CUDA build of torch's headers needed), so launches land in
 // CUDA-graph captures. A kernel registered with `overlap` (it waits for the kernel ahead itself: core/overlap.py)
-// is launched overlapped on sm_90 and newer (cuLaunchKernelEx, programmatic stream serialisation) unless
-// HGEMM_OPS_OVERLAP=0.
+// is launched overlapped on sm_90 and newer (cuLaunchKernelEx, programmatic stream serialisation) unless the switch
+// is off (HGEMM_OPS_OVERLAP=0, or hgemm::set_overlap).
 #include "hgemm_op.h"
 
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <unordered_map>
@@ -84,14 +85,19 @@ bool arch_fits(const std::string& arch, int major, int minor) {
   return major == arch[3] - '0' && minor >= arch[4] - '0';  // SASS runs on later minors of its major
 }
 
-// Whether kern is launched overlapped on this device: it waits for the kernel ahead itself, the GPU is sm_90 or
-// newer, the driver has cuLaunchKernelEx, and HGEMM_OPS_OVERLAP is not 0.
-bool overlaps(const DeviceState& st, const Kernel& kern) {
-  static const bool enabled = [] {
+// The overlap switch (hgemm::set_overlap): on unless HGEMM_OPS_OVERLAP is 0.
+std::atomic<bool>& overlap_switch() {
+  static std::atomic<bool> on{[] {
     const char* v = std::getenv("HGEMM_OPS_OVERLAP");
     return !(v && std::string(v) == "0");
-  }();
-  return kern.overlap && enabled && st.major >= 9 && driver().LaunchKernelEx;
+  }()};
+  return on;
+}
+
+// Whether kern is launched overlapped on this device: it waits for the kernel ahead itself, the GPU is sm_90 or
+// newer, the driver has cuLaunchKernelEx, and the switch is on.
+bool overlaps(const DeviceState& st, const Kernel& kern) {
+  return kern.overlap && overlap_switch().load(std::memory_order_relaxed) && st.major >= 9 && driver().LaunchKernelEx;
 }
 
 DeviceState& device_state(int index) {  // with the device's primary context current
@@ -380,6 +386,9 @@ at::Tensor run(const at::Tensor& a, const at::Tensor& b, const std::optional<at:
   }
   return fallback(a, b, bias, nk, epilogue, residual);
 }
+
+bool overlap_enabled() { return overlap_switch().load(); }
+bool set_overlap(bool enabled) { return overlap_switch().exchange(enabled); }
 
 std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t h = x.dim() >= 1 ? x.size(-1) : 0;

@@ -113,6 +113,12 @@ at::Tensor fallback(const at::Tensor& a, const at::Tensor& b, const std::optiona
 at::Tensor call(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
                 int64_t epilogue = kNone, const std::optional<at::Tensor>& residual = std::nullopt);
 
+// Whether kernels registered with `overlap` are launched overlapped on sm_90 and newer: on unless HGEMM_OPS_OVERLAP=0
+// at the first launch; set_overlap changes it for the launches that follow (a CUDA graph keeps those it captured) and
+// returns what it was.
+bool overlap_enabled();
+bool set_overlap(bool enabled);
+
 // "kernel KEY (M=m in lo-hi)", or why such a call goes to PyTorch.
 std::string explain(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
                     int64_t epilogue = kNone, const std::optional<at::Tensor>& residual = std::nullopt);

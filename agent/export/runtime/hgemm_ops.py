@@ -29,7 +29,7 @@ per dtype and epilogue) and the RMSNorm's (`hgemm_norm.cu`, its cubins per dtype
   time a call), with a one-line warning. `HGEMM_OPS_COMPILED=0` chooses the Python path; `HGEMM_OPS_BUILD_DIR`
   moves the build. Under `torch.compile` the calls trace as the ops `torch.ops.hgemm.mm` / `.linear`. On sm_90 and
   newer the compiled op launches a kernel whose manifest entry says `overlap` overlapped with the kernel ahead of it
-  (it waits for that one itself); `HGEMM_OPS_OVERLAP=0` launches every kernel plainly.
+  (it waits for that one itself); `HGEMM_OPS_OVERLAP=0` launches every kernel plainly, `overlap(False)` from then on.
 - Kernels with a `workspace_bytes` share one scratch buffer and one counter array per GPU: do not run two of them at
   the same time on different streams. `python hgemm_ops.py` runs `selfcheck()` (hgemm_selfcheck.py).
 """
@@ -300,6 +300,16 @@ def _resolve():
 def path() -> str:
     """Which launch path calls take: 'compiled' or 'python' (resolving it if no call has yet)."""
     return "python" if (_resolve() if _eager is _Unresolved else _eager) is PythonPath else "compiled"
+
+
+def overlap(enabled: bool | None = None) -> bool:
+    """Whether the compiled op launches its kernels overlapped with the kernel ahead (sm_90 and newer, kernels that
+    wait for it); with `enabled`, sets it for the launches that follow (a captured CUDA graph keeps its own) and
+    returns what it was. Always False on the Python launch path, which launches plainly."""
+    ext = compiled()
+    if ext is None:
+        return False
+    return ext.overlap() if enabled is None else ext.overlap(bool(enabled))
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
