@@ -157,6 +157,30 @@ def test_timing_alternates_the_order_and_drops_a_first_round(monkeypatch):
     assert set(e2e.timed({"a": lambda: None}, rounds=4, inner=2)) == {"a"}
 
 
+def test_the_overlap_modes_plain_step_launches_plainly_and_restores_the_switch():
+    e2e = load_tool("e2e_llama")
+
+    class Ops:  # hgemm_ops.overlap's contract: no argument reads, an argument sets and returns what it was
+        on = True
+
+        def overlap(self, enabled=None):
+            was = self.on
+            if enabled is not None:
+                self.on = enabled
+            return was
+
+    ops, seen = Ops(), []
+    step = e2e.plain_launches(ops, lambda: seen.append(ops.overlap()) or "logits")
+    assert step() == "logits" and seen == [False] and ops.on is True
+
+    def fails():
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError):
+        e2e.plain_launches(ops, fails)()
+    assert ops.on is True and "overlap" in e2e.MODES
+
+
 def test_after_compiling_the_compile_workers_are_shut_down_and_what_was_alive_is_said(monkeypatch):
     e2e = load_tool("e2e_llama")
     from torch._inductor import async_compile

@@ -2,7 +2,7 @@
 (tools/e2e_models.py), a few layers, random weights, fp16 or bf16, on the GPU.
 
     python tools/e2e_llama.py [--model llama3-8b|qwen2-7b] [--dtype f16|bf16] [--run RUN | --export DIR]
-        [--budget-minutes 6] [--max-candidates 8] [--modes eager,graphs,compile,max-autotune]
+        [--budget-minutes 6] [--max-candidates 8] [--modes eager,graphs,compile,max-autotune,overlap]
 
 1. Records the problems the patched model will run (agent.record_gemm_shapes with the model: q/k/v merged, gate/up
    as one gated GEMM, o_proj and down_proj with the residual add) for the prefills (1 x 2048 tokens; or several
@@ -15,8 +15,10 @@
    phase times the forward pass of the stock and the patched model in this process, interleaved round by round:
    eager; replays of a CUDA graph of each (graphs); torch.compile default of each (compile); the stock model under
    torch.compile(mode="max-autotune-no-cudagraphs") against the patched model under torch.compile default
-   (max-autotune). Compares their logits with each other and each with the same model's in fp32 (the stock
-   model's own rounding is the bound for the patched one's; --no-fp32 skips it); reports the compilations' seconds.
+   (max-autotune); and the patched model in CUDA graphs with its kernels launched plainly (the stock column) against
+   overlapped (overlap: `hgemm_ops.overlap`, one process, interleaved). Compares their logits with each other and
+   each with the same model's in fp32 (the stock model's own rounding is the bound for the patched one's; --no-fp32
+   skips it); reports the compilations' seconds.
    After compiling, inductor's compile workers are shut down before the timing (`settle`), so that nothing of a
    compilation runs beside the timed steps. The compiled decode steps are host-bound and their wall times vary by
    30-40% between runs; tools/compile_diag.py --only times each model in a process of its own.
@@ -55,7 +57,7 @@ from e2e_models import CONFIGS, Phase, build_model, counts, make_step, settle  #
 from agent.recorder import GemmRecorder, record_gemm_shapes  # noqa: E402
 from sandbox.serve_bench import load_ops  # noqa: E402
 
-MODES = ("eager", "graphs", "compile", "max-autotune")
+MODES = ("eager", "graphs", "compile", "max-autotune", "overlap")
 
 
 @dataclass
@@ -181,6 +183,18 @@ def graphed(step):
     return graph.replay, out
 
 
+def plain_launches(ops, step):
+    """`step` with the export's kernels launched plainly (not overlapped) during each call: what a CUDA graph captures
+    of it keeps them so."""
+    def call():
+        was = ops.overlap(False)
+        try:
+            return step()
+        finally:
+            ops.overlap(was)
+    return call
+
+
 def warmed(step) -> tuple[float, torch.Tensor]:
     """Seconds of the first call (the compilation, where compiled) and the second call's logits."""
     t0 = time.perf_counter()
@@ -208,7 +222,7 @@ def compare(phase: Phase, mode: str, ref, ours, args, ref32: torch.Tensor | None
     """ref and ours: zero-argument calls returning logits; ref32: the fp32 model's logits for this phase."""
     compile_s = None
     try:
-        if mode == "graphs":
+        if mode in ("graphs", "overlap"):
             (ref, ref_out), (ours, ours_out) = graphed(ref), graphed(ours)
             ref(), ours()
         else:
@@ -342,13 +356,17 @@ def main(argv=None) -> int:
         for mode in args.modes.split(","):
             for phase in phases:
                 torch._dynamo.reset()
-                models = eager
+                models = fillers = eager  # fillers: the eager models that fill a decode's cache
                 if mode == "compile":
                     models = {n: torch.compile(m) for n, m in eager.items()}
                 elif mode == "max-autotune":
                     models = {"ref": torch.compile(model, mode="max-autotune-no-cudagraphs"),
                               "ours": torch.compile(ours)}
-                ref, our = (make_step(models[n], eager[n], config, phase, args.device) for n in ("ref", "ours"))
+                elif mode == "overlap":  # the patched model twice: plainly (the stock column) and overlapped
+                    models = fillers = {"ref": ours, "ours": ours}
+                ref, our = (make_step(models[n], fillers[n], config, phase, args.device) for n in ("ref", "ours"))
+                if mode == "overlap":
+                    ref = plain_launches(ops, ref)
                 rows.append(compare(phase, mode, ref, our, args, ref32.get(phase.name)))
                 r = rows[-1]
                 print(f"{r.phase:>10} {r.mode:>12}: " + (r.note or f"stock {r.ref_ms:.3f} ms, ours {r.ours_ms:.3f} "
