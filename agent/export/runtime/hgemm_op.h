@@ -114,8 +114,8 @@ at::Tensor call(const at::Tensor& a, const at::Tensor& b, const std::optional<at
                 int64_t epilogue = kNone, const std::optional<at::Tensor>& residual = std::nullopt);
 
 // Whether kernels registered with `overlap` are launched overlapped on sm_90 and newer: on unless HGEMM_OPS_OVERLAP=0
-// at the first launch; set_overlap changes it for the launches that follow (a CUDA graph keeps those it captured) and
-// returns what it was.
+// when first asked (a launch, or either call here); set_overlap changes it for the launches that follow (a CUDA graph
+// keeps those it captured) and returns what it was.
 bool overlap_enabled();
 bool set_overlap(bool enabled);
 
