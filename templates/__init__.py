@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from templates.family import Family
+from templates.gemv.space import Gemv
 from templates.naive.space import Naive
 from templates.sm80_mma.space import Sm80Mma
 from templates.sm90_wgmma.space import Sm90Wgmma
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (Sm90Wgmma(), Sm80Mma(), Naive())}
+FAMILIES: dict[str, Family] = {f.name: f for f in (Sm90Wgmma(), Sm80Mma(), Naive(), Gemv())}
 
 
 def get_family(name: str) -> Family:

@@ -64,6 +64,7 @@ class Family(ABC):
     template_file: ClassVar[str] = "kernel.cu.j2"
     description: ClassVar[str] = ""
     searched: ClassVar[bool] = True  # False: the built-in search skips it (reference and base families)
+    prompted: ClassVar[bool] = True  # False: not shown to the LLM proposer either (not yet checked on a GPU)
     deterministic: ClassVar[bool] = True  # False only for families that reduce with atomics in any order
     # The share of a device's dense tensor rate the family's kernels reach on large problems, by the arch they run
     # as (the bandit's roofline prior, agent.proposers.builtin.roofline_priors); without one: no such prior.

@@ -32,8 +32,9 @@ USABLE = (Status.OK, Status.SKIPPED)  # compiled (and, unless compile-only, corr
 
 
 def families_for_prompt(arch: str) -> list[Family]:
-    """Every family that compiles for the arch, including unsearched base families an edit may start from."""
-    return [f for f in FAMILIES.values() if arch in f.arches]
+    """Every family that compiles for the arch and is shown to the LLM, including unsearched base families an edit
+    may start from."""
+    return [f for f in FAMILIES.values() if arch in f.arches and f.prompted]
 
 
 def build_context(state: SearchState, n: int, *, edits: bool = True,

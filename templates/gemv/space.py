@@ -1,0 +1,72 @@
+"""The gemv family: memory-bound problems with few rows of A and B given N x K (decode's projections, lm_head). Each
+warp streams whole weight rows along K; many small blocks, no tensor cores, no partial sums in memory.
+
+Not searched and not shown to the LLM yet: its kernels compile for both arches (CPU tests) and wait for their first
+checks and timings on a GPU (`pytest -m gpu tests/test_gemv_family.py`; `tools/sweep.py --family gemv` times them
+next to cuBLAS).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from core.device import H200, DeviceFacts
+from core.plan import ceil_div
+from core.records import LaunchSpec, Problem
+from templates.family import Family, Params
+
+MAX_M_TILE = 8  # rows of A a block takes; more rows of A take more blocks along y, each streaming B again
+
+
+class GemvParams(Params):
+    warps: Literal[2, 4, 8] = Field(4, description="warps per block, each its own columns of C")
+    rows: Literal[1, 2, 4] = Field(2, description="columns of C per warp (gated: each its gate and up weight rows)")
+    unroll: Literal[1, 2, 4] = Field(2, description="16-byte chunks of each weight row a lane has in flight")
+    m_tile: Literal[1, 2, 4, 8] = Field(1, description="rows of A per block (blocks along y cover the rest)")
+
+    @property
+    def weight_registers(self) -> int:
+        """32-bit registers a thread holds weight chunks in (gated: twice), the family's register driver."""
+        return 4 * self.unroll * self.rows
+
+
+class Gemv(Family):
+    name = "gemv"
+    arches = ("sm_90a", "sm_80")
+    params_model = GemvParams
+    searched: ClassVar[bool] = False  # until its kernels have been checked and timed on a GPU
+    prompted: ClassVar[bool] = False
+    description = ("a warp per few columns of C streaming their weight rows along K (B given N x K), fp32 sums "
+                   "reduced by shuffles: for M up to a few rows, where the weight's bytes are the time")
+
+    def check_for_problem(self, params: Params, problem: Problem) -> None:
+        if problem.b_layout != "nk":
+            raise ValueError("gemv streams weight rows: B must be given N x K (nk)")
+        assert isinstance(params, GemvParams)
+        kinds = 2 if problem.fused.gated else 1
+        if params.weight_registers * kinds + params.rows * kinds * params.m_tile > 128:
+            raise ValueError(f"rows={params.rows} x unroll={params.unroll} weight chunks and rows x m_tile="
+                             f"{params.m_tile} sums would not fit the registers (128 a thread for them)")
+
+    def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
+        p = self.parse(params, problem)
+        assert isinstance(p, GemvParams)
+        grid = (ceil_div(problem.out_n, p.warps * p.rows), ceil_div(problem.m, p.m_tile), 1)
+        return LaunchSpec(grid, (32 * p.warps, 1, 1), 0, overlap=device.overlaps)
+
+    def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
+        """Settings for M's rows in one block (up to MAX_M_TILE), most weight bytes in flight first; none for kn."""
+        if problem.b_layout != "nk":
+            return []
+        m_tile = min(MAX_M_TILE, 1 << (problem.m - 1).bit_length())
+        out = []
+        for warps, rows, unroll in ((4, 2, 2), (4, 1, 4), (8, 2, 2), (4, 4, 1), (8, 1, 2), (2, 2, 4), (4, 2, 1)):
+            setting = {"warps": warps, "rows": rows, "unroll": unroll, "m_tile": m_tile}
+            try:
+                self.parse(setting, problem)
+            except ValueError:
+                continue
+            out.append(setting)
+        return out

@@ -1,0 +1,66 @@
+"""The gemv family (templates/gemv): its settings and launch rule, every epilogue rendered and compiled for both
+arches without spills on the CPU; on the GPU, the sandbox's full checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.proposers.context import families_for_prompt
+from core.device import H200
+from core.epilogue import EPILOGUES
+from core.records import Problem
+from sandbox.build import compile_cuda
+from templates import families_for_arch, get_family
+from tests.gpu_reference import PAIRS, check_kernel
+
+FAM = get_family("gemv")
+
+
+def test_it_takes_only_nk_and_is_neither_searched_nor_shown_to_the_llm_yet():
+    for arch in ("sm_90a", "sm_80"):
+        assert FAM not in families_for_arch(arch) and FAM not in families_for_prompt(arch)
+    assert get_family("naive") in families_for_prompt("sm_80")
+    assert FAM.space(Problem(1, 4096, 4096, "kn", "f16", False)) == []
+    with pytest.raises(ValueError, match="N x K"):
+        FAM.parse({}, Problem(1, 4096, 4096, "kn", "f16", False))
+
+
+@pytest.mark.parametrize("m,m_tile", [(1, 1), (3, 4), (8, 8), (64, 8)])
+def test_a_block_takes_m_rounded_up_to_a_power_of_two_up_to_eight_rows(m, m_tile):
+    p = Problem(m, 4608, 3584, "nk", "bf16", True)
+    space = FAM.space(p)
+    assert space and all(s["m_tile"] == m_tile for s in space)
+    for s in space:
+        spec = FAM.launch(s, p, H200)
+        assert spec.grid[0] * s["warps"] * s["rows"] >= p.n and spec.grid[1] * m_tile >= m
+        assert spec.block == (32 * s["warps"], 1, 1) and spec.smem_bytes == 0 and spec.overlap
+
+
+def test_a_gated_problem_launches_over_its_output_columns_and_caps_the_registers():
+    p = Problem(1, 28672, 4096, "nk", "f16", False, "silu_mul")
+    s = FAM.space(p)[0]
+    assert FAM.launch(s, p).grid[0] * s["warps"] * s["rows"] == p.out_n == 14336
+    with pytest.raises(ValueError, match="registers"):
+        FAM.parse({"rows": 4, "unroll": 4, "m_tile": 8}, p)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("dtype,bias", PAIRS, ids=lambda x: str(x))
+def test_every_epilogue_compiles_without_spills(arch, epilogue, dtype, bias, tmp_path):
+    p = Problem(5, 256, 520, "nk", dtype, bias, epilogue)
+    for params in FAM.space(p)[:3]:
+        source = FAM.render(params, p)
+        assert "griddepcontrol.wait" in source
+        build = compile_cuda(source, arch, cache_dir=tmp_path)
+        assert build.ok and build.spill_bytes == 0, build.log
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue", ["none", "silu_mul", "residual", "gelu_tanh"])
+@pytest.mark.parametrize("dtype,bias", PAIRS, ids=lambda x: str(x))
+@pytest.mark.parametrize("m,n,k", [(1, 264, 1032), (5, 512, 4096), (11, 136, 328)])
+def test_the_sandbox_accepts_its_kernels(epilogue, dtype, bias, m, n, k):
+    p = Problem(m, n, k, "nk", dtype, bias, epilogue)
+    for params in FAM.space(p)[:3]:
+        check_kernel("gemv", params, p)
