@@ -85,7 +85,7 @@ class Epilogue:
         return None
 
 
-# fp32 device code every family renders (after its own helpers): act(x) and, for gated epilogues, gate(g, u).
+# fp32 device code every family renders: act(x) and, for gated epilogues, gate(g, u).
 _ACT_CUDA = {
     "none": "return x;",
     "relu": "return x > 0.f ? x : 0.f;",
@@ -98,11 +98,25 @@ _ACT_CUDA = {
 }
 
 
-def cuda_code(epilogue: Epilogue) -> str:
-    """The device functions a template calls on each fp32 sum (bias and residual already added): act(x), and
-    gate(g, u) = act(g) * u (called where gated)."""
-    return ("// The fused epilogue's activation on fp32 values, and a gated epilogue's gate value times its up value\n"
-            "// (core/epilogue.py defines them for every family).\n"
+# One element of a dtype (an operand, a bias or a residual value) -> fp32, exactly.
+_TO_F32_CUDA = {
+    "bf16": "return __uint_as_float((unsigned int)h << 16);  // a bf16 is the upper half of the fp32 of the same value",
+    "f16": 'float f;\n    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));\n    return f;',
+}
+
+
+def element_code(dtype: str) -> str:
+    """to_f32(h): one element of the dtype ("f16" or "bf16") to fp32, exactly (every family's and the export's
+    helper kernels')."""
+    return "__device__ __forceinline__ float to_f32(unsigned short h) {\n    " + _TO_F32_CUDA[dtype] + "\n}\n"
+
+
+def cuda_code(epilogue: Epilogue, dtype: str) -> str:
+    """The device functions a template calls: to_f32(h) (element_code); then on each fp32 sum (bias and residual
+    already added) act(x), and gate(g, u) = act(g) * u (called where gated)."""
+    return ("// One element of the dtype to fp32, exactly; the fused epilogue's activation on fp32 values, and a\n"
+            "// gated epilogue's gate value times its up value (core/epilogue.py defines them for every family).\n"
+            + element_code(dtype) +
             "__device__ __forceinline__ float act(float x) {\n    " + _ACT_CUDA[epilogue.activation] + "\n}\n"
             "__device__ __forceinline__ float gate(float g, float u) { return act(g) * u; }\n")
 

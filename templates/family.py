@@ -125,7 +125,7 @@ class Family(ABC):
         epi = Epilogue(problem.epilogue)
         return {"b_layout": problem.b_layout, "dtype": problem.dtype, "bias": problem.bias,
                 "activation": epi.activation, "gated": epi.gated, "residual": epi.residual,
-                "epilogue_code": cuda_code(epi), "epilogue_formula": epi.formula(problem.bias)}
+                "epilogue_code": cuda_code(epi, problem.dtype), "epilogue_formula": epi.formula(problem.bias)}
 
     def derived(self, params: Params) -> dict[str, Any]:
         """Extra template variables computed from the parameters (threads, warp counts, ...)."""

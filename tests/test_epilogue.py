@@ -83,7 +83,9 @@ def test_the_epilogue_names_the_problem_and_its_output():
         Problem(16, 24, 64, epilogue="gelu_mul")
     with pytest.raises(ValueError, match="unknown epilogue"):
         Problem(16, 64, 64, epilogue="swish")
-    assert "gate(float g, float u)" in cuda_code(Epilogue("silu_mul"))
+    assert "gate(float g, float u)" in cuda_code(Epilogue("silu_mul"), "f16")
+    # one to_f32 a dtype, for every family and the export's helper kernels
+    assert "cvt.f32.f16" in cuda_code(Epilogue("none"), "f16") and "cvt" not in cuda_code(Epilogue("none"), "bf16")
     assert Epilogue("gelu_tanh").formula(True) == "gelu_tanh(A[M,K] * B + bias[N])"
 
 

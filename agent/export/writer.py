@@ -20,7 +20,7 @@ from agent import buckets
 from agent.export.geometry import GeometryError, launch_table, resolve
 from agent.store import RunStore, Winner
 from core.device import DeviceFacts
-from core.epilogue import GATED
+from core.epilogue import GATED, element_code
 from core.overlap import OVERLAP_CUDA, waits
 from core.records import Problem
 from sandbox.build import BASE_OPTIONS, compile_cuda
@@ -88,14 +88,17 @@ def export_run(store: RunStore, out: Path) -> list[ExportLine]:
 
 def _runtime_cubins(out: Path, arch: str, notes: dict | None, source: str, variants: dict[str, tuple[str, ...]],
                     kind: str, what: str) -> dict[str, dict]:
-    """runtime/`source`, after runtime/hgemm_dtype.cuh's text and core/overlap.py's device code, compiled for `arch`
-    once per variant (key -> its -D options), written into `out` as hgemm_<source's stem>_<key>.cubin: the manifest
-    entries (key -> cubin, arch, and overlap: the kernel waits for the kernel ahead). One that NVRTC cannot build
-    here is left out, and why goes into `notes` under "`kind` KEY" ("the `what` kernel did not build: ...")."""
+    """runtime/`source`, after core/epilogue.py's to_f32 for the variant's dtype (its key's last field),
+    runtime/hgemm_dtype.cuh's text and core/overlap.py's device code, compiled for `arch` once per variant (key -> its
+    -D options besides HGEMM_BF16, which the dtype sets), written into `out` as hgemm_<source's stem>_<key>.cubin: the
+    manifest entries (key -> cubin, arch, and overlap: the kernel waits for the kernel ahead). One that NVRTC cannot
+    build here is left out, and why goes into `notes` under "`kind` KEY" ("the `what` kernel did not build: ...")."""
     text = (RUNTIME / "hgemm_dtype.cuh").read_text() + OVERLAP_CUDA + (RUNTIME / source).read_text()
     stem, entries = Path(source).stem, {}
     for key, defines in variants.items():
-        build = compile_cuda(text, arch, options=(*BASE_OPTIONS, *defines))
+        dtype = key.rsplit(":", 1)[1]
+        build = compile_cuda(element_code(dtype) + text, arch,
+                             options=(*BASE_OPTIONS, f"-DHGEMM_BF16={int(dtype == 'bf16')}", *defines))
         if build.ok:
             name = f"{stem}_{key.replace(':', '_')}.cubin"
             (out / name).write_bytes(build.cubin)
@@ -110,7 +113,7 @@ def gated_fallbacks(out: Path, arch: str, notes: dict | None = None) -> dict[str
     ('silu_mul:f16' -> cubin and arch). One that does not build is left out (that call then composes PyTorch's ops
     on views of the halves)."""
     return _runtime_cubins(out, arch, notes, "hgemm_gated.cu", {
-        f"{epi}:{dtype}": (f"-DHGEMM_BF16={int(dtype == 'bf16')}", f"-DHGEMM_GELU={int(act != 'silu')}")
+        f"{epi}:{dtype}": (f"-DHGEMM_GELU={int(act != 'silu')}",)
         for epi, act in GATED.items() for dtype in ("f16", "bf16")}, "gated", "gated fallback's")
 
 
@@ -118,8 +121,8 @@ def norm_kernels(out: Path, arch: str, notes: dict | None = None) -> dict[str, d
     """The RMSNorm kernel's cubins for `arch` (runtime/hgemm_norm.cu, which a patched model's Llama-style RMSNorm
     runs), one per dtype: the manifest's "norm" entries ('rms_norm:f16' -> cubin and arch). One that does not build
     is left out (those norms then run as the model's own ops)."""
-    return _runtime_cubins(out, arch, notes, "hgemm_norm.cu", {
-        f"rms_norm:{dtype}": (f"-DHGEMM_BF16={int(dtype == 'bf16')}",) for dtype in ("f16", "bf16")}, "norm", "RMSNorm")
+    return _runtime_cubins(out, arch, notes, "hgemm_norm.cu", {f"rms_norm:{dtype}": () for dtype in ("f16", "bf16")},
+                           "norm", "RMSNorm")
 
 
 def copy_runtime(out: Path) -> None:

@@ -4,8 +4,9 @@
 // Each thread takes 8-column blocks: y's 16-byte gate block 2i and up block 2i + 1, out's block i (a grid-stride
 // loop over the rows x n / 8 blocks). Rounded as a model's two ops round: the activation in fp32 (PyTorch's CUDA
 // formula) rounded to the dtype, then the product of the two rounded values in fp32, rounded.
-// Compiled by NVRTC once per dtype and activation with -DHGEMM_BF16=0|1 -DHGEMM_GELU=0|1, hgemm_dtype.cuh's text in
-// front of it (Block, to_f32, rounded) and core/overlap.py's device code (agent/export/writer.py).
+// Compiled by NVRTC once per dtype and activation with -DHGEMM_BF16=0|1 -DHGEMM_GELU=0|1, core/epilogue.py's to_f32
+// for the dtype, hgemm_dtype.cuh's text (Block, rounded) and core/overlap.py's device code in front of it
+// (agent/export/writer.py).
 
 __device__ __forceinline__ float act(float x) {
 #if HGEMM_GELU

@@ -4,8 +4,8 @@
 // One block a row: each thread sums the squares of its 8-element blocks in fp32, the block adds the sums up, and
 // the row's scale r = rsqrt(sum * (1 / h) + eps) is applied as the model rounds: x * r in fp32 rounded to the dtype,
 // then w times that rounded value in fp32, rounded.
-// Compiled by NVRTC once per dtype with -DHGEMM_BF16=0|1, hgemm_dtype.cuh's text in front of it (Block, to_f32,
-// rounded) and core/overlap.py's device code (agent/export/writer.py).
+// Compiled by NVRTC once per dtype with -DHGEMM_BF16=0|1, core/epilogue.py's to_f32 for the dtype, hgemm_dtype.cuh's
+// text (Block, rounded) and core/overlap.py's device code in front of it (agent/export/writer.py).
 
 #define THREADS 256
 
