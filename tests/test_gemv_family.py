@@ -32,7 +32,8 @@ def test_a_block_takes_m_rounded_up_to_a_power_of_two_up_to_eight_rows(m, m_tile
     assert space and all(s["m_tile"] == m_tile for s in space)
     for s in space:
         spec = FAM.launch(s, p, H200)
-        assert spec.grid[0] * s["warps"] * s["rows"] >= p.n and spec.grid[1] * m_tile >= m
+        columns, m_blocks = -(-p.n // (s["warps"] * s["rows"])), -(-m // m_tile)
+        assert spec.grid == (columns * m_blocks, 1, 1)  # a block per column group and m_tile rows of A
         assert spec.block == (32 * s["warps"], 1, 1) and spec.smem_bytes == 0 and spec.overlap
 
 

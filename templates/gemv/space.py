@@ -53,7 +53,8 @@ class Gemv(Family):
     def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
         p = self.parse(params, problem)
         assert isinstance(p, GemvParams)
-        grid = (ceil_div(problem.out_n, p.warps * p.rows), ceil_div(problem.m, p.m_tile), 1)
+        # one dimension, the blocks of a column group's rows of A adjacent (the kernel splits the index)
+        grid = (ceil_div(problem.out_n, p.warps * p.rows) * ceil_div(problem.m, p.m_tile), 1, 1)
         return LaunchSpec(grid, (32 * p.warps, 1, 1), 0, overlap=device.overlaps)
 
     def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
