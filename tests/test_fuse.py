@@ -12,7 +12,7 @@ from torch import nn
 
 from agent.export.runtime import hgemm_fuse
 from agent.recorder import record_gemm_shapes
-from core.epilogue import Epilogue, compose
+from tests.test_e2e_tools import load_tool
 
 recognise = hgemm_fuse.recognise
 
@@ -118,25 +118,7 @@ class Model(nn.Module):
         return self.lm_head(self.norm(h))
 
 
-class TorchOps:
-    """What hgemm_ops does where no exported kernel serves: PyTorch's linear and the epilogue's composition."""
-
-    calls: list = []
-
-    @classmethod
-    def linear(cls, x, w, bias=None):
-        cls.calls.append(("none", tuple(w.shape)))
-        return F.linear(x, w, bias)
-
-    @classmethod
-    def fused_linear(cls, x, w, bias, epilogue, residual):
-        cls.calls.append((epilogue, tuple(w.shape)))
-        return compose(F.linear(x, w, bias), Epilogue(epilogue), residual)
-
-    @classmethod
-    def rms_norm(cls, x, w, eps):
-        cls.calls.append(("rms_norm", tuple(w.shape)))
-        return recognise.llama_rms_norm(x, w, eps)
+TorchOps = load_tool("arch_probe").TorchOps  # PyTorch's ops where the kernels would run
 
 
 def model_and_ids(**kw):
@@ -349,6 +331,61 @@ def test_a_layer_whose_steps_are_not_llamas_keeps_its_residual_adds(layer):
     assert fused_as_before(model, ids) == (2, 2, 0, 0)
     hgemm_fuse.fuse(model, TorchOps)
     assert type(model.layers[0]).forward is layer.forward
+    hgemm_fuse.unfuse(model)
+
+
+class PostNormLayer(nn.Module):
+    """Olmo2's steps: no norm before the attention or the MLP, one after each, before its residual add."""
+
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__()
+        self.self_attn, self.mlp = Attention(hidden, 4, 2, bias), MLP(hidden, inter, act)
+        self.post_attention_layernorm, self.post_feedforward_layernorm = norm(hidden), norm(hidden)
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        h = hidden_states + self.post_attention_layernorm(self.self_attn(hidden_states, attention_mask)[0])
+        return h + self.post_feedforward_layernorm(self.mlp(h))
+
+
+class Experts(nn.Module):
+    """An MoE block in place of the MLP: two gated experts mixed by a router (no down_proj of its own)."""
+
+    def __init__(self, hidden, inter, act):
+        super().__init__()
+        self.router, self.experts = nn.Linear(hidden, 2, bias=False), nn.ModuleList(MLP(hidden, inter, act)
+                                                                                     for _ in range(2))
+
+    def forward(self, x):
+        weights = self.router(x).softmax(-1)
+        return sum(weights[..., i:i + 1] * e(x) for i, e in enumerate(self.experts))
+
+
+class MoELayer(Layer):
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__(hidden, inter, act, bias, norm)
+        self.mlp = Experts(hidden, inter, act)
+
+
+def test_a_post_norm_layer_fuses_its_projections_and_keeps_its_adds():
+    model, ids = model_and_ids(layer=PostNormLayer)
+    assert fused_as_before(model, ids) == (2, 2, 0, 0)
+
+
+def test_an_moe_layer_fuses_its_qkv_and_leaves_its_experts_alone():
+    model, ids = model_and_ids(layer=MoELayer)
+    assert fused_as_before(model, ids) == (2, 0, 0, 0)
+    hgemm_fuse.fuse(model, TorchOps)
+    assert model.layers[0].mlp.experts[0].gate_proj.weight.numel() > 0  # an expert's weights are its own still
+    assert hgemm_fuse.describe(model)[0] == "layers.0: q/k/v as one GEMM, 2 RMSNorms in one kernel each"
+    hgemm_fuse.unfuse(model)
+
+
+def test_projections_of_different_inputs_are_not_merged():
+    model, ids = model_and_ids()
+    for layer in model.layers:  # k and v read a wider input (as a cross-attention's would): q stays on its own
+        attn = layer.self_attn
+        attn.k_proj, attn.v_proj = nn.Linear(96, attn.k_proj.out_features), nn.Linear(96, attn.v_proj.out_features)
+    assert hgemm_fuse.fuse(model, TorchOps)["qkv"] == 0
     hgemm_fuse.unfuse(model)
 
 

@@ -1,9 +1,10 @@
 """Fusions of decoder layers: what a serving engine merges, patched into a Hugging Face model in place.
 
-Looked into: a decoder layer with `self_attn` (o_proj: nn.Linear) and `mlp` (down_proj: nn.Linear) between
-`input_layernorm` and `post_attention_layernorm` (hgemm_recognise.py decides what in it is fused): Llama, Mistral,
-Qwen2 (q/k/v with biases), Phi-3 (q/k/v already one projection, gate and up one gate_up_proj) and any decoder built
-the same way. What `fuse(model, ops)` does to each:
+Looked into: a decoder layer with an attention `self_attn` and, usually, an MLP `mlp` (hgemm_recognise.py decides
+what in it is fused): Llama, Mistral, Qwen2 (q/k/v with biases), Phi-3 (q/k/v already one projection, gate and up one
+gate_up_proj) and any decoder built the same way fuse all of what follows; layers with norms after the attention
+and the MLP (Olmo2, Gemma2) their q/k/v and gate/up, and MoE layers their q/k/v (tools/arch_probe.py checks every
+causal LM of the installed transformers). What `fuse(model, ops)` does to each:
 
 - qkv: q, k and v as one GEMM of N = q + k + v on one merged weight (and merged biases); q_proj, k_proj and v_proj
   keep their parameters as views of it (one copy), and the three calls the attention makes on the same input take
@@ -149,6 +150,8 @@ def _qkv(layer: _Layer, attn: nn.Module, ops) -> None:
     biases = [p.bias for p in (q, k, v)]
     if any(b is None for b in biases) and any(b is not None for b in biases):
         return
+    if len({(p.in_features, p.weight.dtype, p.weight.device) for p in (q, k, v)}) > 1:  # not one input's projections
+        return
     weight = torch.cat([p.weight.detach() for p in (q, k, v)])
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
     sizes = [p.weight.shape[0] for p in (q, k, v)]
@@ -273,19 +276,24 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             continue
         layer = _fused[module] = _Layer(name)
         with torch.no_grad():
-            gated, returns_down = recognise.probe_mlp(module.mlp)  # probes first, on the modules as they are
-            llama = returns_down and recognise.layer_is_llama(module)
+            # probes first, on the modules as they are
+            mlp = getattr(module, "mlp", None)
+            has_down = recognise.plain_linear(getattr(mlp, "down_proj", None))
+            gated, returns_down = recognise.probe_mlp(mlp) if has_down else (None, False)
+            llama = returns_down and recognise.llama_parts(module) and recognise.layer_is_llama(module)
             attn = module.self_attn
             if all(recognise.plain_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj")):
                 _qkv(layer, attn, ops)
             if gated:
-                _gate_up(layer, module.mlp, ops, gated)
+                _gate_up(layer, mlp, ops, gated)
             if llama:
                 _residuals(layer, module, ops)
-            for norm in (module.input_layernorm, module.post_attention_layernorm):
-                eps = recognise.rms_norm_eps(norm) if norms and not owns(norm) else None
+            for norm in (getattr(module, n, None) for n in ("input_layernorm", "post_attention_layernorm")):
+                eps = recognise.rms_norm_eps(norm) if norms and norm is not None and not owns(norm) else None
                 if eps is not None:
                     _norm(layer, norm, eps, ops)
+        if not layer.kinds:  # nothing recognised: the layer stays as it was
+            del _fused[module]
         for kind in layer.kinds:
             counts[kind] += 1
     for name, module in list(model.named_modules()):  # rotary embeddings, and the norms outside decoder layers
@@ -333,7 +341,7 @@ def describe(model: nn.Module) -> list[str]:
     lines = []
     for module in model.modules():
         layer = _fused.get(module)
-        if layer is not None:
+        if layer is not None and layer.kinds:
             extra = ""
             if "gate_up" in layer.kinds:
                 extra = f" ({recognise.gated_epilogue(recognise.act_of(module.mlp))})"

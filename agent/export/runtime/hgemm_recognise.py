@@ -182,16 +182,23 @@ def layer_is_llama(layer: nn.Module) -> bool:
 
 
 def decoder_layers(model: nn.Module):
-    """(name, module) of every decoder layer `fuse` looks into: an attention (`self_attn`) with o_proj and an MLP
-    with down_proj (plain nn.Linear), between `input_layernorm` and `post_attention_layernorm`, none with a forward
-    of its own; what in it is fused is each part's own test (q/k/v: plain q_proj, k_proj, v_proj; probe_mlp;
-    layer_is_llama)."""
+    """(name, module) of every decoder layer `fuse` looks into: a module with an attention (`self_attn`), usually an
+    MLP (`mlp`) beside it, none with a forward of its own; what in it is fused is each part's own test (q/k/v: plain
+    q_proj, k_proj, v_proj; gate/up: probe_mlp, where the MLP has a plain down_proj; the residual adds: llama_parts
+    and layer_is_llama). Layers that are not Llama's (norms after the attention, an MoE block for the MLP) may still
+    have their q/k/v or gate/up fused."""
     for name, m in model.named_modules():
         attn, mlp = getattr(m, "self_attn", None), getattr(m, "mlp", None)
-        if attn is None or mlp is None or not all(hasattr(m, n) for n in ("input_layernorm",
-                                                                         "post_attention_layernorm")):
+        if not isinstance(attn, nn.Module):
             continue
-        if any("forward" in x.__dict__ for x in (m, attn, mlp)):  # a forward of its own (a hook's) would shadow ours
-            continue
-        if plain_linear(getattr(attn, "o_proj", None)) and plain_linear(getattr(mlp, "down_proj", None)):
-            yield name, m
+        if any("forward" in x.__dict__ for x in (m, attn, mlp) if x is not None):  # a forward of its own (a hook's)
+            continue                                                                # would shadow ours
+        yield name, m
+
+
+def llama_parts(layer: nn.Module) -> bool:
+    """Whether the layer has the parts Llama's steps name: o_proj and down_proj (plain nn.Linear), input_layernorm
+    and post_attention_layernorm."""
+    projections = getattr(layer.self_attn, "o_proj", None), getattr(getattr(layer, "mlp", None), "down_proj", None)
+    norms = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
+    return all(plain_linear(p) for p in projections) and all(isinstance(n, nn.Module) for n in norms)

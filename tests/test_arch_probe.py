@@ -1,0 +1,85 @@
+"""tools/arch_probe.py: a fused model is compared with its stock self and put back, and a wrong fusion, a model that
+unfuse does not restore or an architecture that hangs is reported as such."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from agent.export.runtime import hgemm_fuse
+from tests.test_e2e_tools import load_tool
+from tests.test_fuse import Model
+
+probe = load_tool("arch_probe")
+
+
+def tiny():
+    torch.manual_seed(0)
+    model, ids = Model().eval(), torch.randint(50, (2, 9))
+
+    def run(m):
+        with torch.no_grad():
+            return m(ids)
+    return model, run
+
+
+def test_a_llama_like_model_fuses_matches_and_comes_back():
+    model, run = tiny()
+    stock = run(model)
+    record = probe.check(model, run)
+    assert record["status"] == "ok" and record["restored"], record
+    assert {"qkv", "gate_up", "o_residual", "down_residual", "rms_norm"} <= set(record["fused"])
+    assert record["error"] < 1e-6
+    assert torch.equal(run(model), stock) and not hgemm_fuse.describe(model)  # put back
+
+
+class ResidualTwice(probe.TorchOps):
+    """A fusion that adds the residual twice."""
+
+    @classmethod
+    def fused_linear(cls, x, w, bias, epilogue, residual):
+        out = super().fused_linear(x, w, bias, epilogue, residual)
+        return out + residual if epilogue == "residual" else out
+
+
+def test_a_wrong_fusion_is_reported():
+    model, run = tiny()
+    record = probe.check(model, run, ops=ResidualTwice)
+    assert record["status"] == "WRONG" and "logits off" in record["why"] and record["restored"]
+
+
+def test_a_model_unfuse_does_not_restore_is_reported(monkeypatch):
+    model, run = tiny()
+    real_unfuse = hgemm_fuse.unfuse
+
+    def unfuse_and_nudge(m):
+        n = real_unfuse(m)
+        with torch.no_grad():
+            m.lm_head.weight[0, 0] += 1e-3
+        return n
+    monkeypatch.setattr(hgemm_fuse, "unfuse", unfuse_and_nudge)
+    record = probe.check(model, run)
+    assert record["status"] == "WRONG" and record["why"] == "unfuse did not restore the model bit for bit"
+
+
+def test_an_architecture_that_hangs_is_skipped(monkeypatch):
+    monkeypatch.setattr(probe, "probe", lambda model_type, tolerance: time.sleep(30))
+    t0 = time.time()
+    record = probe.isolated("llama", timeout_s=1)
+    assert record["status"] == "skipped" and record["why"] == "took over 1 s" and time.time() - t0 < 10
+
+
+def test_cli_refuses_an_unknown_architecture(capsys):
+    pytest.importorskip("transformers")
+    assert probe.main(["--archs", "llama,not_a_model"]) == 2
+    assert "not_a_model" in capsys.readouterr().err
+
+
+def test_hugging_face_llama_and_gemma2_tiny():
+    pytest.importorskip("transformers")
+    llama, gemma2 = probe.probe("llama"), probe.probe("gemma2")
+    assert llama["status"] == "ok" and llama["fused"]["o_residual"] == 2, llama  # two layers
+    # Gemma2's norms after the attention and the MLP: q/k/v and gate/up only, never the residual adds
+    assert gemma2["status"] == "ok" and "o_residual" not in gemma2["fused"] and gemma2["fused"]["qkv"] == 2, gemma2

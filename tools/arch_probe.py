@@ -1,0 +1,216 @@
+"""What `patch` does to decoder architectures nobody here wrote: each causal LM of the installed `transformers` built
+as a tiny random model, run, fused as the export fuses it (agent/export/runtime/hgemm_fuse.py) with PyTorch's own
+ops in place of the kernels, run again, and put back. Any difference in the logits is then the fusion's, not a
+kernel's: a recognised layer must match the stock model to fp32 rounding, and `unfuse` must give back the same
+parameters and logits bit for bit.
+
+    python3 tools/arch_probe.py                      # every causal LM transformers has (a few minutes on a CPU)
+    python3 tools/arch_probe.py --archs llama,gemma2,granite --json probe.json
+
+One line per architecture: what was fused (counts per kind), the logits' relative error (max over elements of
+|fused - stock| / max |stock|), and WRONG where it is above --tolerance or the restored model differs; architectures
+that do not build tiny are listed as skipped with why. Exit 1 where any is WRONG. CPU only, fp32; needs
+`transformers`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import resource
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agent.export.runtime import hgemm_fuse  # noqa: E402
+from core.epilogue import Epilogue, compose  # noqa: E402
+
+# a tiny model's dimensions under the names configs use for them (set only where the config has the name)
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "max_position_embeddings": 256,
+        "n_embd": 64, "n_layer": 2, "n_head": 4, "d_model": 64, "num_layers": 2, "ffn_dim": 128,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 64, "first_k_dense_replace": 1}
+TOLERANCE = 1e-5
+TIMEOUT_S = 60  # an architecture's build, runs and checks; one that takes longer is skipped
+MEMORY_BYTES = 6 << 30  # an architecture's address space (configs with large defaults the tiny names miss)
+
+
+class TorchOps:
+    """What hgemm_ops computes where no exported kernel serves: PyTorch's linear, the epilogue's composition and
+    Llama's RMSNorm; `calls` lists each call's epilogue (or "rms_norm") and weight shape."""
+
+    calls: list = []
+
+    @classmethod
+    def linear(cls, x, w, bias=None):
+        cls.calls.append(("none", tuple(w.shape)))
+        return F.linear(x, w, bias)
+
+    @classmethod
+    def fused_linear(cls, x, w, bias, epilogue, residual):
+        cls.calls.append((epilogue, tuple(w.shape)))
+        return compose(F.linear(x, w, bias), Epilogue(epilogue), residual)
+
+    @classmethod
+    def rms_norm(cls, x, w, eps):
+        cls.calls.append(("rms_norm", tuple(w.shape)))
+        return hgemm_fuse.recognise.llama_rms_norm(x, w, eps)
+
+
+def causal_lms() -> list[str]:
+    """Every model type transformers builds as a causal LM."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_model(model_type: str) -> torch.nn.Module:
+    """The architecture as a tiny fp32 model with random weights (seeded), in eval mode."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type]()
+    for name, value in TINY.items():
+        if hasattr(config, name) and isinstance(getattr(config, name), int | type(None)):
+            setattr(config, name, value)
+    for i, name in enumerate(("pad_token_id", "bos_token_id", "eos_token_id")):  # inside the tiny vocabulary
+        if isinstance(getattr(config, name, None), int) and getattr(config, name) >= TINY["vocab_size"]:
+            setattr(config, name, i)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits.float()
+
+
+def check(model: torch.nn.Module, run, ops=TorchOps, tolerance: float = TOLERANCE) -> dict:
+    """Fuse `model` with `ops`, compare `run(model)` (its logits) with the stock model's, unfuse, and compare the
+    parameters and logits with the stock ones bit for bit. The record: status (ok or WRONG), fused (counts per kind),
+    error, restored, why."""
+    record = {"status": "ok", "fused": {}, "error": None, "restored": None, "why": ""}
+    stock = run(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    problems = []
+    try:
+        counts = hgemm_fuse.fuse(model, ops)
+        record["fused"] = {k: v for k, v in counts.items() if v}
+        fused = run(model)
+        record["error"] = float((fused - stock).abs().max() / stock.abs().max().clamp_min(1e-30))
+        if not record["error"] <= tolerance:
+            problems.append(f"logits off by {record['error']:.2g}")
+    except Exception as e:
+        problems.append(f"fused model raised {type(e).__name__}: {_first_line(e)}")
+    finally:
+        hgemm_fuse.unfuse(model)
+    params = dict(model.named_parameters())
+    record["restored"] = (params.keys() == before.keys() and all(torch.equal(params[n], t) for n, t in before.items())
+                          and torch.equal(run(model), stock))
+    if not record["restored"]:
+        problems.append("unfuse did not restore the model bit for bit")
+    record["status"] = "WRONG" if problems else "ok"
+    record["why"] = "; ".join(problems)
+    return record
+
+
+def probe(model_type: str, tolerance: float = TOLERANCE) -> dict:
+    """One architecture built tiny and checked (`check`); skipped, with why, where it does not build or run."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = tiny_model(model_type)
+            vocab = model.get_input_embeddings().num_embeddings
+            ids = torch.randint(min(vocab, 200), (1, 9), generator=torch.Generator().manual_seed(1))
+            logits(model, ids)
+    except Exception as e:  # configs that need more than the tiny dimensions, remote code, vision towers
+        return _skipped(model_type, f"{type(e).__name__}: {_first_line(e)}")
+    return {"type": model_type, **check(model, lambda m: logits(m, ids), tolerance=tolerance)}
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:120] if str(e) else ""
+
+
+def _skipped(model_type: str, why: str) -> dict:
+    return {"type": model_type, "status": "skipped", "fused": {}, "error": None, "restored": None, "why": why}
+
+
+def _child(model_type: str, tolerance: float, conn) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+    try:
+        conn.send(probe(model_type, tolerance))
+    except BaseException as e:  # MemoryError included: the parent reports it
+        conn.send(_skipped(model_type, f"{type(e).__name__} outside the checks"))
+
+
+def isolated(model_type: str, tolerance: float = TOLERANCE, timeout_s: float = TIMEOUT_S) -> dict:
+    """probe() in a forked process of its own, with a time and a memory limit: a model that hangs, runs out of
+    memory or crashes the interpreter is skipped with why."""
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(model_type, tolerance, send), daemon=True)
+    proc.start()
+    send.close()
+    record = recv.recv() if recv.poll(timeout_s) else None
+    proc.join(1)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    if record is None:
+        why = f"took over {timeout_s:.0f} s" if proc.exitcode in (None, -9) else f"the process died ({proc.exitcode})"
+        record = _skipped(model_type, why)
+    return record
+
+
+def line(r: dict) -> str:
+    if r["status"] == "skipped":
+        return f"{r['type']:<28} skipped  {r['why']}"
+    fused = ", ".join(f"{k} {v}" for k, v in r["fused"].items()) or "nothing recognised"
+    err = "-" if r["error"] is None else f"{r['error']:.1e}"
+    return f"{r['type']:<28} {r['status']:<8} {err:>8}  {fused}" + (f"  ({r['why']})" if r["why"] else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--archs", help="model types, comma-separated (default: every causal LM transformers has)")
+    ap.add_argument("--tolerance", type=float, default=TOLERANCE, help="largest relative logits error of a fused "
+                    f"model (default {TOLERANCE})")
+    ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help=f"seconds an architecture may take (default "
+                    f"{TIMEOUT_S}); it runs in a process of its own")
+    ap.add_argument("--json", help="also write the records here")
+    args = ap.parse_args(argv)
+    try:
+        known = causal_lms()
+    except ImportError:
+        print("arch_probe: needs transformers (pip install transformers)", file=sys.stderr)
+        return 2
+    archs = [a.strip() for a in args.archs.split(",") if a.strip()] if args.archs else known
+    if unknown := [a for a in archs if a not in known]:
+        print(f"arch_probe: not a causal LM of this transformers: {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    records, t0 = [], time.time()
+    for i, arch in enumerate(archs, 1):
+        records.append(isolated(arch, args.tolerance, args.timeout))
+        print(f"[{i}/{len(archs)} {time.time() - t0:5.0f}s] " + line(records[-1]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+    status = [r["status"] for r in records]
+    print(f"\n{len(records)} architectures: {status.count('ok')} ok "
+          f"({sum(1 for r in records if r['status'] == 'ok' and r['fused'])} with something fused), "
+          f"{status.count('WRONG')} WRONG, {status.count('skipped')} skipped")
+    return 1 if "WRONG" in status else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
