@@ -445,8 +445,9 @@ def test_an_attention_that_changes_o_projs_output_is_an_error_not_a_wrong_answer
     hgemm_fuse.unfuse(model)
 
 
-def test_a_fused_model_compiles_whole():
-    model, ids = model_and_ids()
+@pytest.mark.parametrize("layer", [Layer, PostNormLayer, MoELayer])
+def test_a_fused_model_compiles_whole(layer):
+    model, ids = model_and_ids(layer=layer)
     with torch.no_grad():
         ref = model(ids)
         hgemm_fuse.fuse(model, TorchOps)
