@@ -86,7 +86,7 @@ def tiny_model(model_type: str) -> torch.nn.Module:
         if isinstance(getattr(config, name, None), int) and getattr(config, name) >= TINY["vocab_size"]:
             setattr(config, name, i)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(config).float().eval()
 
 
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
