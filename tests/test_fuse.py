@@ -366,12 +366,26 @@ class MoELayer(Layer):
         self.mlp = Experts(hidden, inter, act)
 
 
+class SparseMoELayer(Layer):
+    """Granite-MoE's and JetMoE's naming: the MoE block is not called `mlp`."""
+
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__(hidden, inter, act, bias, norm)
+        del self.mlp
+        self.block_sparse_moe = Experts(hidden, inter, act)
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), attention_mask)[0]
+        return h + self.block_sparse_moe(self.post_attention_layernorm(h))
+
+
 def test_a_post_norm_layer_fuses_its_projections_and_keeps_its_adds():
     model, ids = model_and_ids(layer=PostNormLayer)
     assert fused_as_before(model, ids) == (2, 2, 0, 0)
 
 
 def test_an_moe_layer_fuses_its_qkv_and_leaves_its_experts_alone():
+    assert fused_as_before(*model_and_ids(layer=SparseMoELayer)) == (2, 0, 0, 0)  # no `mlp` at all
     model, ids = model_and_ids(layer=MoELayer)
     assert fused_as_before(model, ids) == (2, 0, 0, 0)
     hgemm_fuse.fuse(model, TorchOps)

@@ -198,7 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [a for a in archs if a not in known]:
         print(f"arch_probe: not a causal LM of this transformers: {', '.join(unknown)}", file=sys.stderr)
         return 2
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     records, t0 = [], time.time()
     for i, arch in enumerate(archs, 1):
         records.append(isolated(arch, args.tolerance, args.timeout))

@@ -341,7 +341,7 @@ def describe(model: nn.Module) -> list[str]:
     lines = []
     for module in model.modules():
         layer = _fused.get(module)
-        if layer is not None and layer.kinds:
+        if layer is not None:
             extra = ""
             if "gate_up" in layer.kinds:
                 extra = f" ({recognise.gated_epilogue(recognise.act_of(module.mlp))})"
