@@ -3,6 +3,7 @@ unfuse does not restore or an architecture that hangs is reported as such."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -71,10 +72,18 @@ def test_an_architecture_that_hangs_is_skipped(monkeypatch):
     assert record["status"] == "skipped" and record["why"] == "took over 1 s" and time.time() - t0 < 10
 
 
-def test_cli_refuses_an_unknown_architecture(capsys):
+def test_an_architecture_that_crashes_the_interpreter_is_skipped(monkeypatch):
+    monkeypatch.setattr(probe, "probe", lambda model_type, tolerance: os._exit(3))
+    record = probe.isolated("llama", timeout_s=20)
+    assert record["status"] == "skipped" and record["why"] == "the process died (3)"
+
+
+def test_cli_refuses_an_unknown_architecture_and_a_bad_limit(capsys, tmp_path):
     pytest.importorskip("transformers")
-    assert probe.main(["--archs", "llama,not_a_model"]) == 2
-    assert "not_a_model" in capsys.readouterr().err
+    assert probe.main(["--archs", "llama,not_a_model", "--json", str(tmp_path / "p.json")]) == 2
+    assert probe.main(["--archs", "llama", "--timeout", "0", "--json", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "not_a_model" in err and "must be positive" in err and not (tmp_path / "p.json").exists()
 
 
 def test_hugging_face_llama_and_gemma2_tiny():

@@ -161,7 +161,10 @@ def isolated(model_type: str, tolerance: float = TOLERANCE, timeout_s: float = T
     proc = ctx.Process(target=_child, args=(model_type, tolerance, send), daemon=True)
     proc.start()
     send.close()
-    record = recv.recv() if recv.poll(timeout_s) else None
+    try:
+        record = recv.recv() if recv.poll(timeout_s) else None
+    except EOFError:  # the process ended without a record
+        record = None
     proc.join(1)
     if proc.is_alive():
         proc.kill()
@@ -187,12 +190,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"model (default {TOLERANCE})")
     ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help=f"seconds an architecture may take (default "
                     f"{TIMEOUT_S}); it runs in a process of its own")
-    ap.add_argument("--json", help="also write the records here")
+    ap.add_argument("--json", help="also write the records here (rewritten after each architecture)")
     args = ap.parse_args(argv)
     try:
         known = causal_lms()
     except ImportError:
         print("arch_probe: needs transformers (pip install transformers)", file=sys.stderr)
+        return 2
+    if not (args.tolerance > 0 and args.timeout > 0):
+        print("arch_probe: --tolerance and --timeout must be positive", file=sys.stderr)
         return 2
     archs = [a.strip() for a in args.archs.split(",") if a.strip()] if args.archs else known
     if unknown := [a for a in archs if a not in known]:
@@ -202,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, arch in enumerate(archs, 1):
         records.append(isolated(arch, args.tolerance, args.timeout))
         print(f"[{i}/{len(archs)} {time.time() - t0:5.0f}s] " + line(records[-1]), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1))
+        if args.json:  # after each architecture: an interrupted run keeps what it has
+            Path(args.json).write_text(json.dumps(records, indent=1))
     status = [r["status"] for r in records]
     print(f"\n{len(records)} architectures: {status.count('ok')} ok "
           f"({sum(1 for r in records if r['status'] == 'ok' and r['fused'])} with something fused), "
