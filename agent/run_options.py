@@ -33,9 +33,9 @@ OPTION_NAMES = {"budget_minutes": "--budget-minutes", "max_candidates": "--max-c
 FIXED = ("proposer", "arch", "compile_only", "seed")  # a resumed run keeps these
 SHAPE_OPTIONS = {"mnk": "--mnk", "shapes": "--shapes", "b_layout": "--b-layout", "dtype": "--dtype", "bias": "--bias",
                  "epilogue": "--epilogue"}
-EPILOGUE_HELP = ("what the kernel applies to A B (+ bias) before storing C: an activation (relu, silu, gelu_tanh), a "
-                 "gated one on interleaved gate/up columns (silu_mul, gelu_mul: C has N/2 columns) or a residual add "
-                 "(residual: + R, an M x N tensor)")
+EPILOGUE_HELP = ("what the kernel applies to A B (+ bias) before storing C: an activation (relu, silu, gelu_tanh, "
+                 "gelu: the erf GELU, relu2: relu squared), a gated one on interleaved gate/up columns (silu_mul, "
+                 "gelu_mul: C has N/2 columns) or a residual add (residual: + R, an M x N tensor)")
 
 
 class UsageError(Exception):

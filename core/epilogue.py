@@ -1,7 +1,8 @@
 """Fused epilogues: what a kernel applies to A·B (+ bias) in fp32 before its one rounding, defined once.
 
 - `none`: C = A·B (+ bias);
-- `relu`, `silu`, `gelu_tanh`: C = act(A·B + bias), act as PyTorch's F.relu, F.silu, F.gelu(approximate="tanh");
+- `relu`, `silu`, `gelu_tanh`, `gelu`, `relu2`: C = act(A·B + bias), act as PyTorch's F.relu, F.silu,
+  F.gelu(approximate="tanh"), F.gelu (the exact, erf GELU), relu squared;
 - `silu_mul`, `gelu_mul` (gated: SwiGLU, GeGLU): B holds the gate and up projections of the same output columns,
   interleaved in blocks of GATE_BLOCK columns (GEMM columns 16g..16g+7 are gate columns 8g..8g+7, 16g+8..16g+15 the
   up columns 8g..8g+7; for an N x K weight, rows), so that one tile holds both; C has N / 2 columns,
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-EPILOGUES = ("none", "relu", "silu", "gelu_tanh", "silu_mul", "gelu_mul", "residual")
-ACTIVATIONS = ("relu", "silu", "gelu_tanh")
+EPILOGUES = ("none", "relu", "silu", "gelu_tanh", "gelu", "relu2", "silu_mul", "gelu_mul", "residual")
+ACTIVATIONS = ("relu", "silu", "gelu_tanh", "gelu", "relu2")
 GATED = {"silu_mul": "silu", "gelu_mul": "gelu_tanh"}  # gated epilogue -> the activation of its gate
 GATE_BLOCK = 8  # columns of gate, then of up, in each 16-column block of a gated B
 GELU_C = 0.7978845608028654  # sqrt(2 / pi)
 GELU_A = 0.044715
+SQRT_HALF = 0.7071067811865476  # 1 / sqrt(2)
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class Epilogue:
 
     @property
     def activation(self) -> str:
-        """The activation applied (to the gate, where gated): none, relu, silu or gelu_tanh."""
+        """The activation applied (to the gate, where gated): none or one of ACTIVATIONS."""
         return GATED.get(self.name, self.name if self.name in ACTIVATIONS else "none")
 
     @property
@@ -95,6 +97,8 @@ _ACT_CUDA = {
                   "    const float e = __expf(-2.f * fabsf(y));\n"
                   "    const float t = copysignf((1.f - e) / (1.f + e), y);\n"
                   "    return 0.5f * x * (1.f + t);"),
+    "gelu": f"return 0.5f * x * (1.f + erff(x * {SQRT_HALF}f));",  # erff: within 2 fp32 ulps
+    "relu2": "const float r = x > 0.f ? x : 0.f;\n    return r * r;",
 }
 
 
@@ -131,8 +135,11 @@ def activate(x, name: str, inplace: bool = False):
         return F.relu(x, inplace=inplace)
     if name == "silu":
         return F.silu(x, inplace=inplace)
-    if name == "gelu_tanh":
-        return torch.ops.aten.gelu_(x, approximate="tanh") if inplace else F.gelu(x, approximate="tanh")
+    if name == "relu2":  # relu, then its square (transformers' ReLUSquaredActivation)
+        return F.relu(x, inplace=True).square_() if inplace else torch.square(F.relu(x))
+    if name in ("gelu_tanh", "gelu"):
+        approximate = "tanh" if name == "gelu_tanh" else "none"
+        return torch.ops.aten.gelu_(x, approximate=approximate) if inplace else F.gelu(x, approximate=approximate)
     return x
 
 

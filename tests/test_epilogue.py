@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from core.epilogue import (
+    ACTIVATIONS,
     EPILOGUES,
     GATE_BLOCK,
     Epilogue,
@@ -51,7 +52,7 @@ def test_reference_and_the_models_composition_agree_up_to_rounding():
         assert exact.shape == model.shape == (8, epi.out_cols(32))
         assert torch.allclose(exact, model, rtol=2e-2, atol=2e-2), name
     assert torch.equal(reference(y, Epilogue("relu")), y.clamp_min(0))
-    for name in ("relu", "silu", "gelu_tanh"):  # the baseline's in-place activations compute the same
+    for name in ACTIVATIONS:  # the baseline's in-place activations compute the same
         x = y.clone()
         assert torch.equal(activate(x, name, inplace=True), activate(y, name)) and torch.equal(x, activate(y, name))
     gate, up = split_gate_up(y)
@@ -98,7 +99,8 @@ def on_cpu(monkeypatch):
 
 
 ACTS = {"relu": torch.relu, "silu": torch.nn.functional.silu,
-        "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}
+        "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"), "gelu": torch.nn.functional.gelu,
+        "relu2": lambda x: torch.relu(x).square()}
 
 
 def fused(problem: Problem, cheat: str = ""):
@@ -156,6 +158,8 @@ def test_a_correct_fused_kernel_passes_every_check(on_cpu, problem):
     ("gelu_tanh", "coarse_activation", "wrong result"),
     ("silu", "coarse_activation", "wrong result"),
     ("gelu_tanh", "quick_gelu", "wrong result"),
+    ("gelu", "quick_gelu", "wrong result"),
+    ("gelu", "coarse_activation", "wrong result"),
     ("silu_mul", "last_tile_skipped", "unwritten output"),
     ("residual", "last_tile_skipped", "unwritten output"),
 ])

@@ -14,6 +14,7 @@ import agent.export.writer as writer
 from agent import buckets
 from agent.export import export_run, recheck
 from core.device import H200
+from core.epilogue import EPILOGUES
 from core.records import EvalJob, Problem, Timing
 from tests.conftest import HAS_GPU
 from tests.export_fixtures import load_ops
@@ -117,9 +118,9 @@ def test_problem_keys_of_calls(tmp_path, monkeypatch):
     # the compiled op numbers the epilogues as core/epilogue.py lists them (hgemm_op.h's enum)
     header = (tmp_path / "out" / "hgemm_op.h").read_text()
     enum = header.split("enum Epilogue : int {")[1].split("}")[0]
-    assert [e.split("=")[0].strip() for e in enum.split(",")][:7] == ["kNone", "kRelu", "kSilu", "kGeluTanh",
-                                                                      "kSiluMul", "kGeluMul", "kResidual"]
-    assert list(ops.EPILOGUE_CODES) == ["none", "relu", "silu", "gelu_tanh", "silu_mul", "gelu_mul", "residual"]
+    camel = ["k" + "".join(w.capitalize() for w in name.split("_")) for name in EPILOGUES]
+    assert [e.split("=")[0].strip() for e in enum.split(",")] == [*camel, "kEpilogues"]
+    assert list(ops.EPILOGUE_CODES) == list(EPILOGUES)
 
 
 def test_export_serves_the_buckets_where_they_are_as_fast_as_cublas(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from agent import buckets
 from agent.export import export_run
 from agent.export.geometry import launch_table, resolve
 from core.device import H200
+from core.epilogue import EPILOGUES
 from core.records import Problem
 from templates import get_family
 from tests.export_fixtures import export_folder, load_ops, small_export
@@ -284,7 +285,8 @@ def test_a_later_registration_replaces_only_the_m_it_overlaps(ops):
     assert ext.launch_at(40, 16, False, False, False, 70) == ([1, 1, 1], [])  # its own launch, from its first M
 
 
-EPILOGUE_KEYS = ["16_32_8:nk:f16:silu_mul", "16_24_8:nk:f16:residual", "16_24_8:nk:bf16:bias:gelu_tanh"]
+EPILOGUE_KEYS = ["16_32_8:nk:f16:silu_mul", "16_24_8:nk:f16:residual", "16_24_8:nk:bf16:bias:gelu_tanh",
+                 "16_24_8:nk:f16:gelu", "16_24_8:nk:bf16:relu2"]
 
 
 def test_fused_linear_computes_the_models_composition_and_traces_as_the_op(tmp_path, op_build_dir):
@@ -294,7 +296,7 @@ def test_fused_linear_computes_the_models_composition_and_traces_as_the_op(tmp_p
     ext = ops.compiled()
     assert ext is not None and set(EPILOGUE_KEYS) <= set(ext.kernels())
     x, w, r = torch.randn(2, 8, 8).half(), torch.randn(32, 8).half(), torch.randn(2, 8, 24).half()
-    for name in ("relu", "silu", "gelu_tanh", "silu_mul", "gelu_mul", "residual"):
+    for name in EPILOGUES[1:]:
         res = r if name == "residual" else None
         weight = w if Epilogue(name).gated else w[:24]
         want = compose(F.linear(x, weight), Epilogue(name), res)

@@ -5,6 +5,8 @@ problems."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ from torch import nn
 
 from agent.export.runtime import hgemm_fuse
 from agent.recorder import record_gemm_shapes
+from core import epilogue
 from tests.test_e2e_tools import load_tool
 
 recognise = hgemm_fuse.recognise
@@ -143,8 +146,8 @@ def test_each_fusion_is_recognised_and_the_logits_match(bias, act, epilogue):
     params = dict(model.named_parameters())
     before, size = {n: p.detach().clone() for n, p in params.items()}, storage_bytes(model)
     classes, text = {n: type(m) for n, m in model.named_modules()}, repr(model)
-    assert hgemm_fuse.fuse(model, TorchOps) == {"qkv": 2, "gate_up": 2, "o_residual": 2, "down_residual": 2,
-                                                "rms_norm": 5, "rotary": 0}  # two a layer, and the final norm
+    assert hgemm_fuse.fuse(model, TorchOps) == {"qkv": 2, "gate_up": 2, "mlp_act": 0, "o_residual": 2,
+                                                "down_residual": 2, "rms_norm": 5, "rotary": 0}  # 2 a layer, 1 final
     assert storage_bytes(model) == size  # merged buffers replace the parameters' storage: nothing held twice
     assert repr(model) == text and all(isinstance(m, classes[n]) for n, m in model.named_modules())
     assert type(model.layers[0]).forward is hgemm_fuse._layer_forward  # the class's: one path to each module
@@ -177,8 +180,8 @@ def test_what_is_not_recognised_stays_as_it_is():
     model, ids = model_and_ids(act=nn.ReLU(), layer=TupleLayer, norm=GemmaRMSNorm)
     with torch.no_grad():
         ref = model(ids)
-    assert hgemm_fuse.fuse(model, TorchOps) == {"qkv": 2, "gate_up": 0, "o_residual": 0, "down_residual": 0,
-                                                "rms_norm": 0, "rotary": 0}
+    assert hgemm_fuse.fuse(model, TorchOps) == {"qkv": 2, "gate_up": 0, "mlp_act": 0, "o_residual": 0,
+                                                "down_residual": 0, "rms_norm": 0, "rotary": 0}
     with torch.no_grad():
         assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
     hgemm_fuse.unfuse(model)
@@ -459,15 +462,140 @@ def test_an_attention_that_changes_o_projs_output_is_an_error_not_a_wrong_answer
     hgemm_fuse.unfuse(model)
 
 
-@pytest.mark.parametrize("layer", [Layer, PostNormLayer, MoELayer])
+@pytest.mark.parametrize("layer", [Layer, PostNormLayer, MoELayer, "plain"])
 def test_a_fused_model_compiles_whole(layer):
-    model, ids = model_and_ids(layer=layer)
+    model, ids = plain_model(nn.GELU(), ("up_proj", "down_proj"), p=0.1) if layer == "plain" else model_and_ids(
+        layer=layer)
     with torch.no_grad():
         ref = model(ids)
         hgemm_fuse.fuse(model, TorchOps)
         out = torch.compile(model, fullgraph=True, backend="aot_eager")(ids)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
     hgemm_fuse.unfuse(model)
+
+
+class WrittenGELU(nn.Module):
+    """The tanh GELU written out in the model's dtype, as transformers' NewGELUActivation computes it."""
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class ReLUSquared(nn.Module):
+    def forward(self, x):
+        return torch.square(F.relu(x))
+
+
+class QuickGELU(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(1.702 * x)
+
+
+class PlainMLP(nn.Module):
+    """Phi's and GPT-NeoX's MLP: second(act(first(x))), a dropout after the activation; `names` its projections'."""
+
+    def __init__(self, hidden, inter, act, names=("fc1", "fc2"), p=0.0):
+        super().__init__()
+        self.names = names
+        setattr(self, names[0], nn.Linear(hidden, inter))
+        self.act, self.drop = act, nn.Dropout(p)
+        setattr(self, names[1], nn.Linear(inter, hidden))
+
+    def forward(self, x):
+        return getattr(self, self.names[1])(self.drop(self.act(getattr(self, self.names[0])(x))))
+
+
+class ParallelLayer(nn.Module):
+    """A layer's attention and MLP on the same normed input, both added to it."""
+
+    def __init__(self, layer: Layer):
+        super().__init__()
+        self.self_attn, self.mlp, self.input_layernorm = layer.self_attn, layer.mlp, layer.input_layernorm
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        h = self.input_layernorm(hidden_states)
+        return hidden_states + self.self_attn(h, attention_mask)[0] + self.mlp(h)
+
+
+def plain_model(act, names=("fc1", "fc2"), p=0.0):
+    model, ids = model_and_ids()
+    for layer in model.layers:
+        layer.mlp = PlainMLP(64, 96, act, names, p)
+    return model.eval(), ids
+
+
+def test_each_activation_the_epilogues_compute_is_recognised_by_what_it_computes():
+    for act, name in [(nn.ReLU(inplace=True), "relu"), (nn.SiLU(), "silu"), (nn.GELU(), "gelu"),
+                      (nn.GELU(approximate="tanh"), "gelu_tanh"), (WrittenGELU(), "gelu_tanh"),
+                      (ReLUSquared(), "relu2")]:
+        assert recognise.activation(act, epilogue) == name, act
+    for other in (QuickGELU(), nn.Tanh(), nn.PReLU(), nn.Identity(), nn.Linear(4, 4), nn.Softmax(-1)):
+        assert recognise.activation(other, epilogue) is None, other
+    assert recognise.gated_epilogue(WrittenGELU(), epilogue) == "gelu_mul"
+    assert recognise.gated_epilogue(nn.GELU(), epilogue) is None  # no erf-GELU gated epilogue
+
+
+@pytest.mark.parametrize("act, name", [(nn.GELU(), "gelu"), (WrittenGELU(), "gelu_tanh"), (ReLUSquared(), "relu2")])
+@pytest.mark.parametrize("names, parallel", [(("fc1", "fc2"), False), (("up_proj", "down_proj"), False),
+                                             (("fc1", "fc2"), True)])
+def test_a_plain_mlp_runs_its_activation_in_its_first_gemm(act, name, names, parallel):
+    model, ids = plain_model(act, names)
+    if parallel:  # Phi's and GPT-NeoX's steps: x + attn(norm(x)) + mlp(norm(x)), not Llama's
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = ParallelLayer(layer)
+    with torch.no_grad():
+        ref = model(ids)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    # the MLP's second projection returned as its output in Llama's steps: the residual adds fuse too (StarCoder2's
+    # naming, Nemotron's)
+    adds = 0 if parallel else 2
+    assert (counts["qkv"], counts["gate_up"], counts["mlp_act"], counts["o_residual"]) == (2, 0, 2, adds)
+    assert type(model.layers[0].mlp) is not PlainMLP and isinstance(model.layers[0].mlp, PlainMLP)
+    TorchOps.calls = []
+    with torch.no_grad():
+        assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    assert TorchOps.calls.count((name, (96, 64))) == 2  # the first GEMM with its activation, once a layer
+    assert "the MLP's activation in its first GEMM" in hgemm_fuse.describe(model)[0]
+    assert f"({name})" in hgemm_fuse.describe(model)[0]
+    assert hgemm_fuse.unfuse(model) == 3 and type(model.layers[0].mlp) is PlainMLP
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref)
+
+
+def test_a_plain_mlp_with_a_dropout_runs_its_own_forward_in_training_mode():
+    model, ids = plain_model(nn.GELU(), p=0.5)
+    assert hgemm_fuse.fuse(model, TorchOps)["mlp_act"] == 2  # eval mode: the dropout is an identity
+    model.train()
+    TorchOps.calls = []
+    with torch.no_grad():
+        model(ids)
+    assert ("gelu", (96, 64)) not in TorchOps.calls
+    hgemm_fuse.unfuse(model)
+
+
+def test_what_is_not_a_plain_mlp_stays_as_it_is():
+    for act in (QuickGELU(), nn.Tanh()):  # activations no epilogue computes
+        model, ids = plain_model(act)
+        assert hgemm_fuse.fuse(model, TorchOps)["mlp_act"] == 0
+        hgemm_fuse.unfuse(model)
+    model, ids = plain_model(nn.GELU())
+    model.layers[0].mlp.drop = nn.LayerNorm(96)  # a third step between the projections
+    model.layers[1].mlp.forward = model.layers[1].mlp.forward  # a forward of its own
+    assert hgemm_fuse.fuse(model, TorchOps)["mlp_act"] == 0
+    hgemm_fuse.unfuse(model)
+    model, ids = plain_model(nn.GELU(), p=0.5)
+    model.train()  # a dropout that is no identity: the probe call does not match
+    assert hgemm_fuse.fuse(model, TorchOps)["mlp_act"] == 0
+    hgemm_fuse.unfuse(model)
+    # outside any decoder layer: a Sequential that is second(act(first(x)))
+    head = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        ref = head(x)
+        assert hgemm_fuse.fuse(head, TorchOps)["mlp_act"] == 1 and torch.allclose(head(x), ref, atol=1e-6)
+    hgemm_fuse.unfuse(head)
 
 
 def test_the_recorder_names_the_fused_problems(tmp_path):
@@ -480,6 +608,16 @@ def test_the_recorder_names_the_fused_problems(tmp_path):
     assert lines == ["18_128_64:nk:f16:bias", "18_64_64:nk:f16:residual", "18_192_64:nk:f16:silu_mul",
                      "18_64_96:nk:f16:residual"]  # lm_head's N = 50 is no kernel shape
     assert hgemm_fuse.describe(model) == []  # put back
+
+
+def test_the_recorder_names_a_plain_mlps_activation(tmp_path):
+    model, ids = plain_model(nn.GELU(), ("up_proj", "down_proj"))
+    model = model.half()
+    with torch.no_grad(), record_gemm_shapes(tmp_path / "shapes.txt", model=model):
+        model(ids)
+    lines = [ln.split("#")[0].strip() for ln in (tmp_path / "shapes.txt").read_text().splitlines()
+             if ln and not ln.startswith("#")]
+    assert "18_96_64:nk:f16:bias:gelu" in lines and "18_64_96:nk:f16:bias:residual" in lines
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -72,7 +72,7 @@ def test_layout_dtype_and_bias_fields(text, defaults, problem):
 
 @pytest.mark.parametrize("text, match", [
     ("64_64_64:tn", "unknown B layout 'tn'"), ("64_64_64:nk:fp32", "unknown dtype 'fp32'"),
-    ("64_64_64:nk:bf16:gelu", "expected 'bias' and/or an epilogue"),
+    ("64_64_64:nk:bf16:swiglu", "expected 'bias' and/or an epilogue"),
     ("64_64_64:nk:bf16:bias:x", "expected 'bias' and/or an epilogue"),
     ("64_64_64:nk:bf16:relu:bias", "expected 'bias' and/or an epilogue"),
     ("64_64_64:nk:bf16:bias:relu:relu", "malformed"), ("64_24_64:nk:f16:silu_mul", "multiple of 16"),

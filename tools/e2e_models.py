@@ -20,6 +20,12 @@ CONFIGS = {
     "qwen2-7b": ("Qwen2Config", "Qwen2ForCausalLM",
                  dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
                       vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0)),
+    # StarCoder2-7B: hidden 4608, intermediate 18432, 36 heads, 4 KV heads, biases, LayerNorm, an MLP without a gate
+    # (c_fc, tanh GELU, c_proj)
+    "starcoder2-7b": ("Starcoder2Config", "Starcoder2ForCausalLM",
+                      dict(hidden_size=4608, intermediate_size=18432, num_attention_heads=36, num_key_value_heads=4,
+                           vocab_size=49152, max_position_embeddings=16384, rope_theta=1000000.0, use_bias=True,
+                           hidden_act="gelu_pytorch_tanh", bos_token_id=0, eos_token_id=0)),
     "tiny": ("LlamaConfig", "LlamaForCausalLM",
              dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
                   vocab_size=1024, max_position_embeddings=4096)),

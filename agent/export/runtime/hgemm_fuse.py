@@ -14,12 +14,16 @@ causal LM of the installed transformers). What `fuse(model, ops)` does to each:
   parameters (or gate_up_proj's) keep their identity but give up their storage until `unfuse` writes it back, bit
   for bit; only where the MLP's own forward is down(act(gate(x)) * up(x)) (a probe call: the same values bit for
   bit);
+- mlp_act: an MLP that is second(act(first(x))) (two plain nn.Linear children and an activation the epilogues
+  compute: relu, silu, the tanh or the erf GELU, relu squared; a probe call: the same values bit for bit), in a
+  decoder layer or anywhere in the model, runs the first GEMM with the activation in its epilogue (its dropouts,
+  identities in eval mode, are skipped; in training mode with a dropout it runs its own forward);
 - o_residual, down_residual: where the layer's own forward is Llama's, x + attn(norm1(x)) and then h + mlp(norm2(h)),
   returning a tensor (a probe call with the attention and the MLP stood in for by fixed functions: the same values
-  bit for bit; Gemma2's extra norms and Granite's residual multiplier are not), and its MLP returns down_proj's
-  output as it is (a probe call), the layer runs as the same steps with the residual adds fused into o_proj and
-  down_proj (`residual` epilogue); an attention that changes o_proj's output before returning it is an error at its
-  first call;
+  bit for bit; Gemma2's extra norms and Granite's residual multiplier are not), and its MLP returns its last
+  projection's output as it is (down_proj, or a plain MLP's second: a probe call), the layer runs as the same steps
+  with the residual adds fused into o_proj and that projection (`residual` epilogue); an attention that changes
+  o_proj's output before returning it is an error at its first call;
 - rms_norm: every module of the model (in a decoder layer or not) that computes Llama's RMSNorm (a probe call at
   fuse time matches `llama_rms_norm` bit for bit; Gemma's 1 + weight does not) runs as `ops.rms_norm`, one kernel
   where the model runs eight; only where `ops` has rms_norm;
@@ -64,7 +68,7 @@ def _beside(name: str) -> types.ModuleType:
 
 recognise = _beside("hgemm_recognise")
 
-KINDS = ("qkv", "gate_up", "o_residual", "down_residual", "rms_norm", "rotary")
+KINDS = ("qkv", "gate_up", "mlp_act", "o_residual", "down_residual", "rms_norm", "rotary")
 _fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder layer -> _Layer (what fuse changed)
 _forwards: weakref.WeakSet = weakref.WeakSet()  # every module whose forward a fused layer replaced
 _classes: dict = {}  # (a module's class, a forward of this file, id(ops)) -> the subclass that runs it (ops kept alive)
@@ -102,7 +106,7 @@ class _Layer:
     """One fused decoder layer: the modules whose forward was replaced, and how to put everything back."""
 
     def __init__(self, name: str):
-        self.name, self.forwards, self.kinds, self.restore = name, [], [], []
+        self.name, self.forwards, self.kinds, self.restore, self.epilogues = name, [], [], [], []
 
     def set_forward(self, module: nn.Module, forward, ops=None, **state) -> None:
         """`module` runs `forward(self, ...)`: its class becomes the subclass of its own that has it (one per class,
@@ -185,7 +189,7 @@ def _gate_up_forward(self, x: torch.Tensor) -> torch.Tensor:
 def _gate_up(layer: _Layer, mlp: nn.Module, ops, kind: str) -> None:
     """gate and up (two projections, or one gate_up_proj of gate's rows then up's: `kind`) as one gated GEMM on
     their interleaved weight, the only copy."""
-    epilogue = recognise.gated_epilogue(recognise.act_of(mlp))
+    epilogue = recognise.gated_epilogue(recognise.act_of(mlp), _epilogue_module(ops))
     owners = (mlp.gate_proj, mlp.up_proj) if kind == "pair" else (mlp.gate_up_proj,)
     if epilogue is None or len({m.bias is None for m in owners}) > 1 or len({m.weight.shape for m in owners}) > 1:
         return None
@@ -220,6 +224,25 @@ def _gate_up(layer: _Layer, mlp: nn.Module, ops, kind: str) -> None:
 
     layer.restore.append(restore)
     layer.kinds.append("gate_up")
+    layer.epilogues.append(epilogue)
+
+
+def _act_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if self.training and self._hgemm_dropout:  # its dropouts are no identities: its own forward
+        return self._hgemm_base.forward(self, x)
+    first = getattr(self, self._hgemm_first)
+    return getattr(self, self._hgemm_second)(self._hgemm_ops.fused_linear(x, first.weight, first.bias,
+                                                                          self._hgemm_epilogue, None))
+
+
+def _act_mlp(layer: _Layer, mlp: nn.Module, ops, found: tuple[str, str, str]) -> None:
+    """An MLP second(act(first(x))) (recognise.plain_mlp's `found`) with the activation in the first GEMM."""
+    first, second, epilogue = found
+    dropout = any(isinstance(c, nn.Dropout) and c.p > 0 for c in mlp.children())
+    layer.set_forward(mlp, _act_mlp_forward, ops=ops, first=first, second=second, epilogue=epilogue,
+                      dropout=dropout)
+    layer.kinds.append("mlp_act")
+    layer.epilogues.append(epilogue)
 
 
 def _residual_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,7 +257,7 @@ def _residual_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """The decoder layer's steps with both residual adds left on o_proj and down_proj."""
+    """The decoder layer's steps with both residual adds left on o_proj and the MLP's last projection."""
     if args:  # arguments by position: by name, as the layer's own forward would pass them on
         bound = self._hgemm_signature.bind(self, hidden_states, *args, **kwargs).arguments
         kwargs = {**{k: v for k, v in bound.items() if k not in ("self", "hidden_states", "kwargs")},
@@ -243,8 +266,9 @@ def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.
     attn.o_proj._hgemm_residual = hidden_states
     out = attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
     hidden = _summed(attn, attn.o_proj, out[0] if isinstance(out, tuple) else out)  # o_proj added the residual
-    mlp.down_proj._hgemm_residual = hidden
-    return _summed(mlp, mlp.down_proj, mlp(self.post_attention_layernorm(hidden)))  # down_proj added it
+    down = getattr(mlp, self._hgemm_down)
+    down._hgemm_residual = hidden
+    return _summed(mlp, down, mlp(self.post_attention_layernorm(hidden)))  # down added it
 
 
 def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tensor:
@@ -258,17 +282,18 @@ def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tenso
     return out
 
 
-def _residuals(layer: _Layer, module: nn.Module, ops) -> None:
-    for proj in (module.self_attn.o_proj, module.mlp.down_proj):
+def _residuals(layer: _Layer, module: nn.Module, ops, down: str) -> None:
+    """The layer's residual adds in the epilogues of o_proj and of its MLP's last projection `down`."""
+    for proj in (module.self_attn.o_proj, getattr(module.mlp, down)):
         layer.set_forward(proj, _residual_forward, ops=ops, residual=None, sum=None)
-    layer.set_forward(module, _layer_forward, signature=inspect.signature(type(module).forward))
+    layer.set_forward(module, _layer_forward, signature=inspect.signature(type(module).forward), down=down)
     layer.kinds += ["o_residual", "down_residual"]
 
 
 def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
-    """Fuse every recognised decoder layer of `model`, every rotary embedding (is_rotary) and, where `norms` and
-    `ops` has rms_norm, every Llama-style RMSNorm (once; a fused layer is left alone); returns how many of each kind
-    (KINDS) were fused."""
+    """Fuse every recognised decoder layer of `model`, every MLP second(act(first(x))) (recognise.plain_mlp), every
+    rotary embedding (is_rotary) and, where `norms` and `ops` has rms_norm, every Llama-style RMSNorm (once; a
+    fused layer is left alone); returns how many of each kind (KINDS) were fused."""
     counts = dict.fromkeys(KINDS, 0)
     norms = norms and hasattr(ops, "rms_norm")
     for name, module in list(recognise.decoder_layers(model)):
@@ -278,16 +303,20 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
         with torch.no_grad():
             # probes first, on the modules as they are
             mlp = getattr(module, "mlp", None)
-            has_down = recognise.plain_linear(getattr(mlp, "down_proj", None))
-            gated, returns_down = recognise.probe_mlp(mlp) if has_down else (None, False)
-            llama = returns_down and recognise.llama_parts(module) and recognise.layer_is_llama(module)
+            plain = recognise.plain_mlp(mlp, _epilogue_module(ops)) if mlp is not None else None
+            first, down = plain[:2] if plain else ("up_proj", "down_proj")  # the MLP's first and last projection
+            has_down = recognise.plain_linear(getattr(mlp, down, None))
+            gated, returns_down = recognise.probe_mlp(mlp, down, first) if has_down else (None, False)
+            llama = returns_down and recognise.llama_parts(module, down) and recognise.layer_is_llama(module)
             attn = module.self_attn
             if all(recognise.plain_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj")):
                 _qkv(layer, attn, ops)
             if gated:
                 _gate_up(layer, mlp, ops, gated)
+            elif plain:
+                _act_mlp(layer, mlp, ops, plain)
             if llama:
-                _residuals(layer, module, ops)
+                _residuals(layer, module, ops, down)
             for norm in (getattr(module, n, None) for n in ("input_layernorm", "post_attention_layernorm")):
                 eps = recognise.rms_norm_eps(norm) if norms and norm is not None and not owns(norm) else None
                 if eps is not None:
@@ -296,13 +325,18 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             del _fused[module]
         for kind in layer.kinds:
             counts[kind] += 1
-    for name, module in list(model.named_modules()):  # rotary embeddings, and the norms outside decoder layers
+    for name, module in list(model.named_modules()):  # rotary embeddings, the norms and MLPs outside decoder layers
         if module in _fused or owns(module):
             continue
         eps = recognise.rms_norm_eps(module) if norms else None
+        with torch.no_grad():
+            plain = None if eps is not None else recognise.plain_mlp(module, _epilogue_module(ops))
         if eps is not None:
             _norm(_fused.setdefault(module, _Layer(name)), module, eps, ops)
             counts["rms_norm"] += 1
+        elif plain is not None:
+            _act_mlp(_fused.setdefault(module, _Layer(name)), module, ops, plain)
+            counts["mlp_act"] += 1
         elif recognise.is_rotary(module):
             layer = _fused.setdefault(module, _Layer(name))
             layer.set_forward(module, _rotary_forward)
@@ -335,16 +369,15 @@ def owns(module: nn.Module) -> bool:
 
 def describe(model: nn.Module) -> list[str]:
     """One line per fused layer: its name and what runs fused there."""
-    words = {"qkv": "q/k/v as one GEMM", "gate_up": "gate/up as one gated GEMM", "o_residual": "o_proj + residual",
+    words = {"qkv": "q/k/v as one GEMM", "gate_up": "gate/up as one gated GEMM",
+             "mlp_act": "the MLP's activation in its first GEMM", "o_residual": "o_proj + residual",
              "down_residual": "down_proj + residual", "rms_norm": "RMSNorm in one kernel",
              "rotary": "rotary frequencies by broadcasting, no matmul"}
     lines = []
     for module in model.modules():
         layer = _fused.get(module)
         if layer is not None:
-            extra = ""
-            if "gate_up" in layer.kinds:
-                extra = f" ({recognise.gated_epilogue(recognise.act_of(module.mlp))})"
+            extra = f" ({', '.join(layer.epilogues)})" if layer.epilogues else ""
             kinds = [k for k in KINDS if k in layer.kinds]
             norms = layer.kinds.count("rms_norm")
             lines.append(f"{layer.name}: " + ", ".join(words[k] if k != "rms_norm" or norms == 1 else

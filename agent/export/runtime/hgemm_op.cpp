@@ -38,6 +38,7 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/relu.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/square.h>
 #include <c10/core/DeviceGuard.h>
 
 #include "hgemm_cuda.h"
@@ -341,6 +342,10 @@ at::Tensor compose(const at::Tensor& y, int64_t epilogue, const std::optional<at
     case hgemm::kSilu:
     case hgemm::kGeluTanh:
       return act(y, epilogue == hgemm::kSilu);
+    case hgemm::kGelu:
+      return at::gelu(y);
+    case hgemm::kRelu2:
+      return at::square(at::relu(y));
     case hgemm::kSiluMul:
     case hgemm::kGeluMul: {  // gate and up interleaved in blocks of 8 columns: strided views, no copies
       const at::Tensor blocks = y.unflatten(-1, {y.size(-1) / 16, 2, 8});

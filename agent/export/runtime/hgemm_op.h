@@ -14,7 +14,7 @@
 namespace hgemm {
 
 // The fused epilogues, numbered as core/epilogue.py's EPILOGUES lists them (hgemm_ops passes the number).
-enum Epilogue : int { kNone = 0, kRelu, kSilu, kGeluTanh, kSiluMul, kGeluMul, kResidual, kEpilogues };
+enum Epilogue : int { kNone = 0, kRelu, kSilu, kGeluTanh, kGelu, kRelu2, kSiluMul, kGeluMul, kResidual, kEpilogues };
 inline bool gated(int epilogue) { return epilogue == kSiluMul || epilogue == kGeluMul; }
 
 constexpr size_t kMaxMaps = 4;  // A, B, C and the residual (b_panels: A and B twice)

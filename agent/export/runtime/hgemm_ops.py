@@ -10,8 +10,9 @@ per dtype and epilogue) and the RMSNorm's (`hgemm_norm.cu`, its cubins per dtype
 
 - `mm(a, b, bias=None)` is `torch.matmul(a, b)` (a (*, K), b K x N), with a bias `torch.addmm(bias, a, b)` (the
   bias fused); `linear(x, w, bias=None)` is `F.linear` (w N x K); `fused_linear(x, w, bias, epilogue,
-  residual=None)` is F.linear followed by a fused epilogue (hgemm_epilogue.py: relu, silu, gelu_tanh, silu_mul /
-  gelu_mul on a gate/up-interleaved w, residual: + R), computed in one kernel where one was exported for it;
+  residual=None)` is F.linear followed by a fused epilogue (hgemm_epilogue.py: relu, silu, gelu_tanh, gelu,
+  relu2, silu_mul / gelu_mul on a gate/up-interleaved w, residual: + R), computed in one kernel where one was
+  exported for it;
   `rms_norm(x, weight, eps)` is Llama's RMSNorm in one kernel (hgemm_norm.cu).
 - `patch(model, matmul=False, fuse=True)` fuses the model's decoder layers (hgemm_fuse.py: q/k/v as one GEMM,
   gate/up as one gated GEMM, o_proj and down_proj with the residual add), then routes each other `nn.Linear` whose

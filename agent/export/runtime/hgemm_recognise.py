@@ -1,5 +1,6 @@
 """Recognising what hgemm_fuse.py fuses in a Hugging Face model: decoder layers built as Llama's, MLPs that are
-down(act(gate(x)) * up(x)) (gate and up as two projections or one), Llama-style RMSNorms and rotary embeddings.
+down(act(gate(x)) * up(x)) (gate and up as two projections or one) or second(act(first(x))), the activations the
+epilogues compute, Llama-style RMSNorms and rotary embeddings.
 Each is recognised by its modules' names and types and by probe calls that must give the same values bit for bit as
 the steps the fused forwards run, not by its class: a model built otherwise (Gemma2's extra norms, Granite's
 residual multiplier, Gemma's 1 + weight) keeps its own code there. Shipped in an export beside hgemm_fuse.py, which
@@ -14,14 +15,31 @@ import torch
 from torch import nn
 
 
-def gated_epilogue(act: nn.Module) -> str | None:
-    """The gated epilogue of an MLP whose activation is `act`: silu_mul, gelu_mul (tanh GELU), or None."""
-    name = type(act).__name__
-    if isinstance(act, nn.SiLU) or name in ("SiLUActivation", "SiLU"):
-        return "silu_mul"
-    if (isinstance(act, nn.GELU) and act.approximate == "tanh") or "GELUTanh" in name or name == "PytorchGELUTanh":
-        return "gelu_mul"
-    return None
+def activation(act, epilogue) -> str | None:
+    """Which of the epilogues' activations (`epilogue`: core/epilogue.py, or the export's copy) the module `act`
+    computes: one without parameters, children or a forward of its own whose output on fp64 values from -12 to 12
+    is that activation's within 1e-9 (relative), so that a formula written out (transformers' NewGELUActivation for
+    the tanh GELU) counts as the function it computes, and one that is another function (QuickGELU, a clipped
+    GELU, ReLU squared) does not; or None."""
+    if (not isinstance(act, nn.Module) or list(act.parameters()) or list(act.children()) or list(act.buffers())
+            or "forward" in act.__dict__):
+        return None
+    x = torch.linspace(-12, 12, 4801, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            y = act(x.clone())  # a clone: an in-place activation may write its input
+    except Exception:  # a module that is no elementwise function
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype:
+        return None
+    return next((name for name in epilogue.ACTIVATIONS
+                 if torch.allclose(y, epilogue.activate(x, name), rtol=1e-9, atol=1e-12)), None)
+
+
+def gated_epilogue(act, epilogue) -> str | None:
+    """The gated epilogue of an MLP whose activation is `act` (silu_mul, gelu_mul: `activation` of their gate's
+    function), or None."""
+    return {gate: name for name, gate in epilogue.GATED.items()}.get(activation(act, epilogue))
 
 
 def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,13 +116,14 @@ def act_of(mlp: nn.Module) -> nn.Module | None:
     return act if act is not None else getattr(mlp, "activation_fn", None)
 
 
-def probe_mlp(mlp: nn.Module) -> tuple[str | None, bool]:
-    """One call of the MLP's own forward on random input, with a hook on down_proj: how it holds its gate and up
-    projections where it computes down(act(gate(x)) * up(x)) (the same values bit for bit): "pair" (gate_proj and
-    up_proj, Llama's), "merged" (one gate_up_proj whose rows are gate's, then up's, Phi-3's) or None; and whether it
-    returns down_proj's output as it is (the output object itself), so that a residual added in down_proj's epilogue
-    is what the layer adds."""
-    act, down = act_of(mlp), mlp.down_proj
+def probe_mlp(mlp: nn.Module, down: str = "down_proj", first: str = "up_proj") -> tuple[str | None, bool]:
+    """One call of the MLP's own forward on random input, with a hook on its last projection `down`: how it holds
+    its gate and up projections where it computes down(act(gate(x)) * up(x)) (the same values bit for bit): "pair"
+    (gate_proj and up_proj, Llama's), "merged" (one gate_up_proj whose rows are gate's, then up's, Phi-3's) or None;
+    and whether it returns down's output as it is (the output object itself), so that a residual added in down's
+    epilogue is what the layer adds. `first`: a projection of the MLP's input, for the probe's width where the MLP
+    has no gate."""
+    act, down = act_of(mlp), getattr(mlp, down)
     steps = None
     if act is not None and plain_linear(getattr(mlp, "gate_proj", None)) and plain_linear(getattr(mlp, "up_proj",
                                                                                                    None)):
@@ -120,7 +139,7 @@ def probe_mlp(mlp: nn.Module) -> tuple[str | None, bool]:
             gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
             return down(act(gate) * up)
     else:
-        kind, first = None, next(m for m in (getattr(mlp, "up_proj", None), down) if plain_linear(m))
+        kind, first = None, next(m for m in (getattr(mlp, first, None), down) if plain_linear(m))
     if first.weight.is_meta:
         return None, False
     x, seen = _probe_input(first.weight, 3, first.in_features), []
@@ -138,6 +157,34 @@ def probe_mlp(mlp: nn.Module) -> tuple[str | None, bool]:
         return None, returns_down
     ref = steps(x)
     return (kind if out.dtype == ref.dtype and torch.equal(out, ref) else None), returns_down
+
+
+def plain_mlp(m: nn.Module, epilogue) -> tuple[str, str, str] | None:
+    """(first, second, epilogue) of a module whose own forward computes second(act(first(x))) with two plain
+    nn.Linear children and an activation child the epilogues compute (`activation`; dropouts besides, nothing
+    else), checked by a probe call: the same values bit for bit; or None."""
+    children = dict(m.named_children())
+    linears = [n for n, c in children.items() if plain_linear(c)]
+    acts = [c for n, c in children.items() if n not in linears and not isinstance(c, nn.Dropout)]
+    if ("forward" in m.__dict__ or len(linears) != 2 or len(acts) != 1 or list(m.parameters(recurse=False))
+            or any(children[n].weight.is_meta for n in linears)):
+        return None
+    name = activation(acts[0], epilogue)
+    if name is None:
+        return None
+    for first, second in (linears, linears[::-1]):
+        lin1, lin2 = children[first], children[second]
+        if lin1.out_features != lin2.in_features or lin1.weight.dtype != lin2.weight.dtype:
+            continue
+        x = _probe_input(lin1.weight, 3, lin1.in_features)
+        try:
+            with torch.no_grad():
+                out, ref = type(m).forward(m, x), lin2(acts[0](lin1(x)))
+        except Exception:  # another signature
+            return None
+        if isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref):
+            return first, second, name
+    return None
 
 
 class _Stand(nn.Module):
@@ -196,9 +243,9 @@ def decoder_layers(model: nn.Module):
         yield name, m
 
 
-def llama_parts(layer: nn.Module) -> bool:
-    """Whether the layer has the parts Llama's steps name: o_proj and down_proj (plain nn.Linear), input_layernorm
-    and post_attention_layernorm."""
-    projections = getattr(layer.self_attn, "o_proj", None), getattr(getattr(layer, "mlp", None), "down_proj", None)
+def llama_parts(layer: nn.Module, down: str = "down_proj") -> bool:
+    """Whether the layer has the parts Llama's steps name: o_proj and the MLP's last projection `down` (plain
+    nn.Linear), input_layernorm and post_attention_layernorm."""
+    projections = getattr(layer.self_attn, "o_proj", None), getattr(getattr(layer, "mlp", None), down, None)
     norms = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
     return all(plain_linear(p) for p in projections) and all(isinstance(n, nn.Module) for n in norms)
