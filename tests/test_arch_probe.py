@@ -92,3 +92,29 @@ def test_hugging_face_llama_and_gemma2_tiny():
     assert llama["status"] == "ok" and llama["fused"]["o_residual"] == 2, llama  # two layers
     # Gemma2's norms after the attention and the MLP: q/k/v and gate/up only, never the residual adds
     assert gemma2["status"] == "ok" and "o_residual" not in gemma2["fused"] and gemma2["fused"]["qkv"] == 2, gemma2
+
+
+class FakeConfig:
+    """A config as transformers writes them: dimensions as attributes, a derived one as a read-only property, a
+    nested config (a multimodal model's text config)."""
+
+    model_type = "fake"
+
+    def __init__(self, nested: bool = True):
+        self.hidden_size, self.num_attention_heads, self.eos_token_id, self.name = 4096, 32, 50000, "kept"
+        self.text_config = FakeConfig(nested=False) if nested else None
+
+    @property
+    def head_dim(self):
+        return self.hidden_size // self.num_attention_heads
+
+    def to_dict(self):
+        return dict(vars(self))
+
+
+def test_shrink_sets_the_tiny_dimensions_inside_nested_configs_and_skips_read_only_ones():
+    config = FakeConfig()
+    probe.shrink(config)
+    for c in (config, config.text_config):
+        assert (c.hidden_size, c.num_attention_heads, c.head_dim, c.name) == (64, 4, 16, "kept")
+        assert c.eos_token_id == 2  # inside the tiny vocabulary

@@ -38,7 +38,7 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
         "n_embd": 64, "n_layer": 2, "n_head": 4, "d_model": 64, "num_layers": 2, "ffn_dim": 128,
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4, "n_routed_experts": 4,
         "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 64, "first_k_dense_replace": 1}
+        "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 64, "first_k_dense_replace": 1, "rotary_dim": 8}
 TOLERANCE = 1e-5
 TIMEOUT_S = 60  # an architecture's build, runs and checks; one that takes longer is skipped
 MEMORY_BYTES = 6 << 30  # an architecture's address space (configs with large defaults the tiny names miss)
@@ -79,14 +79,30 @@ def tiny_model(model_type: str) -> torch.nn.Module:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config = CONFIG_MAPPING[model_type]()
+    shrink(config)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def shrink(config, depth: int = 0) -> None:
+    """TINY's dimensions set on `config` where it has the name as a plain integer (not a property without a
+    setter), and on the configs inside it (a multimodal model's text and vision configs); token ids moved into the
+    tiny vocabulary."""
     for name, value in TINY.items():
+        prop = getattr(type(config), name, None)
+        if isinstance(prop, property) and prop.fset is None:
+            continue
         if hasattr(config, name) and isinstance(getattr(config, name), int | type(None)):
-            setattr(config, name, value)
+            try:
+                setattr(config, name, value)
+            except (AttributeError, ValueError, TypeError):  # a validated or derived field
+                pass
     for i, name in enumerate(("pad_token_id", "bos_token_id", "eos_token_id")):  # inside the tiny vocabulary
         if isinstance(getattr(config, name, None), int) and getattr(config, name) >= TINY["vocab_size"]:
             setattr(config, name, i)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).float().eval()
+    for sub in list(vars(config).values()) if depth < 2 else []:
+        if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):  # a nested config
+            shrink(sub, depth + 1)
 
 
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
