@@ -610,6 +610,40 @@ def test_the_recorder_names_the_fused_problems(tmp_path):
     assert hgemm_fuse.describe(model) == []  # put back
 
 
+class MatmulLinear(nn.Linear):
+    """Falcon's FalconLinear: x @ W.T, the same values as F.linear."""
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+class ScaledLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+def test_a_linear_subclass_counts_as_plain_only_where_it_computes_f_linear():
+    torch.manual_seed(0)
+    assert recognise.plain_linear(nn.Linear(8, 16)) and recognise.plain_linear(MatmulLinear(8, 16, bias=False))
+    assert not recognise.plain_linear(ScaledLinear(8, 16)) and not recognise.plain_linear(nn.Conv1d(8, 16, 1))
+    model, ids = plain_model(nn.GELU())
+    for layer in model.layers:  # Falcon's MLP: its projections are MatmulLinear
+        mlp = layer.mlp
+        for name in ("fc1", "fc2"):
+            old = getattr(mlp, name)
+            new = MatmulLinear(old.in_features, old.out_features, bias=False)
+            setattr(mlp, name, new)
+    with torch.no_grad():
+        ref = model(ids)
+    assert hgemm_fuse.fuse(model, TorchOps)["mlp_act"] == 2
+    with torch.no_grad():
+        assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    # a fused projection (its class runs a fusion's forward, here o_proj's with the residual) is not plain
+    assert not recognise.plain_linear(model.layers[0].self_attn.o_proj)
+    hgemm_fuse.unfuse(model)
+    assert recognise.plain_linear(model.layers[0].self_attn.o_proj)
+
+
 def test_the_recorder_names_a_plain_mlps_activation(tmp_path):
     model, ids = plain_model(nn.GELU(), ("up_proj", "down_proj"))
     model = model.half()

@@ -77,12 +77,12 @@ def patch(ops, model: nn.Module, matmul: bool = False, fuse_layers: bool = True,
           norms: bool = True) -> dict[str, int]:
     """Fuse `model`'s decoder layers (hgemm_fuse: their projections call ops.linear / ops.fused_linear, which run
     an exported kernel where one serves the call and PyTorch otherwise; with `norms` its Llama-style RMSNorms call
-    ops.rms_norm), then route its other nn.Linear layers (the class's own forward, weight N x K with a tuned
-    (N, K, dtype, bias)) through `linear` and its tuned transformers Conv1D layers (weight K x N) through `mm`; each
-    call still checks its M and operands and falls back to PyTorch (the same call) where they were not tuned.
-    matmul=True also runs the model's forward under MatmulMode (a TorchFunctionMode: it costs host time on every
-    torch call inside). Returns how many of each kind: the fusions (hgemm_fuse.KINDS) and the routed layers
-    ("linear")."""
+    ops.rms_norm), then route its other nn.Linear layers (nn.Linear's forward, or a subclass's that computes the
+    same: recognise.plain_linear; weight N x K with a tuned (N, K, dtype, bias)) through `linear` and its tuned
+    transformers Conv1D layers (weight K x N) through `mm`; each call still checks its M and operands and falls
+    back to PyTorch (the same call) where they were not tuned. matmul=True also runs the model's forward under
+    MatmulMode (a TorchFunctionMode: it costs host time on every torch call inside). Returns how many of each kind:
+    the fusions (hgemm_fuse.KINDS) and the routed layers ("linear")."""
     ops._resolve()
     counts = fuse.fuse(model, ops, norms) if fuse_layers else dict.fromkeys(fuse.KINDS, 0)
     tuned = {"nk": _tuned(ops, "nk"), "kn": _tuned(ops, "kn")}
@@ -92,7 +92,8 @@ def patch(ops, model: nn.Module, matmul: bool = False, fuse_layers: bool = True,
             continue
         if getattr(module, "weight", None) is None or module.weight.dim() != 2:  # a fused gate or up: no weight
             continue
-        if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+        if isinstance(module, nn.Linear) and (type(module).forward is nn.Linear.forward
+                                              or fuse.recognise.plain_linear(module)):
             layout, (n, k), call = "nk", module.weight.shape, "linear"
         elif _conv1d(module):
             layout, (k, n), call = "kn", module.weight.shape, "mm"

@@ -10,6 +10,7 @@ loads it.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 from torch import nn
@@ -107,7 +108,36 @@ def is_rotary(m: nn.Module) -> bool:
 
 
 def plain_linear(m) -> bool:
-    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and "forward" not in m.__dict__
+    """Whether `m` computes F.linear(x, m.weight, m.bias): an nn.Linear with nn.Linear's forward, or of a subclass
+    whose forward gives the same values bit for bit on a probe call (Falcon's FalconLinear, x @ W.T; checked once
+    per module and class); not one with a forward of its own in its instance dict, nor one a fusion runs."""
+    if not isinstance(m, nn.Linear) or "forward" in m.__dict__:
+        return False
+    cls = type(m)
+    if cls.forward is nn.Linear.forward:
+        return True
+    if "_hgemm_base" in vars(cls):  # a fused module's class (hgemm_fuse's set_forward)
+        return False
+    seen = _linear_like.get(m)
+    if seen is None or seen[0] is not cls:
+        seen = _linear_like[m] = (cls, _computes_linear(m))
+    return seen[1]
+
+
+_linear_like: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Linear -> (its class, plain_linear's probe)
+
+
+def _computes_linear(m: nn.Linear) -> bool:
+    w = m.weight
+    if w.is_meta or w.dim() != 2 or not w.is_floating_point():
+        return False
+    x = _probe_input(w, 3, w.shape[1])
+    try:
+        with torch.no_grad():
+            out, ref = type(m).forward(m, x), torch.nn.functional.linear(x, w, m.bias)
+    except Exception:  # another signature
+        return False
+    return isinstance(out, torch.Tensor) and out.dtype == ref.dtype and out.shape == ref.shape and torch.equal(out, ref)
 
 
 def act_of(mlp: nn.Module) -> nn.Module | None:
