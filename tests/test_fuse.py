@@ -186,9 +186,10 @@ def test_what_is_not_recognised_stays_as_it_is():
         assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
     hgemm_fuse.unfuse(model)
     model, ids = model_and_ids()
-    model.layers[0].forward = model.layers[0].forward  # a forward of its own (a hook's): that layer stays as it is
-    assert hgemm_fuse.fuse(model, TorchOps)["qkv"] == 1 and "forward" in vars(model.layers[0])
-    assert type(model.layers[0].self_attn.q_proj) is nn.Linear
+    model.layers[0].forward = model.layers[0].forward  # a forward of its own (a hook's): that layer stays as it is,
+    counts = hgemm_fuse.fuse(model, TorchOps)  # but for its attention's q/k/v, which are fused wherever they are
+    assert (counts["qkv"], counts["o_residual"]) == (2, 1) and "forward" in vars(model.layers[0])
+    assert type(model.layers[0]) is Layer and type(model.layers[0].self_attn.q_proj) is not nn.Linear
     hgemm_fuse.unfuse(model)
     plain = nn.Sequential(nn.Linear(8, 8))
     assert hgemm_fuse.fuse(plain, TorchOps) == dict.fromkeys(hgemm_fuse.KINDS, 0)
@@ -395,6 +396,41 @@ def test_an_moe_layer_fuses_its_qkv_and_leaves_its_experts_alone():
     assert model.layers[0].mlp.experts[0].gate_proj.weight.numel() > 0  # an expert's weights are its own still
     assert hgemm_fuse.describe(model)[0] == "layers.0: q/k/v as one GEMM, 2 RMSNorms in one kernel each"
     hgemm_fuse.unfuse(model)
+
+
+class CrossAttention(Attention):
+    """k and v from another input of the same width (an encoder's states): each runs its own rows of the merge."""
+
+    def forward(self, hidden_states, context):
+        return self.q_proj(hidden_states) + self.k_proj(context) * self.v_proj(context)
+
+
+class ValueFirstAttention(Attention):
+    def forward(self, hidden_states):
+        q, v = self.q_proj(hidden_states), self.v_proj(hidden_states)
+        return q + self.k_proj(hidden_states) * v
+
+
+def rows(calls) -> list:
+    return [c[1][0] for c in calls]
+
+
+def test_q_k_v_outside_decoder_layers_are_merged_and_q_runs_alone_once_a_product_goes_unused():
+    torch.manual_seed(0)
+    tower = nn.ModuleDict({"attn": CrossAttention(64, 4, 4, True), "self": ValueFirstAttention(64, 4, 4, True)})
+    x, ctx = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    with torch.no_grad():
+        ref, ref_self = tower.attn(x, ctx), tower.self(x)
+        assert hgemm_fuse.fuse(tower, TorchOps)["qkv"] == 2
+        TorchOps.calls = []
+        assert torch.allclose(tower.self(x), ref_self, atol=1e-6) and rows(TorchOps.calls) == [192]  # v before k
+        for merged in (True, False):  # the first call's product goes unused by k and v: q alone from the second
+            TorchOps.calls = []
+            assert torch.allclose(tower.attn(x, ctx), ref, atol=1e-6)
+            assert rows(TorchOps.calls) == [192 if merged else 64, 64, 64]
+        assert tower.attn.q_proj._hgemm_qkv.alone and not tower.self.q_proj._hgemm_qkv.alone
+        assert tower.attn.q_proj._hgemm_qkv.x is None  # nothing held
+    assert hgemm_fuse.unfuse(tower) == 2 and type(tower.attn.q_proj) is nn.Linear
 
 
 def test_projections_of_different_inputs_are_not_merged():

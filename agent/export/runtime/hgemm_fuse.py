@@ -4,39 +4,35 @@ Looked into: a decoder layer with an attention `self_attn` and, usually, an MLP 
 what in it is fused): Llama, Mistral, Qwen2 (q/k/v with biases), Phi-3 (q/k/v already one projection, gate and up one
 gate_up_proj) and any decoder built the same way fuse all of what follows; layers with norms after the attention
 and the MLP (Olmo2, Gemma2) their q/k/v and gate/up, and MoE layers their q/k/v (tools/arch_probe.py checks every
-causal LM of the installed transformers). What `fuse(model, ops)` does to each:
+causal LM of the installed transformers); outside such layers, attentions, gateless MLPs, norms and rotary
+embeddings on their own. What `fuse(model, ops)` does to each:
 
-- qkv: q, k and v as one GEMM of N = q + k + v on one merged weight (and merged biases); q_proj, k_proj and v_proj
-  keep their parameters as views of it (one copy), and the three calls the attention makes on the same input take
-  their columns of the one product;
-- gate_up: gate and up as one gated GEMM (`silu_mul`, or `gelu_mul` for a tanh-GELU), its weight the two
-  interleaved in blocks of 8 rows (hgemm_epilogue.interleave_gate_up), the only copy: gate_proj's and up_proj's
-  parameters (or gate_up_proj's) keep their identity but give up their storage until `unfuse` writes it back, bit
-  for bit; only where the MLP's own forward is down(act(gate(x)) * up(x)) (a probe call: the same values bit for
-  bit);
-- mlp_act: an MLP that is second(act(first(x))) (two plain nn.Linear children and an activation the epilogues
-  compute: relu, silu, the tanh or the erf GELU, relu squared; a probe call: the same values bit for bit), in a
-  decoder layer or anywhere in the model, runs the first GEMM with the activation in its epilogue (its dropouts,
-  identities in eval mode, are skipped; in training mode with a dropout it runs its own forward);
+- qkv: q, k and v as one GEMM of N = q + k + v on one merged weight (and merged biases), in any module with plain
+  q_proj, k_proj and v_proj; they keep their parameters as views of it (one copy), and the calls the attention
+  makes on the same input take their columns of the one product (where one goes unused, as a cross-attention's
+  would, q runs its own rows from then on);
+- gate_up: where the MLP's own forward is down(act(gate(x)) * up(x)) (a probe call: the same values bit for bit),
+  gate and up as one gated GEMM (`silu_mul`, or `gelu_mul` for a tanh-GELU), its weight the two interleaved in
+  blocks of 8 rows (hgemm_epilogue.interleave_gate_up), the only copy: gate_proj's and up_proj's parameters (or
+  gate_up_proj's) keep their identity but give up their storage until `unfuse` writes it back, bit for bit;
+- mlp_act: an MLP that is second(act(first(x))) (recognise.plain_mlp) runs its first GEMM with the activation in
+  its epilogue (its dropouts, identities in eval mode, skipped; in training mode with a dropout its own forward);
 - o_residual, down_residual: where the layer's own forward is Llama's, x + attn(norm1(x)) and then h + mlp(norm2(h)),
   returning a tensor (a probe call with the attention and the MLP stood in for by fixed functions: the same values
   bit for bit; Gemma2's extra norms and Granite's residual multiplier are not), and its MLP returns its last
   projection's output as it is (down_proj, or a plain MLP's second: a probe call), the layer runs as the same steps
   with the residual adds fused into o_proj and that projection (`residual` epilogue); an attention that changes
   o_proj's output before returning it is an error at its first call;
-- rms_norm: every module of the model (in a decoder layer or not) that computes Llama's RMSNorm (a probe call at
-  fuse time matches `llama_rms_norm` bit for bit; Gemma's 1 + weight does not) runs as `ops.rms_norm`, one kernel
-  where the model runs eight; only where `ops` has rms_norm;
-- rotary: a rotary embedding module whose (cos, sin) equal `rotary_cos_sin`'s bit for bit (a probe call at fuse
-  time; not the dynamic and long-context kinds, which change their frequencies as they run) computes its frequencies
-  by broadcasting, not by the batched matmul of K = 1 that older transformers versions run (a cuBLAS call that
-  torch.compile's default mode leaves outside its fused kernels).
+- rms_norm: every module that computes Llama's RMSNorm (recognise.rms_norm_eps; Gemma's 1 + weight does not) runs
+  as `ops.rms_norm`, one kernel where the model runs eight; only where `ops` has rms_norm;
+- rotary: a rotary embedding whose (cos, sin) equal `rotary_cos_sin`'s bit for bit (recognise.is_rotary) computes
+  its frequencies by broadcasting, not by the batched matmul of K = 1 that older transformers versions run (a
+  cuBLAS call that torch.compile's default mode leaves outside its fused kernels).
 
 `ops` computes: `ops.linear(x, w, bias)` (F.linear) and `ops.fused_linear(x, w, bias, epilogue, residual)` (and
-may carry `ops.epilogue`, core/epilogue.py as the export ships it);
-hgemm_ops passes itself (exported kernels, PyTorch where none serves), the shape recorder an object that records the
-problems and computes with PyTorch. What is not recognised stays as it is. Works eager, in CUDA graphs and under
-torch.compile(fullgraph=True).
+may carry `ops.epilogue`, core/epilogue.py as the export ships it); hgemm_ops passes itself (exported kernels,
+PyTorch where none serves), the shape recorder an object that records the problems and computes with PyTorch. What
+is not recognised stays as it is. Works eager, in CUDA graphs and under torch.compile(fullgraph=True).
 
 A fused module keeps its identity, parameters and place in the model; its class becomes a subclass of its own (same
 name) whose forward is one of this file's, reading what it needs from attributes `fuse` sets (`_hgemm_*`), so that
@@ -96,10 +92,15 @@ def _norm(layer: _Layer, m: nn.Module, eps: float, ops) -> None:
 
 
 class _Shared:
-    """What q, k and v's forwards share: the merged weight and bias, their columns, and the last merged product."""
+    """What q, k and v's forwards share: the merged weight and bias, their columns, the last merged product and its
+    input, which of k (1) and v (2) have yet to take their columns of it (`left`), and whether q runs alone
+    (`alone`: a product went unused before, as a cross-attention's would, whose k and v read another input or are
+    cached)."""
 
     def __init__(self, weight, bias, bounds):
-        self.weight, self.bias, self.bounds, self.x, self.y = weight, bias, bounds, None, None
+        self.weight, self.bias, self.bounds = weight, bias, bounds
+        self.x = self.y = None
+        self.left, self.alone = 0, False
 
 
 class _Layer:
@@ -135,15 +136,21 @@ class _Layer:
 
 def _qkv_forward(self, x: torch.Tensor) -> torch.Tensor:
     """q's forward runs the merged GEMM and keeps its product; k's and v's take their columns of it when their
-    input is the same tensor (v, the last, lets it go), else run their own rows of the merged weight."""
+    input is the same tensor (the product is let go once both have), else run their own rows of the merged weight.
+    Where a product went unused (q called again before k and v took theirs), q runs its own rows from then on."""
     shared, index = self._hgemm_qkv, self._hgemm_index
     lo, hi = shared.bounds[index]
     if index == 0:
-        shared.x, shared.y = x, self._hgemm_ops.linear(x, shared.weight, shared.bias)
-        return shared.y[..., lo:hi]
-    if shared.x is x:
+        if shared.x is not None:  # the last product was not taken by both k and v
+            shared.x = shared.y = None
+            shared.alone = True
+        if not shared.alone:
+            shared.x, shared.y, shared.left = x, self._hgemm_ops.linear(x, shared.weight, shared.bias), 3
+            return shared.y[..., lo:hi]
+    elif shared.x is x and shared.left & index:
         y = shared.y
-        if index == 2:
+        shared.left &= ~index
+        if not shared.left:
             shared.x = shared.y = None
         return y[..., lo:hi]
     return self._hgemm_ops.linear(x, shared.weight[lo:hi], None if shared.bias is None else shared.bias[lo:hi])
@@ -291,9 +298,10 @@ def _residuals(layer: _Layer, module: nn.Module, ops, down: str) -> None:
 
 
 def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
-    """Fuse every recognised decoder layer of `model`, every MLP second(act(first(x))) (recognise.plain_mlp), every
-    rotary embedding (is_rotary) and, where `norms` and `ops` has rms_norm, every Llama-style RMSNorm (once; a
-    fused layer is left alone); returns how many of each kind (KINDS) were fused."""
+    """Fuse every recognised decoder layer of `model`, then elsewhere every attention's q/k/v, MLP
+    second(act(first(x))) (recognise.plain_mlp), rotary embedding (is_rotary) and, where `norms` and `ops` has
+    rms_norm, Llama-style RMSNorm (once; a fused layer is left alone); returns how many of each kind (KINDS) were
+    fused."""
     counts = dict.fromkeys(KINDS, 0)
     norms = norms and hasattr(ops, "rms_norm")
     for name, module in list(recognise.decoder_layers(model)):
@@ -325,24 +333,35 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             del _fused[module]
         for kind in layer.kinds:
             counts[kind] += 1
-    for name, module in list(model.named_modules()):  # rotary embeddings, the norms and MLPs outside decoder layers
+    for name, module in list(model.named_modules()):  # what decoder layers do not hold
         if module in _fused or owns(module):
             continue
-        eps = recognise.rms_norm_eps(module) if norms else None
+        layer = _fused[module] = _Layer(name)
         with torch.no_grad():
-            plain = None if eps is not None else recognise.plain_mlp(module, _epilogue_module(ops))
-        if eps is not None:
-            _norm(_fused.setdefault(module, _Layer(name)), module, eps, ops)
-            counts["rms_norm"] += 1
-        elif plain is not None:
-            _act_mlp(_fused.setdefault(module, _Layer(name)), module, ops, plain)
-            counts["mlp_act"] += 1
-        elif recognise.is_rotary(module):
-            layer = _fused.setdefault(module, _Layer(name))
-            layer.set_forward(module, _rotary_forward)
-            layer.kinds.append("rotary")
-            counts["rotary"] += 1
+            _fuse_alone(layer, module, ops, norms)
+        if not layer.kinds:
+            del _fused[module]
+        for kind in layer.kinds:
+            counts[kind] += 1
     return counts
+
+
+def _fuse_alone(layer: _Layer, module: nn.Module, ops, norms: bool) -> None:
+    """A module outside the decoder layers `fuse` looks into, if it is one of: an attention with plain q_proj, k_proj
+    and v_proj (a vision tower's, a cross-attention's), a gateless MLP (recognise.plain_mlp), an RMSNorm (where
+    `norms`), a rotary embedding."""
+    if all(recognise.plain_linear(getattr(module, n, None)) for n in ("q_proj", "k_proj", "v_proj")):
+        _qkv(layer, module, ops)
+        return
+    eps = recognise.rms_norm_eps(module) if norms else None
+    plain = recognise.plain_mlp(module, _epilogue_module(ops)) if eps is None else None
+    if eps is not None:
+        _norm(layer, module, eps, ops)
+    elif plain is not None:
+        _act_mlp(layer, module, ops, plain)
+    elif recognise.is_rotary(module):
+        layer.set_forward(module, _rotary_forward)
+        layer.kinds.append("rotary")
 
 
 def unfuse(model: nn.Module) -> int:
