@@ -46,7 +46,7 @@ def add_run_options(r: argparse.ArgumentParser, gpu_list) -> None:
     r.add_argument("--mnk", metavar="M_N_K[,...]", help="one or more shapes, e.g. 4096_4096_4096; M may be a range, "
                    "1-512_4096_4096 (searched in buckets of M)")
     r.add_argument("--shapes", type=Path, metavar="FILE",
-                   help="file with one M_N_K[:layout[:dtype[:bias[:epilogue]]]] a line (M may be a range LO-HI), "
+                   help="file with one M_N_K[:layout[:dtype][:bias][:epilogue]] a line (M may be a range LO-HI), "
                         "'#' comments")
     r.add_argument("--b-layout", choices=B_LAYOUTS,
                    help="kn: B is K x N row-major (torch.matmul); nk: N x K row-major (nn.Linear weight) "

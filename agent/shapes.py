@@ -38,16 +38,18 @@ def parse_shape(text: str, b_layout: str = "kn", dtype: str = "f16", bias: bool 
     mnk, *fields = text.split(":")
     m = _SHAPE.match(mnk)
     if not m or len(fields) > 4 or "" in fields:
-        raise ShapeError(f"malformed shape {text!r}: expected M_N_K[:layout[:dtype[:bias][:epilogue]]] with three "
+        raise ShapeError(f"malformed shape {text!r}: expected M_N_K[:layout[:dtype][:bias][:epilogue]] with three "
                          "positive integers (M may be a range LO-HI), e.g. 4096_4096_4096, "
                          "16_28672_4096:nk:bf16:bias:silu_mul or 1-512_4096_4096:nk")
     if fields:
         if fields[0] not in B_LAYOUTS:
             raise ShapeError(f"shape {text!r}: unknown B layout {fields[0]!r}: use one of {', '.join(B_LAYOUTS)}")
         b_layout = fields[0]
-    if len(fields) > 1:
-        dtype, bias, epilogue = parse_dtype(fields[1]), False, "none"
-    rest = fields[2:]
+    rest = fields[1:]
+    if rest:  # the shape names its own dtype (or takes the default one), bias and epilogue
+        bias, epilogue = False, "none"
+        if rest[0] != "bias" and rest[0] not in EPILOGUES:
+            dtype, rest = parse_dtype(rest[0]), rest[1:]
     if rest and rest[0] == "bias":
         bias, rest = True, rest[1:]
     if rest:

@@ -64,6 +64,9 @@ def test_unknown_layout():
     ("16_4096_4096:nk:f16:residual", {"bias": True}, Problem(16, 4096, 4096, "nk", "f16", False, "residual")),
     ("16_4096_4096:nk:f16:bias", {"epilogue": "relu"}, Problem(16, 4096, 4096, "nk", "f16", True)),  # named: none
     ("16_4096_4096:nk", {"epilogue": "gelu_tanh"}, Problem(16, 4096, 4096, "nk", "f16", False, "gelu_tanh")),
+    # the dtype may be left out: --dtype's, with the shape's own bias and epilogue
+    ("16_4096_4096:nk:relu2", {"dtype": "bf16", "bias": True}, Problem(16, 4096, 4096, "nk", "bf16", False, "relu2")),
+    ("16_4096_4096:nk:bias:gelu", {}, Problem(16, 4096, 4096, "nk", "f16", True, "gelu")),
 ])
 def test_layout_dtype_and_bias_fields(text, defaults, problem):
     assert parse_shape(text, **defaults) == problem
