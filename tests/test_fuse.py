@@ -37,12 +37,19 @@ class RMSNorm(nn.Module):
 
 
 class GemmaRMSNorm(RMSNorm):
-    """Gemma's: times (1 + weight), in fp32. Not Llama's."""
+    """Gemma's: times (1 + weight), in fp32, rounded once. Not Llama's."""
 
     def forward(self, x):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class HalfScaleNorm(RMSNorm):
+    """Llama's steps with the weight halved: neither Llama's nor Gemma's."""
+
+    def forward(self, x):
+        return super().forward(x) * 0.5
 
 
 class WeightlessNorm(RMSNorm):
@@ -177,7 +184,7 @@ def test_each_fusion_is_recognised_and_the_logits_match(bias, act, epilogue):
 
 def test_what_is_not_recognised_stays_as_it_is():
     # an activation with no gated epilogue, a layer that returns a tuple, Gemma's norm
-    model, ids = model_and_ids(act=nn.ReLU(), layer=TupleLayer, norm=GemmaRMSNorm)
+    model, ids = model_and_ids(act=nn.ReLU(), layer=TupleLayer, norm=HalfScaleNorm)
     with torch.no_grad():
         ref = model(ids)
     assert hgemm_fuse.fuse(model, TorchOps) == {"qkv": 2, "gate_up": 0, "mlp_act": 0, "o_residual": 0,
@@ -691,17 +698,39 @@ def test_the_recorder_names_a_plain_mlps_activation(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_only_llamas_rms_norm_is_recognised_and_it_is_bit_identical(dtype):
+def test_only_llamas_and_gemmas_rms_norms_are_recognised_and_they_are_bit_identical(dtype):
     torch.manual_seed(1)
-    norm = RMSNorm(40, eps=1e-5).to(dtype)
-    assert recognise.rms_norm_eps(norm) == 1e-5
     x = torch.randn(2, 3, 40, dtype=dtype) * 4
-    assert torch.equal(recognise.llama_rms_norm(x, norm.weight, 1e-5), norm(x))
-    for other in (GemmaRMSNorm(40), WeightlessNorm(40), nn.LayerNorm(40), nn.Linear(40, 40)):
-        assert recognise.rms_norm_eps(other.to(dtype)) is None, type(other).__name__
+    for norm, unit_offset in ((RMSNorm(40, eps=1e-5), False), (GemmaRMSNorm(40, eps=1e-5), True)):
+        norm = norm.to(dtype)
+        assert recognise.rms_norm_of(norm) == (1e-5, unit_offset)
+        assert torch.equal(recognise.rms_norm_reference(unit_offset)(x, norm.weight, 1e-5), norm(x))
+    for other in (HalfScaleNorm(40), WeightlessNorm(40), nn.LayerNorm(40), nn.Linear(40, 40)):
+        assert recognise.rms_norm_of(other.to(dtype)) is None, type(other).__name__
     ones = WeightlessNorm(40)
     nn.init.ones_(ones.weight)  # here the two formulas agree: either computes what the module computes
-    assert recognise.rms_norm_eps(ones) == 1e-6
+    assert recognise.rms_norm_of(ones) == (1e-6, False)
+
+
+def test_a_gemma_model_runs_its_norms_as_the_kernel_with_the_unit_offset():
+    model, ids = model_and_ids(norm=GemmaRMSNorm)
+    with torch.no_grad():
+        ref = model(ids)
+    assert hgemm_fuse.fuse(model, TorchOps)["rms_norm"] == 5
+    seen = []
+    real = TorchOps.rms_norm
+
+    def rms_norm(x, w, eps, unit_offset=False):
+        seen.append(unit_offset)
+        return real(x, w, eps, unit_offset)
+    TorchOps.rms_norm = rms_norm
+    try:
+        with torch.no_grad():
+            assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    finally:
+        TorchOps.rms_norm = real
+    assert seen == [True] * 5
+    hgemm_fuse.unfuse(model)
 
 
 class MatmulRotary(nn.Module):

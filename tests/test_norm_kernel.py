@@ -1,4 +1,5 @@
-"""The export's RMSNorm kernel (runtime/hgemm_norm.cu): Llama's RMSNorm in one kernel for a patched model's norms.
+"""The export's RMSNorm kernel (runtime/hgemm_norm.cu): Llama's RMSNorm (and Gemma's, 1 + weight) in one kernel for a
+patched model's norms.
 Compiled per dtype for both archs at export and shipped in the manifest; registered in the compiled op (which
 refuses keys that are no helper kernel's); `rms_norm` is PyTorch's ops on the CPU and under torch.compile. On the GPU
 the kernel's output against the model's eight ops, through the compiled op and the Python launch path, in a CUDA
@@ -37,6 +38,7 @@ def test_an_export_ships_them_and_the_cpu_computes_the_models_ops(tmp_path, op_b
     assert ops.compiled() is not None, "the C++ extension did not build (see the warning)"
     x, w = torch.randn(3, 64).half(), torch.randn(64).half()
     assert torch.equal(ops.rms_norm(x, w, 1e-5), recognise.llama_rms_norm(x, w, 1e-5))
+    assert torch.equal(ops.rms_norm(x, w, 1e-5, True), recognise.gemma_rms_norm(x, w, 1e-5))
     compiled = torch.compile(lambda x, w: ops.rms_norm(x, w, 1e-5), fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x, w), recognise.llama_rms_norm(x, w, 1e-5))
     # the Python launch path knows both sections' kernels, and leaves CPU tensors to PyTorch
@@ -58,10 +60,12 @@ def test_on_the_gpu_it_is_the_models_norm_within_two_ulps(tmp_path, op_build_dir
         for shape in ((1, 4096), (5, 3584), (2, 1024, 4096), (7, 40), (3, 36)):  # 36: no kernel (h % 8), the ops
             x = torch.randn(*shape, device="cuda", dtype=dtype) * 3
             w = 1 + 0.2 * torch.randn(shape[-1], device="cuda", dtype=dtype)
-            want, got = recognise.llama_rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5)
-            assert got.shape == want.shape and got.dtype == want.dtype
-            off = ulps(got, want)
-            assert off.max() <= 2 and (off > 0).float().mean() < 0.01, (dtype, shape, off.max(), (off > 0).sum())
+            for unit_offset in (False, True):  # Llama's norm and Gemma's (1 + w, one rounding)
+                want = recognise.rms_norm_reference(unit_offset)(x, w, 1e-5)
+                got = ops.rms_norm(x, w, 1e-5, unit_offset)
+                assert got.shape == want.shape and got.dtype == want.dtype
+                off = ulps(got, want)
+                assert off.max() <= 2 and (off > 0).float().mean() < 0.01, (dtype, shape, off.max(), unit_offset)
         graph, static = torch.cuda.CUDAGraph(), torch.randn(4, 4096, device="cuda", dtype=dtype)
         w = torch.randn(4096, device="cuda", dtype=dtype)
         ops.rms_norm(static, w, 1e-6)

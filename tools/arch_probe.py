@@ -61,9 +61,9 @@ class TorchOps:
         return compose(F.linear(x, w, bias), Epilogue(epilogue), residual)
 
     @classmethod
-    def rms_norm(cls, x, w, eps):
+    def rms_norm(cls, x, w, eps, unit_offset=False):
         cls.calls.append(("rms_norm", tuple(w.shape)))
-        return hgemm_fuse.recognise.llama_rms_norm(x, w, eps)
+        return hgemm_fuse.recognise.rms_norm_reference(unit_offset)(x, w, eps)
 
 
 def causal_lms() -> list[str]:

@@ -5,7 +5,7 @@ the runtime files (runtime/: the Python module `hgemm_ops.py`, the compiled op's
 self-check; sandbox/driver.py as `hgemm_driver.py`) that run them on torch tensors and call cuBLAS where no kernel
 beat it; the gated fallback's kernel (runtime/hgemm_gated.cu) compiled per dtype and gated epilogue for the run's
 arch, which an unserved gated call runs after cuBLAS's GEMM (`gated_fallbacks`), and the RMSNorm kernel
-(runtime/hgemm_norm.cu) per dtype, which a patched model's Llama-style RMSNorm runs (`norm_kernels`)."""
+(runtime/hgemm_norm.cu) per dtype, which a patched model's Llama- and Gemma-style RMSNorms run (`norm_kernels`)."""
 
 from __future__ import annotations
 
@@ -118,9 +118,9 @@ def gated_fallbacks(out: Path, arch: str, notes: dict | None = None) -> dict[str
 
 
 def norm_kernels(out: Path, arch: str, notes: dict | None = None) -> dict[str, dict]:
-    """The RMSNorm kernel's cubins for `arch` (runtime/hgemm_norm.cu, which a patched model's Llama-style RMSNorm
-    runs), one per dtype: the manifest's "norm" entries ('rms_norm:f16' -> cubin and arch). One that does not build
-    is left out (those norms then run as the model's own ops)."""
+    """The RMSNorm kernel's cubins for `arch` (runtime/hgemm_norm.cu, which a patched model's Llama- and Gemma-style
+    RMSNorms run), one per dtype: the manifest's "norm" entries ('rms_norm:f16' -> cubin and arch). One that does
+    not build is left out (those norms then run as the model's own ops)."""
     return _runtime_cubins(out, arch, notes, "hgemm_norm.cu", {f"rms_norm:{dtype}": () for dtype in ("f16", "bf16")},
                            "norm", "RMSNorm")
 

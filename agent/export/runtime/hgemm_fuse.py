@@ -23,8 +23,8 @@ embeddings on their own. What `fuse(model, ops)` does to each:
   projection's output as it is (down_proj, or a plain MLP's second: a probe call), the layer runs as the same steps
   with the residual adds fused into o_proj and that projection (`residual` epilogue); an attention that changes
   o_proj's output before returning it is an error at its first call;
-- rms_norm: every module that computes Llama's RMSNorm (recognise.rms_norm_eps; Gemma's 1 + weight does not) runs
-  as `ops.rms_norm`, one kernel where the model runs eight; only where `ops` has rms_norm;
+- rms_norm: every module that computes Llama's RMSNorm or Gemma's (1 + weight; recognise.rms_norm_of) runs as
+  `ops.rms_norm`, one kernel where the model runs eight or nine; only where `ops` has rms_norm;
 - rotary: a rotary embedding whose (cos, sin) equal `rotary_cos_sin`'s bit for bit (recognise.is_rotary) computes
   its frequencies by broadcasting, not by the batched matmul of K = 1 that older transformers versions run (a
   cuBLAS call that torch.compile's default mode leaves outside its fused kernels).
@@ -83,11 +83,12 @@ def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self._hgemm_ops.rms_norm(x, self.weight, self._hgemm_eps)
+    return self._hgemm_ops.rms_norm(x, self.weight, self._hgemm_eps, self._hgemm_unit_offset)
 
 
-def _norm(layer: _Layer, m: nn.Module, eps: float, ops) -> None:
-    layer.set_forward(m, _norm_forward, ops=ops, eps=eps)
+def _norm(layer: _Layer, m: nn.Module, found: tuple[float, bool], ops) -> None:
+    """An RMSNorm (recognise.rms_norm_of's `found`: its epsilon, and whether it is Gemma's) as ops.rms_norm."""
+    layer.set_forward(m, _norm_forward, ops=ops, eps=found[0], unit_offset=found[1])
     layer.kinds.append("rms_norm")
 
 
@@ -326,9 +327,9 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             if llama:
                 _residuals(layer, module, ops, down)
             for norm in (getattr(module, n, None) for n in ("input_layernorm", "post_attention_layernorm")):
-                eps = recognise.rms_norm_eps(norm) if norms and norm is not None and not owns(norm) else None
-                if eps is not None:
-                    _norm(layer, norm, eps, ops)
+                found = recognise.rms_norm_of(norm) if norms and norm is not None and not owns(norm) else None
+                if found is not None:
+                    _norm(layer, norm, found, ops)
         if not layer.kinds:  # nothing recognised: the layer stays as it was
             del _fused[module]
         for kind in layer.kinds:
@@ -353,10 +354,10 @@ def _fuse_alone(layer: _Layer, module: nn.Module, ops, norms: bool) -> None:
     if all(recognise.plain_linear(getattr(module, n, None)) for n in ("q_proj", "k_proj", "v_proj")):
         _qkv(layer, module, ops)
         return
-    eps = recognise.rms_norm_eps(module) if norms else None
-    plain = recognise.plain_mlp(module, _epilogue_module(ops)) if eps is None else None
-    if eps is not None:
-        _norm(layer, module, eps, ops)
+    found = recognise.rms_norm_of(module) if norms else None
+    plain = recognise.plain_mlp(module, _epilogue_module(ops)) if found is None else None
+    if found is not None:
+        _norm(layer, module, found, ops)
     elif plain is not None:
         _act_mlp(layer, module, ops, plain)
     elif recognise.is_rotary(module):

@@ -55,8 +55,9 @@ class Helpers:
                         numpy.uint64(out.data_ptr()), numpy.int64(blocks))
         return out
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
-        """Llama's RMSNorm of x (rows x h) with weight w, a block a row, or None where no kernel serves it."""
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor | None:
+        """Llama's RMSNorm of x (rows x h) with weight w (Gemma's, 1 + w, with unit_offset), a block a row, or None
+        where no kernel serves it."""
         h = x.shape[-1] if x.dim() else 0
         fn = self.function("rms_norm", x) if (w.dim() == 1 and h and w.shape[0] == h and h % 8 == 0
                                               and x.numel() // h < 2**31) else None
@@ -67,5 +68,5 @@ class Helpers:
         out = torch.empty_like(x)
         if x.numel():
             self.launch(fn, x.numel() // h, x, numpy.uint64(x.data_ptr()), numpy.uint64(w.data_ptr()),
-                        numpy.uint64(out.data_ptr()), numpy.int32(h), numpy.float32(eps))
+                        numpy.uint64(out.data_ptr()), numpy.int32(h), numpy.float32(eps), numpy.int32(unit_offset))
         return out

@@ -1,16 +1,18 @@
 // The RMSNorm of an hgemm-agent export: Llama's RMSNorm (transformers' LlamaRMSNorm, Mistral's, Qwen2's) of x
 // (rows x h elements, row-major, contiguous, h a multiple of 8) with weight w (h elements, x's dtype) into out, in
-// one kernel where the model runs eight (to fp32, square, mean, + eps, rsqrt, scale, to the dtype, times w).
+// one kernel where the model runs eight (to fp32, square, mean, + eps, rsqrt, scale, to the dtype, times w); with
+// unit_offset, Gemma's (GemmaRMSNorm, Qwen3-Next's: the weight stored as w - 1, nine ops).
 // One block a row: each thread sums the squares of its 8-element blocks in fp32, the block adds the sums up, and
-// the row's scale r = rsqrt(sum * (1 / h) + eps) is applied as the model rounds: x * r in fp32 rounded to the dtype,
-// then w times that rounded value in fp32, rounded.
+// the row's scale r = rsqrt(sum * (1 / h) + eps) is applied as the model rounds: Llama's x * r in fp32 rounded to
+// the dtype, then w times that rounded value in fp32, rounded; Gemma's x * r times (1 + w) in fp32, rounded once.
 // Compiled by NVRTC once per dtype with -DHGEMM_BF16=0|1, core/epilogue.py's to_f32 for the dtype, hgemm_dtype.cuh's
 // text (Block, rounded) and core/overlap.py's device code in front of it (agent/export/writer.py).
 
 #define THREADS 256
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-hgemm(const Block* __restrict__ x, const Block* __restrict__ w, Block* __restrict__ out, int h, float eps) {
+hgemm(const Block* __restrict__ x, const Block* __restrict__ w, Block* __restrict__ out, int h, float eps,
+      int unit_offset) {
     __shared__ float partial[THREADS / 32];
     overlap_wait();  // launched overlapped: the kernel ahead (x's writer) has finished (core/overlap.py)
     overlap_release();
@@ -40,9 +42,15 @@ hgemm(const Block* __restrict__ x, const Block* __restrict__ w, Block* __restric
     for (int i = threadIdx.x; i < blocks; i += THREADS) {
         const Block v = row[i], g = w[i];
         Block o;
+        if (unit_offset) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-            o.h[j] = rounded(to_f32(g.h[j]) * to_f32(rounded(to_f32(v.h[j]) * r)));
+            for (int j = 0; j < 8; ++j)
+                o.h[j] = rounded((to_f32(v.h[j]) * r) * (1.0f + to_f32(g.h[j])));
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                o.h[j] = rounded(to_f32(g.h[j]) * to_f32(rounded(to_f32(v.h[j]) * r)));
+        }
         dst[i] = o;
     }
 }

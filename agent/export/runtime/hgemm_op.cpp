@@ -395,7 +395,7 @@ at::Tensor run(const at::Tensor& a, const at::Tensor& b, const std::optional<at:
 bool overlap_enabled() { return overlap_switch().load(); }
 bool set_overlap(bool enabled) { return overlap_switch().exchange(enabled); }
 
-std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset) {
   const int64_t h = x.dim() >= 1 ? x.size(-1) : 0;
   if (!plain_cuda(x) || !plain_cuda(w) || w.dim() != 1 || w.size(0) != h || h % 8 != 0 || h == 0 ||
       h > (int64_t{1} << 30) || x.numel() / h >= (int64_t{1} << 31) || w.scalar_type() != x.scalar_type() ||
@@ -412,7 +412,8 @@ std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, dou
   void* out_ptr = out.data_ptr();
   int hidden = static_cast<int>(h);
   float epsilon = static_cast<float>(eps);
-  void* params[5] = {&x_ptr, &w_ptr, &out_ptr, &hidden, &epsilon};
+  int offset = unit_offset ? 1 : 0;
+  void* params[6] = {&x_ptr, &w_ptr, &out_ptr, &hidden, &epsilon, &offset};
   launch_helper(fn, static_cast<unsigned>(rows), x, params);  // a block a row
   return out;
 }

@@ -51,15 +51,29 @@ def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * h.to(x.dtype)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' GemmaRMSNorm.forward (Qwen3-Next's too), op for op: x in fp32 times rsqrt(mean(x^2) + eps),
+    times 1 + weight in fp32, rounded once to x's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
+def rms_norm_reference(unit_offset: bool):
+    """The RMSNorm a norm kernel call computes: Llama's, or with unit_offset Gemma's."""
+    return gemma_rms_norm if unit_offset else llama_rms_norm
+
+
 def _probe_input(like: torch.Tensor, *shape: int, scale: float = 2.0) -> torch.Tensor:
     """Seeded random values of `shape` on `like`'s device and in its dtype, large enough that functions bend on them."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     return (torch.randn(*shape, generator=gen) * scale).to(device=like.device, dtype=like.dtype)
 
 
-def rms_norm_eps(m: nn.Module) -> float | None:
-    """The epsilon of a module that computes Llama's RMSNorm with its one parameter `weight` (checked by a probe
-    call against llama_rms_norm: the same values bit for bit), or None."""
+def rms_norm_of(m: nn.Module) -> tuple[float, bool] | None:
+    """(epsilon, unit_offset) of a module that computes Llama's RMSNorm (unit_offset False) or Gemma's (1 + weight:
+    True) with its one parameter `weight` (checked by a probe call against llama_rms_norm and gemma_rms_norm: the
+    same values bit for bit), or None."""
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     w = getattr(m, "weight", None)
     if (not isinstance(eps, float) or not isinstance(w, nn.Parameter) or w.dim() != 1 or w.numel() == 0
@@ -71,8 +85,11 @@ def rms_norm_eps(m: nn.Module) -> float | None:
             out = type(m).forward(m, x)
     except Exception:  # a forward that takes more than one tensor, or not this one
         return None
-    ref = llama_rms_norm(x, w.detach(), eps)
-    return eps if isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref) else None
+    for unit_offset in (False, True):
+        ref = rms_norm_reference(unit_offset)(x, w.detach(), eps)
+        if isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref):
+            return eps, unit_offset
+    return None
 
 
 def rotary_cos_sin(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor,
