@@ -26,6 +26,11 @@ CONFIGS = {
                       dict(hidden_size=4608, intermediate_size=18432, num_attention_heads=36, num_key_value_heads=4,
                            vocab_size=49152, max_position_embeddings=16384, rope_theta=1000000.0, use_bias=True,
                            hidden_act="gelu_pytorch_tanh", bos_token_id=0, eos_token_id=0)),
+    # Gemma-2-9B: hidden 3584, intermediate 14336, 16 heads of 256, 8 KV heads, tanh-GELU gated MLP, Gemma's norms
+    # (1 + weight) before and after the attention and the MLP
+    "gemma2-9b": ("Gemma2Config", "Gemma2ForCausalLM",
+                  dict(hidden_size=3584, intermediate_size=14336, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=256, vocab_size=256000, max_position_embeddings=8192)),
     "tiny": ("LlamaConfig", "LlamaForCausalLM",
              dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
                   vocab_size=1024, max_position_embeddings=4096)),
