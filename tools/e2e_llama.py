@@ -2,7 +2,8 @@
 Gemma-2-9B's dimensions (tools/e2e_models.py), a few layers, random weights, fp16 or bf16, on the GPU.
 
     python tools/e2e_llama.py [--model llama3-8b|qwen2-7b|starcoder2-7b|gemma2-9b] [--dtype f16|bf16]
-        [--run RUN | --export DIR] [--budget-minutes 6] [--max-candidates 8] [--modes eager,graphs,compile,max-autotune,overlap]
+        [--run RUN | --export DIR] [--budget-minutes 6] [--max-candidates 8]
+        [--modes eager,graphs,compile,max-autotune,overlap]
 
 1. Records the problems the patched model will run (agent.record_gemm_shapes with the model: q/k/v merged, gate/up
    as one gated GEMM, o_proj and down_proj with the residual add) for the prefills (1 x 2048 tokens; or several
