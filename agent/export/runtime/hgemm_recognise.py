@@ -1,9 +1,9 @@
 """Recognising what hgemm_fuse.py fuses in a Hugging Face model: decoder layers built as Llama's, MLPs that are
 down(act(gate(x)) * up(x)) (gate and up as two projections or one) or second(act(first(x))), the activations the
-epilogues compute, Llama-style RMSNorms and rotary embeddings.
+epilogues compute, Llama- and Gemma-style RMSNorms, Linear subclasses that compute F.linear, rotary embeddings.
 Each is recognised by its modules' names and types and by probe calls that must give the same values bit for bit as
 the steps the fused forwards run, not by its class: a model built otherwise (Gemma2's extra norms, Granite's
-residual multiplier, Gemma's 1 + weight) keeps its own code there. Shipped in an export beside hgemm_fuse.py, which
+residual multiplier) keeps its own code there. Shipped in an export beside hgemm_fuse.py, which
 loads it.
 """
 
