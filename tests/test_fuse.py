@@ -154,10 +154,11 @@ def test_each_fusion_is_recognised_and_the_logits_match(bias, act, epilogue):
     before, size = {n: p.detach().clone() for n, p in params.items()}, storage_bytes(model)
     classes, text = {n: type(m) for n, m in model.named_modules()}, repr(model)
     assert hgemm_fuse.fuse(model, TorchOps) == {"qkv": 2, "gate_up": 2, "mlp_act": 0, "o_residual": 2,
-                                                "down_residual": 2, "rms_norm": 5, "rotary": 0}  # 2 a layer, 1 final
+                                                "down_residual": 2, "norm_residual": 0, "rms_norm": 5,
+                                                "rotary": 0}  # 2 a layer, 1 final
     assert storage_bytes(model) == size  # merged buffers replace the parameters' storage: nothing held twice
     assert repr(model) == text and all(isinstance(m, classes[n]) for n, m in model.named_modules())
-    assert type(model.layers[0]).forward is hgemm_fuse._layer_forward  # the class's: one path to each module
+    assert type(model.layers[0]).forward is hgemm_fuse.steps._layer_forward  # the class's: one path to each module
     assert hgemm_fuse.fuse(model, TorchOps) == dict.fromkeys(hgemm_fuse.KINDS, 0)  # fused once
     TorchOps.calls = []
     with torch.no_grad():
@@ -188,7 +189,8 @@ def test_what_is_not_recognised_stays_as_it_is():
     with torch.no_grad():
         ref = model(ids)
     assert hgemm_fuse.fuse(model, TorchOps) == {"qkv": 2, "gate_up": 0, "mlp_act": 0, "o_residual": 0,
-                                                "down_residual": 0, "rms_norm": 0, "rotary": 0}
+                                                "down_residual": 0, "norm_residual": 0, "rms_norm": 0,
+                                                "rotary": 0}
     with torch.no_grad():
         assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
     hgemm_fuse.unfuse(model)
@@ -324,6 +326,21 @@ class ScaledOutputAttention(Attention):
         return out * 0.5, weights
 
 
+def forward_seeing_norms(model, ids) -> tuple[torch.Tensor, list[tuple[bool, bool]]]:
+    """The model's output, and (unit_offset, residual given) of each ops.rms_norm call it made."""
+    seen, real = [], TorchOps.rms_norm
+
+    def rms_norm(x, w, eps, unit_offset=False, residual=None):
+        seen.append((unit_offset, residual is not None))
+        return real(x, w, eps, unit_offset, residual)
+    TorchOps.rms_norm = rms_norm
+    try:
+        with torch.no_grad():
+            return model(ids), seen
+    finally:
+        TorchOps.rms_norm = real
+
+
 def fused_as_before(model, ids) -> tuple[int, int, int, int]:
     """Fuses the model with PyTorch's ops, checks its logits against the unfused model's, unfuses it; the counts of
     q/k/v, gate/up, o_proj and down_proj residual fusions."""
@@ -336,13 +353,34 @@ def fused_as_before(model, ids) -> tuple[int, int, int, int]:
     return counts["qkv"], counts["gate_up"], counts["o_residual"], counts["down_residual"]
 
 
-@pytest.mark.parametrize("layer", [SandwichLayer, ScaledResidualLayer])
-def test_a_layer_whose_steps_are_not_llamas_keeps_its_residual_adds(layer):
-    model, ids = model_and_ids(layer=layer)
+def test_a_layer_whose_steps_are_neither_llamas_nor_post_norm_keeps_its_residual_adds():
+    model, ids = model_and_ids(layer=ScaledResidualLayer)
     assert fused_as_before(model, ids) == (2, 2, 0, 0)
-    hgemm_fuse.fuse(model, TorchOps)
-    assert type(model.layers[0]).forward is layer.forward
+    assert hgemm_fuse.fuse(model, TorchOps)["norm_residual"] == 0
+    assert type(model.layers[0]).forward is ScaledResidualLayer.forward
     hgemm_fuse.unfuse(model)
+
+
+@pytest.mark.parametrize("norm", [RMSNorm, GemmaRMSNorm])
+@pytest.mark.parametrize("layer", ["sandwich", "post_norm"])
+def test_a_post_norm_layer_adds_each_residual_in_the_norm_before_it(layer, norm):
+    """Gemma 2's steps (norms before and after the attention and the MLP) and Olmo 2's (after only): the norm after
+    each block and the add after it in one rms_norm call."""
+    model, ids = model_and_ids(layer=SandwichLayer if layer == "sandwich" else PostNormLayer, norm=norm)
+    with torch.no_grad():
+        ref = model(ids)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert (counts["qkv"], counts["gate_up"], counts["o_residual"], counts["norm_residual"]) == (2, 2, 0, 2)
+    assert type(model.layers[0]).forward is hgemm_fuse.steps._post_norm_forward
+    out, seen = forward_seeing_norms(model, ids)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    assert [residual for _, residual in seen].count(True) == 4  # two a layer, each with its residual
+    assert "post-norms + residual in one kernel each" in hgemm_fuse.describe(model)[0]
+    assert hgemm_fuse.unfuse(model) >= 2 and type(model.layers[0]).forward is not hgemm_fuse.steps._post_norm_forward
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref)
 
 
 class PostNormLayer(nn.Module):
@@ -390,9 +428,15 @@ class SparseMoELayer(Layer):
         return h + self.block_sparse_moe(self.post_attention_layernorm(h))
 
 
-def test_a_post_norm_layer_fuses_its_projections_and_keeps_its_adds():
+def test_a_post_norm_layer_fuses_its_projections_and_keeps_its_adds_without_the_norm_kernel():
     model, ids = model_and_ids(layer=PostNormLayer)
-    assert fused_as_before(model, ids) == (2, 2, 0, 0)
+    with torch.no_grad():
+        ref = model(ids)
+    counts = hgemm_fuse.fuse(model, TorchOps, norms=False)  # the adds go into the norm kernel only
+    assert (counts["qkv"], counts["gate_up"], counts["norm_residual"]) == (2, 2, 0)
+    with torch.no_grad():
+        assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    hgemm_fuse.unfuse(model)
 
 
 def test_an_moe_layer_fuses_its_qkv_and_leaves_its_experts_alone():
@@ -717,19 +761,8 @@ def test_a_gemma_model_runs_its_norms_as_the_kernel_with_the_unit_offset():
     with torch.no_grad():
         ref = model(ids)
     assert hgemm_fuse.fuse(model, TorchOps)["rms_norm"] == 5
-    seen = []
-    real = TorchOps.rms_norm
-
-    def rms_norm(x, w, eps, unit_offset=False):
-        seen.append(unit_offset)
-        return real(x, w, eps, unit_offset)
-    TorchOps.rms_norm = rms_norm
-    try:
-        with torch.no_grad():
-            assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
-    finally:
-        TorchOps.rms_norm = real
-    assert seen == [True] * 5
+    out, seen = forward_seeing_norms(model, ids)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5) and seen == [(True, False)] * 5
     hgemm_fuse.unfuse(model)
 
 

@@ -39,6 +39,8 @@ def test_an_export_ships_them_and_the_cpu_computes_the_models_ops(tmp_path, op_b
     x, w = torch.randn(3, 64).half(), torch.randn(64).half()
     assert torch.equal(ops.rms_norm(x, w, 1e-5), recognise.llama_rms_norm(x, w, 1e-5))
     assert torch.equal(ops.rms_norm(x, w, 1e-5, True), recognise.gemma_rms_norm(x, w, 1e-5))
+    r = torch.randn(3, 64).half()
+    assert torch.equal(ops.rms_norm(x, w, 1e-5, True, r), r + recognise.gemma_rms_norm(x, w, 1e-5))
     compiled = torch.compile(lambda x, w: ops.rms_norm(x, w, 1e-5), fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x, w), recognise.llama_rms_norm(x, w, 1e-5))
     # the Python launch path knows both sections' kernels, and leaves CPU tensors to PyTorch
@@ -60,12 +62,19 @@ def test_on_the_gpu_it_is_the_models_norm_within_two_ulps(tmp_path, op_build_dir
         for shape in ((1, 4096), (5, 3584), (2, 1024, 4096), (7, 40), (3, 36)):  # 36: no kernel (h % 8), the ops
             x = torch.randn(*shape, device="cuda", dtype=dtype) * 3
             w = 1 + 0.2 * torch.randn(shape[-1], device="cuda", dtype=dtype)
-            for unit_offset in (False, True):  # Llama's norm and Gemma's (1 + w, one rounding)
-                want = recognise.rms_norm_reference(unit_offset)(x, w, 1e-5)
-                got = ops.rms_norm(x, w, 1e-5, unit_offset)
+            r = torch.randn_like(x)
+            for unit_offset, residual in ((False, None), (True, None), (True, r), (False, r)):  # Llama's, Gemma's
+                norm = recognise.rms_norm_reference(unit_offset)(x, w, 1e-5)  # (1 + w, one rounding), + residual
+                want = norm if residual is None else residual + norm
+                got = ops.rms_norm(x, w, 1e-5, unit_offset, residual)
                 assert got.shape == want.shape and got.dtype == want.dtype
-                off = ulps(got, want)
-                assert off.max() <= 2 and (off > 0).float().mean() < 0.01, (dtype, shape, off.max(), unit_offset)
+                if residual is None:
+                    off = ulps(got, want)
+                    assert off.max() <= 2 and (off > 0).float().mean() < 0.01, (dtype, shape, off.max(), unit_offset)
+                else:  # a sum that cancels turns the norm's ulp into many of its own: bound by the addends' size
+                    scale = (norm.float().abs() + residual.float().abs()) * torch.finfo(dtype).eps
+                    off = (got.float() - want.float()).abs()
+                    assert (off <= 2 * scale).all() and (off > 0).float().mean() < 0.01, (dtype, shape, unit_offset)
         graph, static = torch.cuda.CUDAGraph(), torch.randn(4, 4096, device="cuda", dtype=dtype)
         w = torch.randn(4096, device="cuda", dtype=dtype)
         ops.rms_norm(static, w, 1e-6)

@@ -22,7 +22,10 @@ embeddings on their own. What `fuse(model, ops)` does to each:
   bit for bit; Gemma2's extra norms and Granite's residual multiplier are not), and its MLP returns its last
   projection's output as it is (down_proj, or a plain MLP's second: a probe call), the layer runs as the same steps
   with the residual adds fused into o_proj and that projection (`residual` epilogue); an attention that changes
-  o_proj's output before returning it is an error at its first call;
+  o_proj's output before returning it is an error at its first call (hgemm_steps.py);
+- norm_residual: where the layer's steps put a norm after the attention and after the MLP, each before its residual
+  add (Gemma 2's, Olmo 2's; the same probe), and `ops` has rms_norm, each of those norms and its add run as one
+  ops.rms_norm call (hgemm_steps.py);
 - rms_norm: every module that computes Llama's RMSNorm or Gemma's (1 + weight; recognise.rms_norm_of) runs as
   `ops.rms_norm`, one kernel where the model runs eight or nine; only where `ops` has rms_norm;
 - rotary: a rotary embedding whose (cos, sin) equal `rotary_cos_sin`'s bit for bit (recognise.is_rotary) computes
@@ -42,7 +45,6 @@ torch.compile reaches every module by one path (closures over modules made dynam
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import sys
 import types
 import weakref
@@ -63,8 +65,9 @@ def _beside(name: str) -> types.ModuleType:
 
 
 recognise = _beside("hgemm_recognise")
+steps = _beside("hgemm_steps")
 
-KINDS = ("qkv", "gate_up", "mlp_act", "o_residual", "down_residual", "rms_norm", "rotary")
+KINDS = ("qkv", "gate_up", "mlp_act", "o_residual", "down_residual", "norm_residual", "rms_norm", "rotary")
 _fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder layer -> _Layer (what fuse changed)
 _forwards: weakref.WeakSet = weakref.WeakSet()  # every module whose forward a fused layer replaced
 _classes: dict = {}  # (a module's class, a forward of this file, id(ops)) -> the subclass that runs it (ops kept alive)
@@ -253,51 +256,6 @@ def _act_mlp(layer: _Layer, mlp: nn.Module, ops, found: tuple[str, str, str]) ->
     layer.epilogues.append(epilogue)
 
 
-def _residual_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """A projection that adds the residual its layer left on it (once), in the GEMM's epilogue; it keeps the sum
-    for its layer to check that the sum is what the attention returns."""
-    r = self._hgemm_residual
-    if r is None:
-        return self._hgemm_ops.linear(x, self.weight, self.bias)
-    self._hgemm_residual = None
-    self._hgemm_sum = self._hgemm_ops.fused_linear(x, self.weight, self.bias, "residual", r)
-    return self._hgemm_sum
-
-
-def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """The decoder layer's steps with both residual adds left on o_proj and the MLP's last projection."""
-    if args:  # arguments by position: by name, as the layer's own forward would pass them on
-        bound = self._hgemm_signature.bind(self, hidden_states, *args, **kwargs).arguments
-        kwargs = {**{k: v for k, v in bound.items() if k not in ("self", "hidden_states", "kwargs")},
-                  **bound.get("kwargs", {})}
-    attn, mlp = self.self_attn, self.mlp
-    attn.o_proj._hgemm_residual = hidden_states
-    out = attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
-    hidden = _summed(attn, attn.o_proj, out[0] if isinstance(out, tuple) else out)  # o_proj added the residual
-    down = getattr(mlp, self._hgemm_down)
-    down._hgemm_residual = hidden
-    return _summed(mlp, down, mlp(self.post_attention_layernorm(hidden)))  # down added it
-
-
-def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tensor:
-    """`out`, the block's output, after checking that it is the sum its projection computed (a block that changes
-    its projection's output, or does not call it, would have the residual added in the wrong place or not at all)."""
-    if out is not proj._hgemm_sum:
-        proj._hgemm_residual = None
-        raise RuntimeError(f"hgemm: {type(block).__name__} returns something other than its {type(proj).__name__}'s "
-                           "output with the residual fused into it; patch this model with fuse=False")
-    proj._hgemm_sum = None
-    return out
-
-
-def _residuals(layer: _Layer, module: nn.Module, ops, down: str) -> None:
-    """The layer's residual adds in the epilogues of o_proj and of its MLP's last projection `down`."""
-    for proj in (module.self_attn.o_proj, getattr(module.mlp, down)):
-        layer.set_forward(proj, _residual_forward, ops=ops, residual=None, sum=None)
-    layer.set_forward(module, _layer_forward, signature=inspect.signature(type(module).forward), down=down)
-    layer.kinds += ["o_residual", "down_residual"]
-
-
 def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
     """Fuse every recognised decoder layer of `model`, then elsewhere every attention's q/k/v, MLP
     second(act(first(x))) (recognise.plain_mlp), rotary embedding (is_rotary) and, where `norms` and `ops` has
@@ -316,7 +274,10 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             first, down = plain[:2] if plain else ("up_proj", "down_proj")  # the MLP's first and last projection
             has_down = recognise.plain_linear(getattr(mlp, down, None))
             gated, returns_down = recognise.probe_mlp(mlp, down, first) if has_down else (None, False)
-            llama = returns_down and recognise.llama_parts(module, down) and recognise.layer_is_llama(module)
+            kind = recognise.layer_steps(module)
+            llama = returns_down and recognise.llama_parts(module, down) and kind == "llama"
+            post = [recognise.rms_norm_of(getattr(module, n, None)) if norms and kind == "post_norm" else None
+                    for n in ("post_attention_layernorm", "post_feedforward_layernorm")]
             attn = module.self_attn
             if all(recognise.plain_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj")):
                 _qkv(layer, attn, ops)
@@ -325,7 +286,9 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             elif plain:
                 _act_mlp(layer, mlp, ops, plain)
             if llama:
-                _residuals(layer, module, ops, down)
+                steps.residuals(layer, module, ops, down)
+            elif all(post):
+                steps.post_norms(layer, module, ops, post)
             for norm in (getattr(module, n, None) for n in ("input_layernorm", "post_attention_layernorm")):
                 found = recognise.rms_norm_of(norm) if norms and norm is not None and not owns(norm) else None
                 if found is not None:
@@ -391,7 +354,8 @@ def describe(model: nn.Module) -> list[str]:
     """One line per fused layer: its name and what runs fused there."""
     words = {"qkv": "q/k/v as one GEMM", "gate_up": "gate/up as one gated GEMM",
              "mlp_act": "the MLP's activation in its first GEMM", "o_residual": "o_proj + residual",
-             "down_residual": "down_proj + residual", "rms_norm": "RMSNorm in one kernel",
+             "down_residual": "down_proj + residual", "norm_residual": "post-norms + residual in one kernel each",
+             "rms_norm": "RMSNorm in one kernel",
              "rotary": "rotary frequencies by broadcasting, no matmul"}
     lines = []
     for module in model.modules():

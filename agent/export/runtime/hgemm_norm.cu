@@ -5,14 +5,16 @@
 // One block a row: each thread sums the squares of its 8-element blocks in fp32, the block adds the sums up, and
 // the row's scale r = rsqrt(sum * (1 / h) + eps) is applied as the model rounds: Llama's x * r in fp32 rounded to
 // the dtype, then w times that rounded value in fp32, rounded; Gemma's x * r times (1 + w) in fp32, rounded once.
+// With a residual (rows x h, x's dtype; or null) the rounded norm is added to it and rounded again, as a layer that
+// adds its norm's output to the residual does (Gemma 2's and Olmo 2's norms after the attention and the MLP).
 // Compiled by NVRTC once per dtype with -DHGEMM_BF16=0|1, core/epilogue.py's to_f32 for the dtype, hgemm_dtype.cuh's
 // text (Block, rounded) and core/overlap.py's device code in front of it (agent/export/writer.py).
 
 #define THREADS 256
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-hgemm(const Block* __restrict__ x, const Block* __restrict__ w, Block* __restrict__ out, int h, float eps,
-      int unit_offset) {
+hgemm(const Block* __restrict__ x, const Block* __restrict__ w, const Block* __restrict__ residual,
+      Block* __restrict__ out, int h, float eps, int unit_offset) {
     __shared__ float partial[THREADS / 32];
     overlap_wait();  // launched overlapped: the kernel ahead (x's writer) has finished (core/overlap.py)
     overlap_release();
@@ -50,6 +52,12 @@ hgemm(const Block* __restrict__ x, const Block* __restrict__ w, Block* __restric
 #pragma unroll
             for (int j = 0; j < 8; ++j)
                 o.h[j] = rounded(to_f32(g.h[j]) * to_f32(rounded(to_f32(v.h[j]) * r)));
+        }
+        if (residual) {
+            const Block s = residual[(long long)blockIdx.x * blocks + i];
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                o.h[j] = rounded(to_f32(s.h[j]) + to_f32(o.h[j]));
         }
         dst[i] = o;
     }

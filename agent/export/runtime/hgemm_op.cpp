@@ -395,12 +395,16 @@ at::Tensor run(const at::Tensor& a, const at::Tensor& b, const std::optional<at:
 bool overlap_enabled() { return overlap_switch().load(); }
 bool set_overlap(bool enabled) { return overlap_switch().exchange(enabled); }
 
-std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset) {
+std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset,
+                                   const std::optional<at::Tensor>& residual) {
   const int64_t h = x.dim() >= 1 ? x.size(-1) : 0;
   if (!plain_cuda(x) || !plain_cuda(w) || w.dim() != 1 || w.size(0) != h || h % 8 != 0 || h == 0 ||
       h > (int64_t{1} << 30) || x.numel() / h >= (int64_t{1} << 31) || w.scalar_type() != x.scalar_type() ||
       w.device() != x.device() || (x.scalar_type() != at::kHalf && x.scalar_type() != at::kBFloat16))
     return std::nullopt;  // more rows than one grid holds among them: PyTorch's ops, as on the Python path
+  if (residual && (!plain_cuda(*residual) || residual->sizes() != x.sizes() ||
+                   residual->scalar_type() != x.scalar_type() || residual->device() != x.device()))
+    return std::nullopt;
   c10::DeviceGuard guard(x.device());
   const Helper fn = helper_function(std::string("rms_norm:") + dtype_name(x), x);
   if (!fn.fn) return std::nullopt;
@@ -409,11 +413,12 @@ std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, dou
   if (rows == 0) return out;
   void* x_ptr = const_cast<void*>(x.const_data_ptr());
   void* w_ptr = const_cast<void*>(w.const_data_ptr());
+  void* r_ptr = residual ? const_cast<void*>(residual->const_data_ptr()) : nullptr;
   void* out_ptr = out.data_ptr();
   int hidden = static_cast<int>(h);
   float epsilon = static_cast<float>(eps);
   int offset = unit_offset ? 1 : 0;
-  void* params[6] = {&x_ptr, &w_ptr, &out_ptr, &hidden, &epsilon, &offset};
+  void* params[7] = {&x_ptr, &w_ptr, &r_ptr, &out_ptr, &hidden, &epsilon, &offset};
   launch_helper(fn, static_cast<unsigned>(rows), x, params);  // a block a row
   return out;
 }

@@ -13,7 +13,8 @@ per dtype and epilogue) and the RMSNorm's (`hgemm_norm.cu`, its cubins per dtype
   residual=None)` is F.linear followed by a fused epilogue (hgemm_epilogue.py: relu, silu, gelu_tanh, gelu,
   relu2, silu_mul / gelu_mul on a gate/up-interleaved w, residual: + R), computed in one kernel where one was
   exported for it;
-  `rms_norm(x, weight, eps, unit_offset=False)` is Llama's (Gemma's) RMSNorm in one kernel (hgemm_norm.cu).
+  `rms_norm(x, weight, eps, unit_offset=False, residual=None)` is Llama's (Gemma's) RMSNorm (+ residual) in one
+  kernel (hgemm_norm.cu).
 - `patch(model, matmul=False, fuse=True)` fuses the model's decoder layers (hgemm_fuse.py: q/k/v as one GEMM,
   gate/up as one gated GEMM, o_proj and down_proj with the residual add), then routes each other `nn.Linear` whose
   (N, K, dtype, bias) was tuned through `linear`, and each transformers `Conv1D` (GPT-2's projections: x @ W + b
@@ -191,10 +192,12 @@ def _gated(y: torch.Tensor, epi: str) -> torch.Tensor | None:
     return _helpers.gated(y, epi) if _usable(y) else None
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor | None:
-    """Llama's (Gemma's) RMSNorm by the export's kernel (hgemm_norm.cu) through CuPy, or None where it does not
-    serve."""
-    return _helpers.rms_norm(x, w, eps, unit_offset) if _usable(x, w) else None
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, unit_offset: bool = False,
+              residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Llama's (Gemma's) RMSNorm (+ residual) by the export's kernel (hgemm_norm.cu) through CuPy, or None where it
+    does not serve."""
+    usable = _usable(x, w) if residual is None else _usable(x, w, residual)
+    return _helpers.rms_norm(x, w, eps, unit_offset, residual) if usable else None
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
@@ -285,8 +288,8 @@ class _Unresolved:
         return _resolve().fused_linear(x, w, bias, code, residual)
 
     @staticmethod
-    def rms_norm(x, w, eps, unit_offset=False):
-        return _resolve().rms_norm(x, w, eps, unit_offset)
+    def rms_norm(x, w, eps, unit_offset=False, residual=None):
+        return _resolve().rms_norm(x, w, eps, unit_offset, residual)
 
 
 _eager = _Unresolved  # the compiled op's module, or PythonPath, once resolved
@@ -336,16 +339,18 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ep
 _patching = _sibling("hgemm_patch")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
     """Llama's RMSNorm (transformers' LlamaRMSNorm: x in fp32 times rsqrt(mean(x^2) + eps), rounded to x's dtype,
-    times weight; with unit_offset Gemma's: times 1 + weight in fp32, rounded once) in one kernel where the export
-    has one for x's dtype and GPU and x, weight are plain contiguous tensors of that dtype (hgemm_norm.cu);
-    otherwise, and under torch.compile, PyTorch's ops as the model runs them."""
-    if _usable(x, weight):  # plain CUDA tensors of one dtype, no gradient wanted, not under torch.compile
-        out = _eager.rms_norm(x, weight, eps, unit_offset)
+    times weight; with unit_offset Gemma's: times 1 + weight in fp32, rounded once), then `residual` + that where
+    given, in one kernel where the export has one for x's dtype and GPU and the tensors are plain contiguous tensors
+    of that dtype (hgemm_norm.cu); otherwise, and under torch.compile, PyTorch's ops as the model runs them."""
+    if _usable(x, weight) if residual is None else _usable(x, weight, residual):  # plain CUDA tensors of one dtype,
+        out = _eager.rms_norm(x, weight, eps, unit_offset, residual)  # no gradient wanted, not under torch.compile
         if out is not None:
             return out
-    return _patching.fuse.recognise.rms_norm_reference(unit_offset)(x, weight, eps)
+    out = _patching.fuse.recognise.rms_norm_reference(unit_offset)(x, weight, eps)
+    return out if residual is None else residual + out
 
 
 def patch(model: nn.Module, matmul: bool = False, fuse: bool = True, norms: bool = True) -> dict[str, int]:

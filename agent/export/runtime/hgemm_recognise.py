@@ -235,7 +235,7 @@ def plain_mlp(m: nn.Module, epilogue) -> tuple[str, str, str] | None:
 
 
 class _Stand(nn.Module):
-    """A stand-in for a decoder layer's attention (a pair, as attentions return) or MLP in `layer_is_llama`'s probe:
+    """A stand-in for a decoder layer's attention (a pair, as attentions return) or MLP in `layer_steps`'s probe:
     a fixed elementwise function of its input."""
 
     def __init__(self, scale: float, pair: bool):
@@ -248,15 +248,20 @@ class _Stand(nn.Module):
         return (y, None) if self.pair else y
 
 
-def layer_is_llama(layer: nn.Module) -> bool:
-    """Whether the decoder layer's own forward returns x + attn(norm1(x)) and then h + mlp(norm2(h)) as one tensor,
-    Llama's steps, which hgemm_fuse's `_layer_forward` runs with the adds fused: its forward called with the attention
-    and the MLP stood in for by fixed functions (_Stand), against those steps, bit for bit. Arguments the forward
-    requires besides the hidden states (position embeddings, in some transformers versions) are given as None: the
-    layer passes them on to the stand-ins, which ignore them."""
-    o_proj = layer.self_attn.o_proj
-    if o_proj.weight.is_meta:
-        return False
+def layer_steps(layer: nn.Module) -> str | None:
+    """Which steps the decoder layer's own forward runs, returning one tensor: "llama", x + attn(norm1(x)) and then
+    h + mlp(norm2(h)) (input_layernorm, post_attention_layernorm), which hgemm_fuse's `_layer_forward` runs with the
+    adds in o_proj's and down_proj's epilogues; or "post_norm", x + norm2(attn(norm1(x))) and then
+    h + norm4(mlp(norm3(h))) (Gemma 2's: input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+    post_feedforward_layernorm; Olmo 2's without the first and third), which `_post_norm_forward` runs with each add
+    in the norm before it; or None. Its forward is called with the attention and the MLP stood in for by fixed
+    functions (_Stand) and compared with those steps, bit for bit. Arguments the forward requires besides the hidden
+    states (position embeddings, in some transformers versions) are given as None: the layer passes them on to the
+    stand-ins, which ignore them."""
+    o_proj = getattr(layer.self_attn, "o_proj", None)
+    if not isinstance(o_proj, nn.Linear) or o_proj.weight.is_meta or not isinstance(getattr(layer, "mlp", None),
+                                                                                     nn.Module):
+        return None
     x = _probe_input(o_proj.weight, 2, 3, o_proj.out_features)
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     required = {q.name: None for q in list(inspect.signature(type(layer).forward).parameters.values())[2:]
@@ -264,23 +269,35 @@ def layer_is_llama(layer: nn.Module) -> bool:
     attn, mlp = _Stand(1.5, pair=True), _Stand(-0.75, pair=False)
     saved = layer._modules["self_attn"], layer._modules["mlp"]
     layer._modules["self_attn"], layer._modules["mlp"] = attn, mlp
+    norm = {n: getattr(layer, n, None) or (lambda t: t) for n in ("input_layernorm", "post_attention_layernorm",
+                                                                    "pre_feedforward_layernorm")}
     try:
         out = type(layer).forward(layer, x, **required)
-        h = x + attn(hidden_states=layer.input_layernorm(x))[0]
-        ref = h + mlp(layer.post_attention_layernorm(h))
+        if not isinstance(out, torch.Tensor):
+            return None
+        h = x + attn(hidden_states=norm["input_layernorm"](x))[0]
+        if torch.equal(out, h + mlp(norm["post_attention_layernorm"](h))) and out.dtype == x.dtype:
+            return "llama"
+        post = getattr(layer, "post_feedforward_layernorm", None)
+        if post is not None and not isinstance(getattr(layer, "post_attention_layernorm", None), nn.Module):
+            return None
+        if post is not None:
+            h = x + layer.post_attention_layernorm(attn(hidden_states=norm["input_layernorm"](x))[0])
+            if torch.equal(out, h + post(mlp(norm["pre_feedforward_layernorm"](h)))) and out.dtype == x.dtype:
+                return "post_norm"
     except Exception:  # a forward that needs more than its input, or other modules' outputs
-        return False
+        return None
     finally:
         layer._modules["self_attn"], layer._modules["mlp"] = saved
-    return isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref)
+    return None
 
 
 def decoder_layers(model: nn.Module):
     """(name, module) of every decoder layer `fuse` looks into: a module with an attention (`self_attn`), usually an
     MLP (`mlp`) beside it, none with a forward of its own; what in it is fused is each part's own test (q/k/v: plain
-    q_proj, k_proj, v_proj; gate/up: probe_mlp, where the MLP has a plain down_proj; the residual adds: llama_parts
-    and layer_is_llama). Layers that are not Llama's (norms after the attention, an MoE block for the MLP) may still
-    have their q/k/v or gate/up fused."""
+    q_proj, k_proj, v_proj; gate/up: probe_mlp; the residual adds: llama_parts and layer_steps; the post-norms' adds:
+    layer_steps and rms_norm_of). Layers that are not Llama's (norms after the attention, an MoE block for the MLP)
+    may still have their q/k/v or gate/up fused."""
     for name, m in model.named_modules():
         attn, mlp = getattr(m, "self_attn", None), getattr(m, "mlp", None)
         if not isinstance(attn, nn.Module):
