@@ -326,13 +326,13 @@ class ScaledOutputAttention(Attention):
         return out * 0.5, weights
 
 
-def forward_seeing_norms(model, ids) -> tuple[torch.Tensor, list[tuple[bool, bool]]]:
-    """The model's output, and (unit_offset, residual given) of each ops.rms_norm call it made."""
+def forward_seeing_norms(model, ids) -> tuple[torch.Tensor, list[tuple[int, bool]]]:
+    """The model's output, and (kind, residual given) of each ops.rms_norm call it made."""
     seen, real = [], TorchOps.rms_norm
 
-    def rms_norm(x, w, eps, unit_offset=False, residual=None):
-        seen.append((unit_offset, residual is not None))
-        return real(x, w, eps, unit_offset, residual)
+    def rms_norm(x, w, eps, kind=0, residual=None):
+        seen.append((kind, residual is not None))
+        return real(x, w, eps, kind, residual)
     TorchOps.rms_norm = rms_norm
     try:
         with torch.no_grad():
@@ -741,28 +741,42 @@ def test_the_recorder_names_a_plain_mlps_activation(tmp_path):
     assert "18_96_64:nk:f16:bias:gelu" in lines and "18_64_96:nk:f16:bias:residual" in lines
 
 
+class Olmo2RMSNorm(RMSNorm):
+    """Olmo 2's (and GPT-OSS's): the weight times the fp32 value, rounded once."""
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * h).to(x.dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_only_llamas_and_gemmas_rms_norms_are_recognised_and_they_are_bit_identical(dtype):
+def test_only_the_rms_norms_the_kernel_computes_are_recognised_and_they_are_bit_identical(dtype):
     torch.manual_seed(1)
     x = torch.randn(2, 3, 40, dtype=dtype) * 4
-    for norm, unit_offset in ((RMSNorm(40, eps=1e-5), False), (GemmaRMSNorm(40, eps=1e-5), True)):
+    olmo = 0 if dtype == torch.float32 else 2  # in fp32 Olmo 2's rounding is Llama's
+    for norm, kind in ((RMSNorm(40, eps=1e-5), 0), (GemmaRMSNorm(40, eps=1e-5), 1), (Olmo2RMSNorm(40, 1e-5), olmo)):
         norm = norm.to(dtype)
-        assert recognise.rms_norm_of(norm) == (1e-5, unit_offset)
-        assert torch.equal(recognise.rms_norm_reference(unit_offset)(x, norm.weight, 1e-5), norm(x))
+        assert recognise.rms_norm_of(norm) == (1e-5, kind), type(norm).__name__
+        assert torch.equal(recognise.RMS_NORMS[kind](x, norm.weight, 1e-5), norm(x))
     for other in (HalfScaleNorm(40), WeightlessNorm(40), nn.LayerNorm(40), nn.Linear(40, 40)):
         assert recognise.rms_norm_of(other.to(dtype)) is None, type(other).__name__
     ones = WeightlessNorm(40)
-    nn.init.ones_(ones.weight)  # here the two formulas agree: either computes what the module computes
-    assert recognise.rms_norm_of(ones) == (1e-6, False)
+    nn.init.ones_(ones.weight)  # the probe call puts a random weight in: a norm that ignores its weight is none
+    assert recognise.rms_norm_of(ones) is None
+    olmo = Olmo2RMSNorm(40).to(dtype)
+    nn.init.ones_(olmo.weight)  # as initialised: with ones its rounding is Llama's, with the weights loaded later not
+    assert recognise.rms_norm_of(olmo) == (1e-6, 0 if dtype == torch.float32 else 2)
+    assert torch.equal(olmo.weight, torch.ones_like(olmo.weight))  # its own weight put back
 
 
-def test_a_gemma_model_runs_its_norms_as_the_kernel_with_the_unit_offset():
+def test_a_gemma_model_runs_its_norms_as_the_kernel_with_gemmas_rounding():
     model, ids = model_and_ids(norm=GemmaRMSNorm)
     with torch.no_grad():
         ref = model(ids)
     assert hgemm_fuse.fuse(model, TorchOps)["rms_norm"] == 5
     out, seen = forward_seeing_norms(model, ids)
-    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5) and seen == [(True, False)] * 5
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5) and seen == [(1, False)] * 5
     hgemm_fuse.unfuse(model)
 
 

@@ -1,5 +1,5 @@
-"""The export's RMSNorm kernel (runtime/hgemm_norm.cu): Llama's RMSNorm (and Gemma's, 1 + weight) in one kernel for a
-patched model's norms.
+"""The export's RMSNorm kernel (runtime/hgemm_norm.cu): Llama's RMSNorm (and Gemma's, 1 + weight, and Olmo 2's) in
+one kernel for a patched model's norms.
 Compiled per dtype for both archs at export and shipped in the manifest; registered in the compiled op (which
 refuses keys that are no helper kernel's); `rms_norm` is PyTorch's ops on the CPU and under torch.compile. On the GPU
 the kernel's output against the model's eight ops, through the compiled op and the Python launch path, in a CUDA
@@ -38,9 +38,10 @@ def test_an_export_ships_them_and_the_cpu_computes_the_models_ops(tmp_path, op_b
     assert ops.compiled() is not None, "the C++ extension did not build (see the warning)"
     x, w = torch.randn(3, 64).half(), torch.randn(64).half()
     assert torch.equal(ops.rms_norm(x, w, 1e-5), recognise.llama_rms_norm(x, w, 1e-5))
-    assert torch.equal(ops.rms_norm(x, w, 1e-5, True), recognise.gemma_rms_norm(x, w, 1e-5))
+    assert torch.equal(ops.rms_norm(x, w, 1e-5, 1), recognise.gemma_rms_norm(x, w, 1e-5))
+    assert torch.equal(ops.rms_norm(x, w, 1e-5, 2), recognise.weight_fp32_rms_norm(x, w, 1e-5))
     r = torch.randn(3, 64).half()
-    assert torch.equal(ops.rms_norm(x, w, 1e-5, True, r), r + recognise.gemma_rms_norm(x, w, 1e-5))
+    assert torch.equal(ops.rms_norm(x, w, 1e-5, 1, r), r + recognise.gemma_rms_norm(x, w, 1e-5))
     compiled = torch.compile(lambda x, w: ops.rms_norm(x, w, 1e-5), fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x, w), recognise.llama_rms_norm(x, w, 1e-5))
     # the Python launch path knows both sections' kernels, and leaves CPU tensors to PyTorch
@@ -63,18 +64,18 @@ def test_on_the_gpu_it_is_the_models_norm_within_two_ulps(tmp_path, op_build_dir
             x = torch.randn(*shape, device="cuda", dtype=dtype) * 3
             w = 1 + 0.2 * torch.randn(shape[-1], device="cuda", dtype=dtype)
             r = torch.randn_like(x)
-            for unit_offset, residual in ((False, None), (True, None), (True, r), (False, r)):  # Llama's, Gemma's
-                norm = recognise.rms_norm_reference(unit_offset)(x, w, 1e-5)  # (1 + w, one rounding), + residual
+            for kind, residual in ((0, None), (1, None), (2, None), (1, r), (0, r)):  # each rounding, + residual
+                norm = recognise.RMS_NORMS[kind](x, w, 1e-5)
                 want = norm if residual is None else residual + norm
-                got = ops.rms_norm(x, w, 1e-5, unit_offset, residual)
+                got = ops.rms_norm(x, w, 1e-5, kind, residual)
                 assert got.shape == want.shape and got.dtype == want.dtype
                 if residual is None:
                     off = ulps(got, want)
-                    assert off.max() <= 2 and (off > 0).float().mean() < 0.01, (dtype, shape, off.max(), unit_offset)
+                    assert off.max() <= 2 and (off > 0).float().mean() < 0.01, (dtype, shape, off.max(), kind)
                 else:  # a sum that cancels turns the norm's ulp into many of its own: bound by the addends' size
                     scale = (norm.float().abs() + residual.float().abs()) * torch.finfo(dtype).eps
                     off = (got.float() - want.float()).abs()
-                    assert (off <= 2 * scale).all() and (off > 0).float().mean() < 0.01, (dtype, shape, unit_offset)
+                    assert (off <= 2 * scale).all() and (off > 0).float().mean() < 0.01, (dtype, shape, kind)
         graph, static = torch.cuda.CUDAGraph(), torch.randn(4, 4096, device="cuda", dtype=dtype)
         w = torch.randn(4096, device="cuda", dtype=dtype)
         ops.rms_norm(static, w, 1e-6)

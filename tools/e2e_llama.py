@@ -248,7 +248,7 @@ def kernel_calls(ops, step) -> tuple[int, int]:
     class Count:
         def __getattr__(self, name):
             def call(a, b, bias=None, *rest):
-                if name == "rms_norm":  # no GEMM: (x, weight, eps, unit_offset)
+                if name == "rms_norm":  # no GEMM: (x, weight, eps, kind, residual)
                     return inner.rms_norm(a, b, bias, *rest)
                 hits[1] += 1
                 if name == "fused_linear":

@@ -86,12 +86,12 @@ def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self._hgemm_ops.rms_norm(x, self.weight, self._hgemm_eps, self._hgemm_unit_offset)
+    return self._hgemm_ops.rms_norm(x, self.weight, self._hgemm_eps, self._hgemm_kind)
 
 
 def _norm(layer: _Layer, m: nn.Module, found: tuple[float, bool], ops) -> None:
-    """An RMSNorm (recognise.rms_norm_of's `found`: its epsilon, and whether it is Gemma's) as ops.rms_norm."""
-    layer.set_forward(m, _norm_forward, ops=ops, eps=found[0], unit_offset=found[1])
+    """An RMSNorm (recognise.rms_norm_of's `found`: its epsilon and rounding kind) as ops.rms_norm."""
+    layer.set_forward(m, _norm_forward, ops=ops, eps=found[0], kind=found[1])
     layer.kinds.append("rms_norm")
 
 

@@ -55,13 +55,14 @@ class Helpers:
                         numpy.uint64(out.data_ptr()), numpy.int64(blocks))
         return out
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, unit_offset: bool = False,
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, kind: int = 0,
                  residual: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Llama's RMSNorm of x (rows x h) with weight w (Gemma's, 1 + w, with unit_offset; plus `residual`, x's
-        shape, where given), a block a row, or None where no kernel serves it."""
+        """The RMSNorm of x (rows x h) with weight w, rounded as `kind` says (hgemm_recognise.RMS_NORMS: Llama's,
+        Gemma's, Olmo 2's), plus `residual` (x's shape) where given, a block a row, or None where no kernel serves
+        it."""
         h = x.shape[-1] if x.dim() else 0
-        fits = residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
-                                    and residual.is_contiguous() and residual.device == x.device)
+        fits = kind in (0, 1, 2) and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                    and residual.is_contiguous() and residual.device == x.device))
         fn = self.function("rms_norm", x) if (w.dim() == 1 and h and w.shape[0] == h and h % 8 == 0 and fits
                                               and x.numel() // h < 2**31) else None
         if fn is None:
@@ -72,5 +73,5 @@ class Helpers:
         if x.numel():
             self.launch(fn, x.numel() // h, x, numpy.uint64(x.data_ptr()), numpy.uint64(w.data_ptr()),
                         numpy.uint64(0 if residual is None else residual.data_ptr()), numpy.uint64(out.data_ptr()),
-                        numpy.int32(h), numpy.float32(eps), numpy.int32(unit_offset))
+                        numpy.int32(h), numpy.float32(eps), numpy.int32(kind))
         return out

@@ -122,25 +122,25 @@ PyObject* py_add_helper(PyObject*, PyObject* arg) {
   END_HANDLE_TH_ERRORS
 }
 
-// rms_norm(x, w, eps, unit_offset=False, residual=None) -> Llama's RMSNorm (Gemma's with unit_offset; plus the
-// residual where given) by the export's kernel, or None where it does not serve the call
+// rms_norm(x, w, eps, kind=0, residual=None) -> the RMSNorm of that rounding kind (hgemm_norm.cu; plus the residual
+// where given) by the export's kernel, or None where it does not serve the call
 PyObject* py_rms_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   const bool residual_given = nargs == 5 && args[4] != Py_None;
   TORCH_CHECK_TYPE(nargs >= 3 && nargs <= 5 && THPVariable_Check(args[0]) && THPVariable_Check(args[1]) &&
                        (!residual_given || THPVariable_Check(args[4])),
-                   "rms_norm(x, w, eps, unit_offset=False, residual=None) takes two tensors, a float, a bool and a "
-                   "tensor or None, positionally");
+                   "rms_norm(x, w, eps, kind=0, residual=None) takes two tensors, a float, an int and a tensor or "
+                   "None, positionally");
   const double eps = PyFloat_AsDouble(args[2]);
   if (PyErr_Occurred()) throw py::error_already_set();
-  const int unit_offset = nargs >= 4 ? PyObject_IsTrue(args[3]) : 0;
-  if (unit_offset < 0) throw py::error_already_set();
+  const long kind = nargs >= 4 ? PyLong_AsLong(args[3]) : 0;
+  if (PyErr_Occurred()) throw py::error_already_set();
   std::optional<at::Tensor> residual;
   if (residual_given) residual = THPVariable_Unpack(args[4]);
   std::optional<at::Tensor> out;
   {
     py::gil_scoped_release no_gil;
-    out = hgemm::rms_norm(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), eps, unit_offset != 0, residual);
+    out = hgemm::rms_norm(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), eps, kind, residual);
   }
   if (!out) Py_RETURN_NONE;
   return THPVariable_Wrap(std::move(*out));
@@ -287,7 +287,7 @@ PyMethodDef methods[] = {
     {"fused_linear", fastcall(py_fused_linear), METH_FASTCALL,
      "fused_linear(x, w, bias, epilogue, residual): F.linear(x, w, bias), then the epilogue (its number)"},
     {"rms_norm", fastcall(py_rms_norm), METH_FASTCALL,
-     "rms_norm(x, w, eps, unit_offset=False, residual=None): Llama's (Gemma's) RMSNorm (+ residual), or None"},
+     "rms_norm(x, w, eps, kind=0, residual=None): an RMSNorm (+ residual) by the export's kernel, or None"},
     {"explain", fastcall(py_explain), METH_FASTCALL, "explain(a, b, bias, nk): the kernel a call runs, or why not"},
     {"overlap", fastcall(py_overlap), METH_FASTCALL,
      "overlap([enabled]): whether kernels are launched overlapped; with enabled, set it and return what it was"},

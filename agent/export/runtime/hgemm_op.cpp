@@ -395,12 +395,13 @@ at::Tensor run(const at::Tensor& a, const at::Tensor& b, const std::optional<at:
 bool overlap_enabled() { return overlap_switch().load(); }
 bool set_overlap(bool enabled) { return overlap_switch().exchange(enabled); }
 
-std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset,
+std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t kind,
                                    const std::optional<at::Tensor>& residual) {
   const int64_t h = x.dim() >= 1 ? x.size(-1) : 0;
   if (!plain_cuda(x) || !plain_cuda(w) || w.dim() != 1 || w.size(0) != h || h % 8 != 0 || h == 0 ||
       h > (int64_t{1} << 30) || x.numel() / h >= (int64_t{1} << 31) || w.scalar_type() != x.scalar_type() ||
-      w.device() != x.device() || (x.scalar_type() != at::kHalf && x.scalar_type() != at::kBFloat16))
+      w.device() != x.device() || (x.scalar_type() != at::kHalf && x.scalar_type() != at::kBFloat16) || kind < 0 ||
+      kind > 2)
     return std::nullopt;  // more rows than one grid holds among them: PyTorch's ops, as on the Python path
   if (residual && (!plain_cuda(*residual) || residual->sizes() != x.sizes() ||
                    residual->scalar_type() != x.scalar_type() || residual->device() != x.device()))
@@ -417,8 +418,8 @@ std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, dou
   void* out_ptr = out.data_ptr();
   int hidden = static_cast<int>(h);
   float epsilon = static_cast<float>(eps);
-  int offset = unit_offset ? 1 : 0;
-  void* params[7] = {&x_ptr, &w_ptr, &r_ptr, &out_ptr, &hidden, &epsilon, &offset};
+  int rounding = static_cast<int>(kind);
+  void* params[7] = {&x_ptr, &w_ptr, &r_ptr, &out_ptr, &hidden, &epsilon, &rounding};
   launch_helper(fn, static_cast<unsigned>(rows), x, params);  // a block a row
   return out;
 }

@@ -90,7 +90,8 @@ void add_helper(std::shared_ptr<Kernel> kernel);
 std::shared_ptr<const Kernel> find_helper(const std::string& key);
 // Llama's RMSNorm of x (rows x h) with weight w by the export's kernel; nullopt where none is registered for the
 // dtype, its cubin does not fit this GPU, or x and w are not contiguous CUDA tensors of one dtype with h % 8 == 0.
-std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset = false,
+// kind: 0 Llama's rounding, 1 Gemma's (1 + w), 2 the weight times the fp32 value (hgemm_norm.cu)
+std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t kind = 0,
                                    const std::optional<at::Tensor>& residual = std::nullopt);
 // The kernel registered for M of the series, or nullptr; its interval in *lo, *hi where given.
 std::shared_ptr<const Kernel> find_kernel(const ProblemKey& series, int64_t m, int64_t* lo = nullptr,

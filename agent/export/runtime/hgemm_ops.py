@@ -10,11 +10,9 @@ per dtype and epilogue) and the RMSNorm's (`hgemm_norm.cu`, its cubins per dtype
 
 - `mm(a, b, bias=None)` is `torch.matmul(a, b)` (a (*, K), b K x N), with a bias `torch.addmm(bias, a, b)` (the
   bias fused); `linear(x, w, bias=None)` is `F.linear` (w N x K); `fused_linear(x, w, bias, epilogue,
-  residual=None)` is F.linear followed by a fused epilogue (hgemm_epilogue.py: relu, silu, gelu_tanh, gelu,
-  relu2, silu_mul / gelu_mul on a gate/up-interleaved w, residual: + R), computed in one kernel where one was
-  exported for it;
-  `rms_norm(x, weight, eps, unit_offset=False, residual=None)` is Llama's (Gemma's) RMSNorm (+ residual) in one
-  kernel (hgemm_norm.cu).
+  residual=None)` is F.linear followed by a fused epilogue (hgemm_epilogue.py), in one kernel where one was
+  exported for it; `rms_norm(x, weight, eps, kind=0, residual=None)` an RMSNorm (hgemm_recognise.RMS_NORMS) plus
+  a residual in one kernel (hgemm_norm.cu).
 - `patch(model, matmul=False, fuse=True)` fuses the model's decoder layers (hgemm_fuse.py: q/k/v as one GEMM,
   gate/up as one gated GEMM, o_proj and down_proj with the residual add), then routes each other `nn.Linear` whose
   (N, K, dtype, bias) was tuned through `linear`, and each transformers `Conv1D` (GPT-2's projections: x @ W + b
@@ -25,13 +23,13 @@ per dtype and epilogue) and the RMSNorm's (`hgemm_norm.cu`, its cubins per dtype
   M (and beat cuBLAS there), the operands are contiguous, 16-byte aligned tensors of one CUDA device and no gradient
   is wanted; anything else is `torch.matmul` / `F.linear`, with the same result it would have had.
   `explain(a, b, bias, layout)` names the kernel and the interval, or why not.
-- Launches go through the compiled op (`hgemm::mm` / `hgemm::linear` / `hgemm::fused_linear`, C++, built on first
-  use and cached under
-  `build/`; `compiled()` builds it) where it builds, else through the Python launch path (about 20 µs more host
-  time a call), with a one-line warning. `HGEMM_OPS_COMPILED=0` chooses the Python path; `HGEMM_OPS_BUILD_DIR`
-  moves the build. Under `torch.compile` the calls trace as the ops `torch.ops.hgemm.mm` / `.linear`. On sm_90 and
-  newer the compiled op launches a kernel whose manifest entry says `overlap` overlapped with the kernel ahead of it
-  (it waits for that one itself); `HGEMM_OPS_OVERLAP=0` launches every kernel plainly, `overlap(False)` from then on.
+- Launches go through the compiled op (`hgemm::mm` / `hgemm::linear` / `hgemm::fused_linear`, C++, built on first use
+  and cached under `build/`; `compiled()` builds it) where it builds, else through the Python launch path (about 20 µs
+  more host time a call), with a one-line warning. `HGEMM_OPS_COMPILED=0` chooses the Python path;
+  `HGEMM_OPS_BUILD_DIR` moves the build. Under `torch.compile` the calls trace as the ops `torch.ops.hgemm.mm` /
+  `.linear`. On sm_90 and newer the compiled op launches a kernel whose manifest entry says `overlap` overlapped with
+  the kernel ahead of it (it waits for that one itself); `HGEMM_OPS_OVERLAP=0` launches every kernel plainly,
+  `overlap(False)` from then on.
 - Kernels with a `workspace_bytes` share one scratch buffer and one counter array per GPU: do not run two of them at
   the same time on different streams. `python hgemm_ops.py` runs `selfcheck()` (hgemm_selfcheck.py).
 """
@@ -192,12 +190,12 @@ def _gated(y: torch.Tensor, epi: str) -> torch.Tensor | None:
     return _helpers.gated(y, epi) if _usable(y) else None
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, unit_offset: bool = False,
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, kind: int = 0,
               residual: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Llama's (Gemma's) RMSNorm (+ residual) by the export's kernel (hgemm_norm.cu) through CuPy, or None where it
-    does not serve."""
+    """An RMSNorm (+ residual) by the export's kernel (hgemm_norm.cu) through CuPy, or None where it does not
+    serve."""
     usable = _usable(x, w) if residual is None else _usable(x, w, residual)
-    return _helpers.rms_norm(x, w, eps, unit_offset, residual) if usable else None
+    return _helpers.rms_norm(x, w, eps, kind, residual) if usable else None
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
@@ -288,8 +286,8 @@ class _Unresolved:
         return _resolve().fused_linear(x, w, bias, code, residual)
 
     @staticmethod
-    def rms_norm(x, w, eps, unit_offset=False, residual=None):
-        return _resolve().rms_norm(x, w, eps, unit_offset, residual)
+    def rms_norm(x, w, eps, kind=0, residual=None):
+        return _resolve().rms_norm(x, w, eps, kind, residual)
 
 
 _eager = _Unresolved  # the compiled op's module, or PythonPath, once resolved
@@ -339,17 +337,18 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ep
 _patching = _sibling("hgemm_patch")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False,
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: int = 0,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-    """Llama's RMSNorm (transformers' LlamaRMSNorm: x in fp32 times rsqrt(mean(x^2) + eps), rounded to x's dtype,
-    times weight; with unit_offset Gemma's: times 1 + weight in fp32, rounded once), then `residual` + that where
-    given, in one kernel where the export has one for x's dtype and GPU and the tensors are plain contiguous tensors
-    of that dtype (hgemm_norm.cu); otherwise, and under torch.compile, PyTorch's ops as the model runs them."""
+    """An RMSNorm, x in fp32 times rsqrt(mean(x^2) + eps), with the weight as `kind` says (hgemm_recognise.RMS_NORMS:
+    0 Llama's, rounded to x's dtype, times weight; 1 Gemma's, times 1 + weight in fp32, rounded once; 2 Olmo 2's,
+    times weight in fp32, rounded once), then `residual` + that where given, in one kernel (hgemm_norm.cu) where the
+    export has one for x's dtype and GPU and the tensors are plain contiguous ones of that dtype; otherwise, and
+    under torch.compile, PyTorch's ops as the model runs them."""
     if _usable(x, weight) if residual is None else _usable(x, weight, residual):  # plain CUDA tensors of one dtype,
-        out = _eager.rms_norm(x, weight, eps, unit_offset, residual)  # no gradient wanted, not under torch.compile
+        out = _eager.rms_norm(x, weight, eps, kind, residual)  # no gradient wanted, not under torch.compile
         if out is not None:
             return out
-    out = _patching.fuse.recognise.rms_norm_reference(unit_offset)(x, weight, eps)
+    out = _patching.fuse.recognise.RMS_NORMS[kind](x, weight, eps)
     return out if residual is None else residual + out
 
 
@@ -390,7 +389,7 @@ def checked() -> types.SimpleNamespace:
                                  compiled=compiled, PythonPath=PythonPath, mm=mm, linear=linear, fallback=fallback,
                                  fused_linear=fused_linear, EPILOGUE_CODES=EPILOGUE_CODES, epilogue=epilogue,
                                  INDEX=INDEX, intervals=intervals,
-                                 rms_norm_reference=_patching.fuse.recognise.rms_norm_reference)
+                                 rms_norms=_patching.fuse.recognise.RMS_NORMS)
 
 
 def selfcheck(factor: float = 2.0) -> list[str]:

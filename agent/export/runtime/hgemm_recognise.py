@@ -59,10 +59,15 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (h * (1.0 + weight.float())).type_as(x)
 
 
-def rms_norm_reference(unit_offset: bool):
-    """The RMSNorm a norm kernel call computes: Llama's, or with unit_offset Gemma's."""
-    return gemma_rms_norm if unit_offset else llama_rms_norm
+def weight_fp32_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Olmo2RMSNorm.forward (GPT-OSS's, DeepSeek-V4's too), op for op: x in fp32 times
+    rsqrt(mean(x^2) + eps), times weight in fp32, rounded once to x's dtype."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype)
 
+
+RMS_NORMS = (llama_rms_norm, gemma_rms_norm, weight_fp32_rms_norm)  # by the norm kernel's `kind`
 
 def _probe_input(like: torch.Tensor, *shape: int, scale: float = 2.0) -> torch.Tensor:
     """Seeded random values of `shape` on `like`'s device and in its dtype, large enough that functions bend on them."""
@@ -70,25 +75,29 @@ def _probe_input(like: torch.Tensor, *shape: int, scale: float = 2.0) -> torch.T
     return (torch.randn(*shape, generator=gen) * scale).to(device=like.device, dtype=like.dtype)
 
 
-def rms_norm_of(m: nn.Module) -> tuple[float, bool] | None:
-    """(epsilon, unit_offset) of a module that computes Llama's RMSNorm (unit_offset False) or Gemma's (1 + weight:
-    True) with its one parameter `weight` (checked by a probe call against llama_rms_norm and gemma_rms_norm: the
-    same values bit for bit), or None."""
+def rms_norm_of(m: nn.Module) -> tuple[float, int] | None:
+    """(epsilon, kind) of a module that computes one of RMS_NORMS (kind: its index; Llama's first, where two agree,
+    as in fp32) with its one parameter `weight` (checked by a probe call, with a random weight in place of its own
+    for the call, since a weight of ones or zeros, as models are initialised, makes several kinds agree: the same
+    values bit for bit), or None."""
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     w = getattr(m, "weight", None)
     if (not isinstance(eps, float) or not isinstance(w, nn.Parameter) or w.dim() != 1 or w.numel() == 0
             or w.is_meta or "forward" in m.__dict__ or list(m.children()) or len(list(m.parameters())) != 1):
         return None
-    x = _probe_input(w, 3, w.numel(), scale=3.0)
+    x, weight, own = _probe_input(w, 3, w.numel(), scale=3.0), 1 + _probe_input(w, w.numel(), scale=0.5), w.data
     try:
         with torch.no_grad():
+            w.data = weight
             out = type(m).forward(m, x)
     except Exception:  # a forward that takes more than one tensor, or not this one
         return None
-    for unit_offset in (False, True):
-        ref = rms_norm_reference(unit_offset)(x, w.detach(), eps)
+    finally:
+        w.data = own
+    for kind, norm in enumerate(RMS_NORMS):
+        ref = norm(x, weight, eps)
         if isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref):
-            return eps, unit_offset
+            return eps, kind
     return None
 
 

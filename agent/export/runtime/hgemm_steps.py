@@ -48,14 +48,14 @@ def _post_norm_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> to
     """The steps of a decoder layer with norms after its attention and MLP (recognise.layer_steps's "post_norm"),
     each of those norms and the residual add after it in one call of ops.rms_norm."""
     kwargs = _by_name(self, hidden_states, args, kwargs)
-    (eps1, unit1), (eps2, unit2) = self._hgemm_norms
+    (eps1, kind1), (eps2, kind2) = self._hgemm_norms
     pre = getattr(self, "input_layernorm", None)
     out = self.self_attn(hidden_states=hidden_states if pre is None else pre(hidden_states), **kwargs)
     out = out[0] if isinstance(out, tuple) else out
-    h = self._hgemm_ops.rms_norm(out, self.post_attention_layernorm.weight, eps1, unit1, hidden_states)
+    h = self._hgemm_ops.rms_norm(out, self.post_attention_layernorm.weight, eps1, kind1, hidden_states)
     pre = getattr(self, "pre_feedforward_layernorm", None)
     out = self.mlp(h if pre is None else pre(h))
-    return self._hgemm_ops.rms_norm(out, self.post_feedforward_layernorm.weight, eps2, unit2, h)
+    return self._hgemm_ops.rms_norm(out, self.post_feedforward_layernorm.weight, eps2, kind2, h)
 
 
 def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tensor:
