@@ -1,6 +1,7 @@
-"""The export's helper kernels on the Python launch path, through CuPy: the gated fallback's (hgemm_gated.cu: act(gate)
-* up of an unfused gated GEMM's output, read once) and the RMSNorm's (hgemm_norm.cu: Llama's RMSNorm in one kernel),
-their cubins listed in the manifest's "gated" and "norm" sections by key ('silu_mul:f16', 'rms_norm:bf16'). Shipped
+"""The export's kernels as CuPy loads them on the Python launch path: its GEMM kernels (`kernel`), and its helper
+kernels, the gated fallback's (hgemm_gated.cu: act(gate) * up of an unfused gated GEMM's output, read once) and the
+RMSNorm's (hgemm_norm.cu: an RMSNorm, plus a residual, in one kernel), their cubins listed in the manifest's "gated"
+and "norm" sections by key ('silu_mul:f16', 'rms_norm:bf16'). Shipped
 beside hgemm_ops.py, which makes one `Helpers` for its export and checks the operands (plain contiguous CUDA tensors
 of one dtype, no gradient wanted, not under torch.compile) before calling it.
 """
@@ -30,6 +31,23 @@ class Helpers:
 
             self.loaded[entry["cubin"]] = cupy.RawModule(path=str(self.folder / entry["cubin"])).get_function("hgemm")
         return self.loaded[entry["cubin"]]
+
+    def kernel(self, entry: dict):
+        """An exported GEMM kernel (its manifest entry) as a CuPy function: its cubin where built for this GPU,
+        else its source compiled for it by NVRTC; loaded once."""
+        if entry["file"] not in self.loaded:
+            import cupy
+
+            cubin = self.folder / entry["cubin"]
+            if entry["arch"] == self.arch_of() and cubin.is_file():
+                module = cupy.RawModule(path=str(cubin))
+            else:  # another GPU: compile the source for it
+                module = cupy.RawModule(code=(self.folder / entry["file"]).read_text(), options=("-std=c++17",),
+                                        backend="nvrtc")
+            fn = module.get_function("hgemm")
+            fn.max_dynamic_shared_size_bytes = entry["smem_bytes"]
+            self.loaded[entry["file"]] = fn
+        return self.loaded[entry["file"]]
 
     @staticmethod
     def launch(fn, grid: int, x: torch.Tensor, *args) -> None:

@@ -156,32 +156,13 @@ def _prepared(key: str, entry: dict) -> dict:
 
 
 # ---- the Python launch path (where the compiled op is unavailable) ------------------------------------------------
-_loaded: dict[str, object] = {}
-
-
 def _arch(device=None) -> str:
     """The arch an exported cubin must have been built for to run on this GPU."""
     major, minor = torch.cuda.get_device_capability(device)
     return "sm_90a" if major == 9 else f"sm_{major}{minor}"
 
 
-_helpers = _sibling("hgemm_helpers").Helpers(MANIFEST, HERE, _arch, DTYPE_NAMES)  # the gated and RMSNorm kernels
-
-
-def _kernel(entry: dict):
-    import cupy
-
-    key = entry["file"]
-    if key not in _loaded:
-        cubin = HERE / entry["cubin"]
-        if entry["arch"] == _arch() and cubin.is_file():
-            module = cupy.RawModule(path=str(cubin))
-        else:  # another GPU: compile the source for it
-            module = cupy.RawModule(code=(HERE / entry["file"]).read_text(), options=("-std=c++17",), backend="nvrtc")
-        fn = module.get_function("hgemm")
-        fn.max_dynamic_shared_size_bytes = entry["smem_bytes"]
-        _loaded[key] = fn
-    return _loaded[key]
+_helpers = _sibling("hgemm_helpers").Helpers(MANIFEST, HERE, _arch, DTYPE_NAMES)  # CuPy's modules, helper kernels
 
 
 def _gated(y: torch.Tensor, epi: str) -> torch.Tensor | None:
@@ -243,7 +224,7 @@ def python_run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layo
     m, n, k = parse_key(call)[:3]
     grid, maps = INDEX.launch_at(key, entry, m)
     c = torch.empty(out_shape, dtype=a.dtype, device=a.device)
-    driver.launch(_kernel(entry).kernel.ptr, grid, tuple(entry["block"]), entry["smem_bytes"],
+    driver.launch(_helpers.kernel(entry).kernel.ptr, grid, tuple(entry["block"]), entry["smem_bytes"],
                   torch.cuda.current_stream(a.device).cuda_stream, (a.data_ptr(), b.data_ptr(), c.data_ptr()),
                   (m, n, k), maps, entry.get("workspace_bytes", 0), entry.get("counters", 0),
                   None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr())

@@ -43,31 +43,31 @@ def gated_epilogue(act, epilogue) -> str | None:
     return {gate: name for name, gate in epilogue.GATED.items()}.get(activation(act, epilogue))
 
 
-def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm.forward, op for op: x in fp32 times rsqrt(mean(x^2) + eps), rounded to x's dtype,
-    times weight."""
+def _normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x in fp32 times rsqrt(mean(x^2) + eps), as every RMSNorm below computes it first."""
     h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward, op for op: the normalised x rounded to x's dtype, times weight."""
+    return weight * _normalised(x, eps).to(x.dtype)
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' GemmaRMSNorm.forward (Qwen3-Next's too), op for op: x in fp32 times rsqrt(mean(x^2) + eps),
-    times 1 + weight in fp32, rounded once to x's dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * (1.0 + weight.float())).type_as(x)
+    """transformers' GemmaRMSNorm.forward (Qwen3-Next's too), op for op: the normalised x times 1 + weight in fp32,
+    rounded once to x's dtype."""
+    return (_normalised(x, eps) * (1.0 + weight.float())).type_as(x)
 
 
 def weight_fp32_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Olmo2RMSNorm.forward (GPT-OSS's, DeepSeek-V4's too), op for op: x in fp32 times
-    rsqrt(mean(x^2) + eps), times weight in fp32, rounded once to x's dtype."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * h).to(x.dtype)
+    """transformers' Olmo2RMSNorm.forward (GPT-OSS's, DeepSeek-V4's too), op for op: weight times the normalised x
+    in fp32, rounded once to x's dtype."""
+    return (weight * _normalised(x, eps)).to(x.dtype)
 
 
 RMS_NORMS = (llama_rms_norm, gemma_rms_norm, weight_fp32_rms_norm)  # by the norm kernel's `kind`
+
 
 def _probe_input(like: torch.Tensor, *shape: int, scale: float = 2.0) -> torch.Tensor:
     """Seeded random values of `shape` on `like`'s device and in its dtype, large enough that functions bend on them."""
