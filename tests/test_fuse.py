@@ -479,9 +479,34 @@ def test_q_k_v_outside_decoder_layers_are_merged_and_q_runs_alone_once_a_product
             TorchOps.calls = []
             assert torch.allclose(tower.attn(x, ctx), ref, atol=1e-6)
             assert rows(TorchOps.calls) == [192 if merged else 64, 64, 64]
+            assert tower.attn.q_proj._hgemm_qkv.x is None  # let go as soon as k read another input
         assert tower.attn.q_proj._hgemm_qkv.alone and not tower.self.q_proj._hgemm_qkv.alone
         assert tower.attn.q_proj._hgemm_qkv.x is None  # nothing held
     assert hgemm_fuse.unfuse(tower) == 2 and type(tower.attn.q_proj) is nn.Linear
+
+
+class UnrecordedOps:
+    """PyTorch's ops without TorchOps's record of calls (a list that grows makes dynamo recompile every call)."""
+
+    linear = staticmethod(F.linear)
+
+
+def test_a_compiled_cross_attention_recompiles_once_when_q_goes_alone():
+    torch.manual_seed(0)
+    tower = nn.ModuleDict({"attn": CrossAttention(64, 4, 4, True)})
+    x, ctx = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    with torch.no_grad():
+        ref = tower.attn(x, ctx)
+        hgemm_fuse.fuse(tower, UnrecordedOps)
+        compiled = torch.compile(tower.attn, fullgraph=True, backend=backend)
+        assert all(torch.allclose(compiled(x, ctx), ref, atol=1e-6) for _ in range(4))
+    assert len(graphs) == 2  # merged on the first call, q alone after it
+    hgemm_fuse.unfuse(tower)
 
 
 def test_projections_of_different_inputs_are_not_merged():

@@ -89,7 +89,7 @@ def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self._hgemm_ops.rms_norm(x, self.weight, self._hgemm_eps, self._hgemm_kind)
 
 
-def _norm(layer: _Layer, m: nn.Module, found: tuple[float, bool], ops) -> None:
+def _norm(layer: _Layer, m: nn.Module, found: tuple[float, int], ops) -> None:
     """An RMSNorm (recognise.rms_norm_of's `found`: its epsilon and rounding kind) as ops.rms_norm."""
     layer.set_forward(m, _norm_forward, ops=ops, eps=found[0], kind=found[1])
     layer.kinds.append("rms_norm")
@@ -98,7 +98,7 @@ def _norm(layer: _Layer, m: nn.Module, found: tuple[float, bool], ops) -> None:
 class _Shared:
     """What q, k and v's forwards share: the merged weight and bias, their columns, the last merged product and its
     input, which of k (1) and v (2) have yet to take their columns of it (`left`), and whether q runs alone
-    (`alone`: a product went unused before, as a cross-attention's would, whose k and v read another input or are
+    (`alone`: a product went unused, as a cross-attention's does, whose k and v read another input or are
     cached)."""
 
     def __init__(self, weight, bias, bounds):
@@ -141,17 +141,17 @@ class _Layer:
 def _qkv_forward(self, x: torch.Tensor) -> torch.Tensor:
     """q's forward runs the merged GEMM and keeps its product; k's and v's take their columns of it when their
     input is the same tensor (the product is let go once both have), else run their own rows of the merged weight.
-    Where a product went unused (q called again before k and v took theirs), q runs its own rows from then on."""
+    Where a product goes unused (k or v called on another input, or q again before both took theirs), it is let go
+    and q runs its own rows from then on."""
     shared, index = self._hgemm_qkv, self._hgemm_index
     lo, hi = shared.bounds[index]
-    if index == 0:
-        if shared.x is not None:  # the last product was not taken by both k and v
-            shared.x = shared.y = None
-            shared.alone = True
-        if not shared.alone:
-            shared.x, shared.y, shared.left = x, self._hgemm_ops.linear(x, shared.weight, shared.bias), 3
-            return shared.y[..., lo:hi]
-    elif shared.x is x and shared.left & index:
+    if shared.x is not None and (index == 0 or shared.x is not x or not shared.left & index):
+        shared.x = shared.y = None
+        shared.alone = True
+    if index == 0 and not shared.alone:
+        shared.x, shared.y, shared.left = x, self._hgemm_ops.linear(x, shared.weight, shared.bias), 3
+        return shared.y[..., lo:hi]
+    if index and shared.x is x:  # k or v on q's input, its columns not taken yet
         y = shared.y
         shared.left &= ~index
         if not shared.left:
@@ -274,20 +274,21 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             first, down = plain[:2] if plain else ("up_proj", "down_proj")  # the MLP's first and last projection
             has_down = recognise.plain_linear(getattr(mlp, down, None))
             gated, returns_down = recognise.probe_mlp(mlp, down, first) if has_down else (None, False)
-            kind = recognise.layer_steps(module)
-            llama = returns_down and recognise.llama_parts(module, down) and kind == "llama"
-            post = [recognise.rms_norm_of(getattr(module, n, None)) if norms and kind == "post_norm" else None
-                    for n in ("post_attention_layernorm", "post_feedforward_layernorm")]
-            attn = module.self_attn
-            if all(recognise.plain_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj")):
-                _qkv(layer, attn, ops)
+            llama = returns_down and recognise.llama_parts(module, down)  # the parts of Llama's steps
+            post = ([recognise.rms_norm_of(getattr(module, n, None))  # the norms of the post-norm steps
+                     for n in ("post_attention_layernorm", "post_feedforward_layernorm")]
+                    if norms and getattr(module, "post_feedforward_layernorm", None) is not None else [None])
+            layer_steps = recognise.layer_steps(module) if llama or all(post) else None
+            llama, post_norm = llama and layer_steps == "llama", all(post) and layer_steps == "post_norm"
+            if recognise.has_qkv(module.self_attn):
+                _qkv(layer, module.self_attn, ops)
             if gated:
                 _gate_up(layer, mlp, ops, gated)
             elif plain:
                 _act_mlp(layer, mlp, ops, plain)
             if llama:
                 steps.residuals(layer, module, ops, down)
-            elif all(post):
+            elif post_norm:
                 steps.post_norms(layer, module, ops, post)
             for norm in (getattr(module, n, None) for n in ("input_layernorm", "post_attention_layernorm")):
                 found = recognise.rms_norm_of(norm) if norms and norm is not None and not owns(norm) else None
@@ -314,7 +315,7 @@ def _fuse_alone(layer: _Layer, module: nn.Module, ops, norms: bool) -> None:
     """A module outside the decoder layers `fuse` looks into, if it is one of: an attention with plain q_proj, k_proj
     and v_proj (a vision tower's, a cross-attention's), a gateless MLP (recognise.plain_mlp), an RMSNorm (where
     `norms`), a rotary embedding."""
-    if all(recognise.plain_linear(getattr(module, n, None)) for n in ("q_proj", "k_proj", "v_proj")):
+    if recognise.has_qkv(module):
         _qkv(layer, module, ops)
         return
     found = recognise.rms_norm_of(module) if norms else None

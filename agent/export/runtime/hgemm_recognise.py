@@ -150,6 +150,11 @@ def plain_linear(m) -> bool:
     return seen[1]
 
 
+def has_qkv(attn: nn.Module) -> bool:
+    """Whether the module has q_proj, k_proj and v_proj, each a plain_linear (what hgemm_fuse merges)."""
+    return all(plain_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj"))
+
+
 _linear_like: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Linear -> (its class, plain_linear's probe)
 
 
@@ -304,7 +309,7 @@ def layer_steps(layer: nn.Module) -> str | None:
 def decoder_layers(model: nn.Module):
     """(name, module) of every decoder layer `fuse` looks into: a module with an attention (`self_attn`), usually an
     MLP (`mlp`) beside it, none with a forward of its own; what in it is fused is each part's own test (q/k/v: plain
-    q_proj, k_proj, v_proj; gate/up: probe_mlp; the residual adds: llama_parts and layer_steps; the post-norms' adds:
+    has_qkv; gate/up: probe_mlp; the residual adds: llama_parts and layer_steps; the post-norms' adds:
     layer_steps and rms_norm_of). Layers that are not Llama's (norms after the attention, an MoE block for the MLP)
     may still have their q/k/v or gate/up fused."""
     for name, m in model.named_modules():
