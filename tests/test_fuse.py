@@ -439,13 +439,87 @@ def test_a_post_norm_layer_fuses_its_projections_and_keeps_its_adds_without_the_
     hgemm_fuse.unfuse(model)
 
 
-def test_an_moe_layer_fuses_its_qkv_and_leaves_its_experts_alone():
-    assert fused_as_before(*model_and_ids(layer=SparseMoELayer)) == (2, 0, 0, 0)  # no `mlp` at all
+def test_an_moe_layer_fuses_its_qkv_o_projs_add_and_each_gated_expert():
+    # each expert held as a gated MLP module fuses its gate/up (two a layer); the block's add stays the layer's
+    assert fused_as_before(*model_and_ids(layer=SparseMoELayer)) == (2, 4, 2, 0)  # the block by another name
     model, ids = model_and_ids(layer=MoELayer)
-    assert fused_as_before(model, ids) == (2, 0, 0, 0)
+    assert fused_as_before(model, ids) == (2, 4, 2, 0)
+    with torch.no_grad():
+        ref = model(ids)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     hgemm_fuse.fuse(model, TorchOps)
-    assert model.layers[0].mlp.experts[0].gate_proj.weight.numel() > 0  # an expert's weights are its own still
-    assert hgemm_fuse.describe(model)[0] == "layers.0: q/k/v as one GEMM, 2 RMSNorms in one kernel each"
+    assert model.layers[0].mlp.experts[0].gate_proj.weight.numel() == 0  # the interleaved merge is the only copy
+    assert hgemm_fuse.describe(model)[0] == ("layers.0: q/k/v as one GEMM, o_proj + residual, 2 RMSNorms in one "
+                                             "kernel each")
+    assert hgemm_fuse.describe(model)[1] == "layers.0.mlp.experts.0: gate/up as one gated GEMM (silu_mul)"
+    TorchOps.calls = []
+    with torch.no_grad():
+        assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    # per layer through ops: q/k/v, o_proj + residual, each expert's gated GEMM (its down_proj and the router are
+    # plain nn.Linear calls, the block's add the layer's)
+    layer = ["none", "residual", "silu_mul", "silu_mul"]
+    assert [c[0] for c in TorchOps.calls if c[0] != "rms_norm"] == layer + layer
+    hgemm_fuse.unfuse(model)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+class RoutedExperts(Experts):
+    """Llama 4's and GPT-OSS's MoE block: its output's rows flat (tokens x hidden), with the router's scores."""
+
+    def forward(self, x):
+        return super().forward(x).reshape(-1, x.shape[-1]), self.router(x)
+
+
+class FeedForwardLayer(Layer):
+    """Llama 4's naming and steps: the MoE block `feed_forward`, its output unpacked and reshaped by the layer."""
+
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__(hidden, inter, act, bias, norm)
+        del self.mlp
+        self.feed_forward = RoutedExperts(hidden, inter, act)
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), attention_mask)[0]
+        out, _ = self.feed_forward(self.post_attention_layernorm(h))
+        return h + out.view(h.shape)
+
+
+class PairExperts(Experts):
+    def forward(self, x):  # GPT-OSS's: the layer's shape, with the router's scores
+        return super().forward(x), self.router(x)
+
+
+class UnshapedLayer(FeedForwardLayer):
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__(hidden, inter, act, bias, norm)
+        self.feed_forward = PairExperts(hidden, inter, act)
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):  # takes the block's output as it comes
+        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), attention_mask)[0]
+        return h + self.feed_forward(self.post_attention_layernorm(h))[0]
+
+
+@pytest.mark.parametrize("layer, flat", [(FeedForwardLayer, True), (UnshapedLayer, False)])
+def test_a_layer_that_takes_its_moe_blocks_output_as_a_pair_fuses_o_projs_add(layer, flat):
+    model, ids = model_and_ids(layer=layer)
+    assert hgemm_fuse.steps.mlp_name(model.layers[0]) == "feed_forward"
+    # flat: the layer reshapes what the block returns (flat rows or not); else its probe with flat rows raises
+    assert hgemm_fuse.steps.layer_steps(model.layers[0], "feed_forward") == ("llama", True, flat)
+    assert fused_as_before(model, ids) == (2, 4, 2, 0)
+
+
+class TupleExperts(Experts):
+    def forward(self, x):
+        return super().forward(x), None
+
+
+def test_an_moe_block_that_returns_a_tuple_where_the_probe_saw_a_tensor_is_an_error():
+    model, ids = model_and_ids(layer=MoELayer)
+    assert hgemm_fuse.fuse(model, TorchOps)["o_residual"] == 2
+    model.layers[0].mlp.__class__ = TupleExperts  # swapped after the probe (a layer's steps cannot take a tuple)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="TupleExperts's output is not what its layer took"):
+        model(ids)
+    model.layers[0].mlp.__class__ = Experts
     hgemm_fuse.unfuse(model)
 
 
@@ -548,7 +622,7 @@ def test_phi3s_merged_gate_up_is_interleaved_in_place_and_put_back_bit_for_bit()
 
 @pytest.mark.parametrize("mlp, fused", [
     (SubNormMLP, (2, 0, 2, 2)),  # not down(act(gate) * up), but down_proj's output is the MLP's: the adds fuse
-    (ScaledOutputMLP, (2, 0, 0, 0)),  # down(act(gate) * up) scaled after down_proj: neither gate/up nor the adds
+    (ScaledOutputMLP, (2, 0, 2, 0)),  # down(act(gate) * up) scaled after down_proj: neither gate/up nor down's add
 ])
 def test_an_mlp_whose_steps_are_not_llamas_keeps_what_they_change(mlp, fused):
     model, ids = model_and_ids()

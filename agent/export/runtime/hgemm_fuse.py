@@ -3,9 +3,10 @@
 Looked into: a decoder layer with an attention `self_attn` and, usually, an MLP `mlp` (hgemm_recognise.py decides
 what in it is fused): Llama, Mistral, Qwen2 (q/k/v with biases), Phi-3 (q/k/v already one projection, gate and up one
 gate_up_proj) and any decoder built the same way fuse all of what follows; layers with norms after the attention
-and the MLP (Olmo2, Gemma2) their q/k/v and gate/up, and MoE layers their q/k/v (tools/arch_probe.py checks every
-causal LM of the installed transformers); outside such layers, attentions, gateless MLPs, norms and rotary
-embeddings on their own. What `fuse(model, ops)` does to each:
+and the MLP (Olmo2, Gemma2) their q/k/v and gate/up, and MoE layers their q/k/v and o_proj's residual add
+(tools/arch_probe.py checks every causal LM of the installed transformers); outside such layers, attentions, gated
+and gateless MLPs (an MoE block's shared expert), norms and rotary embeddings on their own. What `fuse(model, ops)`
+does to each:
 
 - qkv: q, k and v as one GEMM of N = q + k + v on one merged weight (and merged biases), in any module with plain
   q_proj, k_proj and v_proj; they keep their parameters as views of it (one copy), and the calls the attention
@@ -21,8 +22,9 @@ embeddings on their own. What `fuse(model, ops)` does to each:
   returning a tensor (a probe call with the attention and the MLP stood in for by fixed functions: the same values
   bit for bit; Gemma2's extra norms and Granite's residual multiplier are not), and its MLP returns its last
   projection's output as it is (down_proj, or a plain MLP's second: a probe call), the layer runs as the same steps
-  with the residual adds fused into o_proj and that projection (`residual` epilogue); an attention that changes
-  o_proj's output before returning it is an error at its first call (hgemm_steps.py);
+  with the residual adds fused into o_proj and that projection (`residual` epilogue); where the MLP returns
+  something else (an MoE block), o_proj's add alone; an attention that changes o_proj's output before returning it
+  is an error at its first call (hgemm_steps.py);
 - norm_residual: where the layer's steps put a norm after the attention and after the MLP, each before its residual
   add (Gemma 2's, Olmo 2's; the same probe), and `ops` has rms_norm, each of those norms and its add run as one
   ops.rms_norm call (hgemm_steps.py);
@@ -263,23 +265,27 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
     fused."""
     counts = dict.fromkeys(KINDS, 0)
     norms = norms and hasattr(ops, "rms_norm")
-    for name, module in list(recognise.decoder_layers(model)):
+    for name, module in list(steps.decoder_layers(model)):
         if module in _fused:
             continue
         layer = _fused[module] = _Layer(name)
         with torch.no_grad():
             # probes first, on the modules as they are
-            mlp = getattr(module, "mlp", None)
+            mlp_name = steps.mlp_name(module)
+            mlp = getattr(module, mlp_name or "", None)
             plain = recognise.plain_mlp(mlp, _epilogue_module(ops)) if mlp is not None else None
             first, down = plain[:2] if plain else ("up_proj", "down_proj")  # the MLP's first and last projection
             has_down = recognise.plain_linear(getattr(mlp, down, None))
             gated, returns_down = recognise.probe_mlp(mlp, down, first) if has_down else (None, False)
-            llama = returns_down and recognise.llama_parts(module, down)  # the parts of Llama's steps
+            down = down if returns_down else None  # None: only o_proj takes its residual add
+            llama = steps.llama_parts(module, mlp_name, down)  # the parts of Llama's steps
             post = ([recognise.rms_norm_of(getattr(module, n, None))  # the norms of the post-norm steps
                      for n in ("post_attention_layernorm", "post_feedforward_layernorm")]
                     if norms and getattr(module, "post_feedforward_layernorm", None) is not None else [None])
-            layer_steps = recognise.layer_steps(module) if llama or all(post) else None
-            llama, post_norm = llama and layer_steps == "llama", all(post) and layer_steps == "post_norm"
+            found = steps.layer_steps(module, mlp_name) if mlp is not None and (llama or all(post)) else None
+            kind, *mlp_output = found or (None, False, False)
+            llama = llama and kind == "llama" and (down is None or not any(mlp_output))
+            post_norm = all(post) and kind == "post_norm"
             if recognise.has_qkv(module.self_attn):
                 _qkv(layer, module.self_attn, ops)
             if gated:
@@ -287,9 +293,9 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             elif plain:
                 _act_mlp(layer, mlp, ops, plain)
             if llama:
-                steps.residuals(layer, module, ops, down)
+                steps.residuals(layer, module, ops, mlp_name, down, mlp_output)
             elif post_norm:
-                steps.post_norms(layer, module, ops, post)
+                steps.post_norms(layer, module, ops, mlp_name, post)
             for norm in (getattr(module, n, None) for n in ("input_layernorm", "post_attention_layernorm")):
                 found = recognise.rms_norm_of(norm) if norms and norm is not None and not owns(norm) else None
                 if found is not None:
@@ -313,17 +319,22 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
 
 def _fuse_alone(layer: _Layer, module: nn.Module, ops, norms: bool) -> None:
     """A module outside the decoder layers `fuse` looks into, if it is one of: an attention with plain q_proj, k_proj
-    and v_proj (a vision tower's, a cross-attention's), a gateless MLP (recognise.plain_mlp), an RMSNorm (where
-    `norms`), a rotary embedding."""
+    and v_proj (a vision tower's, a cross-attention's), a gated MLP (recognise.probe_mlp: an MoE block's shared
+    expert, experts held as modules), a gateless MLP (recognise.plain_mlp), an RMSNorm (where `norms`), a rotary
+    embedding."""
     if recognise.has_qkv(module):
         _qkv(layer, module, ops)
         return
     found = recognise.rms_norm_of(module) if norms else None
     plain = recognise.plain_mlp(module, _epilogue_module(ops)) if found is None else None
+    gated = (recognise.probe_mlp(module)[0] if found is None and plain is None and recognise.act_of(module) is not None
+             and recognise.plain_linear(getattr(module, "down_proj", None)) else None)
     if found is not None:
         _norm(layer, module, found, ops)
     elif plain is not None:
         _act_mlp(layer, module, ops, plain)
+    elif gated is not None:
+        _gate_up(layer, module, ops, gated)
     elif recognise.is_rotary(module):
         layer.set_forward(module, _rotary_forward)
         layer.kinds.append("rotary")

@@ -1,15 +1,13 @@
-"""Recognising what hgemm_fuse.py fuses in a Hugging Face model: decoder layers built as Llama's, MLPs that are
-down(act(gate(x)) * up(x)) (gate and up as two projections or one) or second(act(first(x))), the activations the
-epilogues compute, Llama- and Gemma-style RMSNorms, Linear subclasses that compute F.linear, rotary embeddings.
-Each is recognised by its modules' names and types and by probe calls that must give the same values bit for bit as
-the steps the fused forwards run, not by its class: a model built otherwise (Gemma2's extra norms, Granite's
-residual multiplier) keeps its own code there. Shipped in an export beside hgemm_fuse.py, which
-loads it.
+"""Recognising the modules hgemm_fuse.py fuses in a Hugging Face model: MLPs that are down(act(gate(x)) * up(x))
+(gate and up as two projections or one) or second(act(first(x))), the activations the epilogues compute, Llama-,
+Gemma- and Olmo-2-style RMSNorms, Linear subclasses that compute F.linear, rotary embeddings (a decoder layer's
+steps: hgemm_steps.py). Each is recognised by its modules' names and types and by probe calls that must give the
+same values bit for bit as the steps the fused forwards run, not by its class: a model built otherwise keeps its own
+code there. Shipped in an export beside hgemm_fuse.py, which loads it.
 """
 
 from __future__ import annotations
 
-import inspect
 import weakref
 
 import torch
@@ -69,7 +67,7 @@ def weight_fp32_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 RMS_NORMS = (llama_rms_norm, gemma_rms_norm, weight_fp32_rms_norm)  # by the norm kernel's `kind`
 
 
-def _probe_input(like: torch.Tensor, *shape: int, scale: float = 2.0) -> torch.Tensor:
+def probe_input(like: torch.Tensor, *shape: int, scale: float = 2.0) -> torch.Tensor:
     """Seeded random values of `shape` on `like`'s device and in its dtype, large enough that functions bend on them."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     return (torch.randn(*shape, generator=gen) * scale).to(device=like.device, dtype=like.dtype)
@@ -85,7 +83,7 @@ def rms_norm_of(m: nn.Module) -> tuple[float, int] | None:
     if (not isinstance(eps, float) or not isinstance(w, nn.Parameter) or w.dim() != 1 or w.numel() == 0
             or w.is_meta or "forward" in m.__dict__ or list(m.children()) or len(list(m.parameters())) != 1):
         return None
-    x, weight, own = _probe_input(w, 3, w.numel(), scale=3.0), 1 + _probe_input(w, w.numel(), scale=0.5), w.data
+    x, weight, own = probe_input(w, 3, w.numel(), scale=3.0), 1 + probe_input(w, w.numel(), scale=0.5), w.data
     try:
         with torch.no_grad():
             w.data = weight
@@ -162,7 +160,7 @@ def _computes_linear(m: nn.Linear) -> bool:
     w = m.weight
     if w.is_meta or w.dim() != 2 or not w.is_floating_point():
         return False
-    x = _probe_input(w, 3, w.shape[1])
+    x = probe_input(w, 3, w.shape[1])
     try:
         with torch.no_grad():
             out, ref = type(m).forward(m, x), torch.nn.functional.linear(x, w, m.bias)
@@ -203,7 +201,7 @@ def probe_mlp(mlp: nn.Module, down: str = "down_proj", first: str = "up_proj") -
         kind, first = None, next(m for m in (getattr(mlp, first, None), down) if plain_linear(m))
     if first.weight.is_meta:
         return None, False
-    x, seen = _probe_input(first.weight, 3, first.in_features), []
+    x, seen = probe_input(first.weight, 3, first.in_features), []
     hook = down.register_forward_hook(lambda module, args, out: seen.append(out))
     try:
         out = type(mlp).forward(mlp, x)
@@ -237,7 +235,7 @@ def plain_mlp(m: nn.Module, epilogue) -> tuple[str, str, str] | None:
         lin1, lin2 = children[first], children[second]
         if lin1.out_features != lin2.in_features or lin1.weight.dtype != lin2.weight.dtype:
             continue
-        x = _probe_input(lin1.weight, 3, lin1.in_features)
+        x = probe_input(lin1.weight, 3, lin1.in_features)
         try:
             with torch.no_grad():
                 out, ref = type(m).forward(m, x), lin2(acts[0](lin1(x)))
@@ -246,84 +244,3 @@ def plain_mlp(m: nn.Module, epilogue) -> tuple[str, str, str] | None:
         if isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref):
             return first, second, name
     return None
-
-
-class _Stand(nn.Module):
-    """A stand-in for a decoder layer's attention (a pair, as attentions return) or MLP in `layer_steps`'s probe:
-    a fixed elementwise function of its input."""
-
-    def __init__(self, scale: float, pair: bool):
-        super().__init__()
-        self.scale, self.pair = scale, pair
-
-    def forward(self, *args, **kwargs):
-        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        y = torch.tanh(x) * self.scale + 0.25
-        return (y, None) if self.pair else y
-
-
-def layer_steps(layer: nn.Module) -> str | None:
-    """Which steps the decoder layer's own forward runs, returning one tensor: "llama", x + attn(norm1(x)) and then
-    h + mlp(norm2(h)) (input_layernorm, post_attention_layernorm), which hgemm_fuse's `_layer_forward` runs with the
-    adds in o_proj's and down_proj's epilogues; or "post_norm", x + norm2(attn(norm1(x))) and then
-    h + norm4(mlp(norm3(h))) (Gemma 2's: input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
-    post_feedforward_layernorm; Olmo 2's without the first and third), which `_post_norm_forward` runs with each add
-    in the norm before it; or None. Its forward is called with the attention and the MLP stood in for by fixed
-    functions (_Stand) and compared with those steps, bit for bit. Arguments the forward requires besides the hidden
-    states (position embeddings, in some transformers versions) are given as None: the layer passes them on to the
-    stand-ins, which ignore them."""
-    o_proj = getattr(layer.self_attn, "o_proj", None)
-    if not isinstance(o_proj, nn.Linear) or o_proj.weight.is_meta or not isinstance(getattr(layer, "mlp", None),
-                                                                                     nn.Module):
-        return None
-    x = _probe_input(o_proj.weight, 2, 3, o_proj.out_features)
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    required = {q.name: None for q in list(inspect.signature(type(layer).forward).parameters.values())[2:]
-                if q.default is inspect.Parameter.empty and q.kind in named}
-    attn, mlp = _Stand(1.5, pair=True), _Stand(-0.75, pair=False)
-    saved = layer._modules["self_attn"], layer._modules["mlp"]
-    layer._modules["self_attn"], layer._modules["mlp"] = attn, mlp
-    norm = {n: getattr(layer, n, None) or (lambda t: t) for n in ("input_layernorm", "post_attention_layernorm",
-                                                                    "pre_feedforward_layernorm")}
-    try:
-        out = type(layer).forward(layer, x, **required)
-        if not isinstance(out, torch.Tensor):
-            return None
-        h = x + attn(hidden_states=norm["input_layernorm"](x))[0]
-        if torch.equal(out, h + mlp(norm["post_attention_layernorm"](h))) and out.dtype == x.dtype:
-            return "llama"
-        post = getattr(layer, "post_feedforward_layernorm", None)
-        if post is not None and not isinstance(getattr(layer, "post_attention_layernorm", None), nn.Module):
-            return None
-        if post is not None:
-            h = x + layer.post_attention_layernorm(attn(hidden_states=norm["input_layernorm"](x))[0])
-            if torch.equal(out, h + post(mlp(norm["pre_feedforward_layernorm"](h)))) and out.dtype == x.dtype:
-                return "post_norm"
-    except Exception:  # a forward that needs more than its input, or other modules' outputs
-        return None
-    finally:
-        layer._modules["self_attn"], layer._modules["mlp"] = saved
-    return None
-
-
-def decoder_layers(model: nn.Module):
-    """(name, module) of every decoder layer `fuse` looks into: a module with an attention (`self_attn`), usually an
-    MLP (`mlp`) beside it, none with a forward of its own; what in it is fused is each part's own test (q/k/v: plain
-    has_qkv; gate/up: probe_mlp; the residual adds: llama_parts and layer_steps; the post-norms' adds:
-    layer_steps and rms_norm_of). Layers that are not Llama's (norms after the attention, an MoE block for the MLP)
-    may still have their q/k/v or gate/up fused."""
-    for name, m in model.named_modules():
-        attn, mlp = getattr(m, "self_attn", None), getattr(m, "mlp", None)
-        if not isinstance(attn, nn.Module):
-            continue
-        if any("forward" in x.__dict__ for x in (m, attn, mlp) if x is not None):  # a forward of its own (a hook's)
-            continue                                                                # would shadow ours
-        yield name, m
-
-
-def llama_parts(layer: nn.Module, down: str = "down_proj") -> bool:
-    """Whether the layer has the parts Llama's steps name: o_proj and the MLP's last projection `down` (plain
-    nn.Linear), input_layernorm and post_attention_layernorm."""
-    projections = getattr(layer.self_attn, "o_proj", None), getattr(getattr(layer, "mlp", None), down, None)
-    norms = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
-    return all(plain_linear(p) for p in projections) and all(isinstance(n, nn.Module) for n in norms)

@@ -1,15 +1,131 @@
-"""The steps of a fused decoder layer (hgemm_fuse.py decides where, from hgemm_recognise.layer_steps): Llama's, with
-its residual adds in the epilogues of o_proj and of the MLP's last projection; and a layer with norms after its
-attention and MLP (Gemma 2's, Olmo 2's), with each add in the norm kernel before it. Shipped in an export beside
-hgemm_fuse.py, which loads it; the forwards here run as the fused modules' class methods (hgemm_fuse's set_forward).
+"""A decoder layer's steps: recognised by probe calls with its attention and MLP stood in for (`layer_steps`), and
+run fused: Llama's, with its residual adds in the epilogues of o_proj and of the MLP's last projection (o_proj's
+alone where the MLP is an MoE block); and a layer with norms after its attention and MLP (Gemma 2's, Olmo 2's),
+with each add in the norm kernel before it. Shipped in an export beside hgemm_fuse.py, which loads it after
+hgemm_recognise.py; the forwards here run as the fused modules' class methods (hgemm_fuse's set_forward).
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 
 import torch
 from torch import nn
+
+recognise = sys.modules[__name__.replace("__hgemm_steps", "__hgemm_recognise")]  # hgemm_fuse loads it first
+
+class _Stand(nn.Module):
+    """A stand-in for a decoder layer's attention (a pair, as attentions return) or MLP in `layer_steps`'s probe:
+    a fixed elementwise function of its input; `flat`: its rows as one matrix (tokens x hidden, as MoE blocks
+    return them)."""
+
+    def __init__(self, scale: float, pair: bool, flat: bool = False):
+        super().__init__()
+        self.scale, self.pair, self.flat = scale, pair, flat
+
+    def forward(self, *args, **kwargs):
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        y = torch.tanh(x) * self.scale + 0.25
+        y = y.reshape(-1, y.shape[-1]) if self.flat else y
+        return (y, None) if self.pair else y
+
+
+NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def mlp_name(layer: nn.Module) -> str | None:
+    """The name of the decoder layer's MLP (or MoE block): `mlp`, else its one child besides `self_attn`, the norms
+    its steps name and dropouts (Llama 4's `feed_forward`, Granite-MoE's `block_sparse_moe`), else None."""
+    if isinstance(getattr(layer, "mlp", None), nn.Module):
+        return "mlp"
+    rest = [n for n, c in layer.named_children()
+            if n != "self_attn" and n not in NORMS and not isinstance(c, (nn.Dropout, nn.Identity))]
+    return rest[0] if len(rest) == 1 else None
+
+
+def layer_steps(layer: nn.Module, mlp: str = "mlp") -> tuple[str, bool, bool] | None:
+    """Which steps the decoder layer's own forward runs, returning one tensor, with `mlp` the name of its MLP:
+    ("llama", pair, flat), x + attn(norm1(x)) and then h + mlp(norm2(h)) (input_layernorm,
+    post_attention_layernorm), which `_layer_forward` runs with the adds in the epilogues of o_proj and of the MLP's
+    last projection; `pair` where the layer takes the MLP's output as a pair (output, router scores), `flat` where
+    it takes it with its rows flat too (an MoE block's, which the layer reshapes); or ("post_norm", False, False),
+    x + norm2(attn(norm1(x))) and then h + norm4(mlp(norm3(h))) (Gemma 2's: input_layernorm,
+    post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm; Olmo 2's without the first
+    and third), which `_post_norm_forward` runs with each add in the norm before it; or None. Its forward is called
+    with the attention and the MLP stood in for by fixed functions (_Stand; the MLP's output a tensor, then a pair,
+    each of the layer's shape and flat: `flat` where the layer takes it flat, so reshapes it) and compared with those
+    steps, bit for bit. Arguments the forward requires besides the
+    hidden states (position embeddings, in some transformers versions) are given as None: the layer passes them on
+    to the stand-ins, which ignore them."""
+    o_proj = getattr(layer.self_attn, "o_proj", None)
+    if not isinstance(o_proj, nn.Linear) or o_proj.weight.is_meta or not isinstance(getattr(layer, mlp, None),
+                                                                                     nn.Module):
+        return None
+    x = recognise.probe_input(o_proj.weight, 2, 3, o_proj.out_features)
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    required = {q.name: None for q in list(inspect.signature(type(layer).forward).parameters.values())[2:]
+                if q.default is inspect.Parameter.empty and q.kind in named}
+    attn = _Stand(1.5, pair=True)
+    saved = layer._modules["self_attn"], layer._modules[mlp]
+    layer._modules["self_attn"] = attn
+    norm = {n: getattr(layer, n, None) or (lambda t: t) for n in NORMS[:3]}
+    try:
+        h = x + attn(hidden_states=norm["input_layernorm"](x))[0]
+
+        def matches(pair: bool, flat: bool) -> bool:
+            layer._modules[mlp] = stand = _Stand(-0.75, pair, flat)
+            try:
+                out = type(layer).forward(layer, x, **required)
+            except Exception:  # a forward that needs more than its input, or takes the MLP's output otherwise
+                return False
+            y = stand(norm["post_attention_layernorm"](h))
+            y = (y[0] if pair else y).view(h.shape)
+            return isinstance(out, torch.Tensor) and out.dtype == x.dtype and torch.equal(out, h + y)
+        for pair in (False, True):
+            shaped, flat = matches(pair, False), matches(pair, True)
+            if shaped or flat:
+                return "llama", pair, flat
+        layer._modules[mlp] = stand = _Stand(-0.75, False)
+        post = getattr(layer, "post_feedforward_layernorm", None)
+        if post is None or not isinstance(getattr(layer, "post_attention_layernorm", None), nn.Module):
+            return None
+        out = type(layer).forward(layer, x, **required)
+        h = x + layer.post_attention_layernorm(attn(hidden_states=norm["input_layernorm"](x))[0])
+        if (isinstance(out, torch.Tensor) and torch.equal(out, h + post(stand(norm["pre_feedforward_layernorm"](h))))
+                and out.dtype == x.dtype):
+            return "post_norm", False, False
+    except Exception:  # a forward that needs more than its input, or other modules' outputs
+        return None
+    finally:
+        layer._modules["self_attn"], layer._modules[mlp] = saved
+    return None
+
+
+def decoder_layers(model: nn.Module):
+    """(name, module) of every decoder layer `fuse` looks into: a module with an attention (`self_attn`), usually an
+    MLP (`mlp`) beside it, none with a forward of its own; what in it is fused is each part's own test (q/k/v: plain
+    has_qkv; gate/up: probe_mlp; the residual adds: llama_parts and layer_steps; the post-norms' adds:
+    layer_steps and rms_norm_of). Layers that are not Llama's (norms after the attention, an MoE block for the MLP)
+    may still have their q/k/v or gate/up fused."""
+    for name, m in model.named_modules():
+        attn = getattr(m, "self_attn", None)
+        if not isinstance(attn, nn.Module):
+            continue
+        mlp = getattr(m, mlp_name(m) or "", None)
+        if any("forward" in x.__dict__ for x in (m, attn, mlp) if x is not None):  # a forward of its own (a hook's)
+            continue                                                                # would shadow ours
+        yield name, m
+
+
+def llama_parts(layer: nn.Module, mlp: str | None, down: str | None = "down_proj") -> bool:
+    """Whether the layer has the parts Llama's steps name: o_proj and, unless `down` is None, the last projection
+    `down` of its MLP `mlp` (plain nn.Linear), input_layernorm and post_attention_layernorm."""
+    projections = [getattr(layer.self_attn, "o_proj", None)]
+    if down is not None:
+        projections.append(getattr(getattr(layer, mlp or "", None), down, None))
+    norms = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
+    return all(recognise.plain_linear(p) for p in projections) and all(isinstance(n, nn.Module) for n in norms)
 
 
 def _residual_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -35,17 +151,25 @@ def _by_name(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> di
 def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The decoder layer's steps with both residual adds left on o_proj and the MLP's last projection."""
     kwargs = _by_name(self, hidden_states, args, kwargs)
-    attn, mlp = self.self_attn, self.mlp
+    attn, mlp = self.self_attn, getattr(self, self._hgemm_mlp)
     attn.o_proj._hgemm_residual = hidden_states
     out = attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
     hidden = _summed(attn, attn.o_proj, out[0] if isinstance(out, tuple) else out)  # o_proj added the residual
+    if self._hgemm_down is None:  # an MLP whose output is not its last projection's (an MoE block): its add as it was
+        out = mlp(self.post_attention_layernorm(hidden))
+        pair, flat = self._hgemm_mlp_output
+        out = out[0] if pair and isinstance(out, tuple) else out
+        if not isinstance(out, torch.Tensor) or (out.shape != hidden.shape and not flat):  # flat: the layer reshapes
+            raise RuntimeError(f"hgemm: {type(mlp).__name__}'s output is not what its layer took when patched; "
+                               "patch this model with fuse=False")
+        return hidden + out.view(hidden.shape)
     down = getattr(mlp, self._hgemm_down)
     down._hgemm_residual = hidden
     return _summed(mlp, down, mlp(self.post_attention_layernorm(hidden)))  # down added it
 
 
 def _post_norm_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """The steps of a decoder layer with norms after its attention and MLP (recognise.layer_steps's "post_norm"),
+    """The steps of a decoder layer with norms after its attention and MLP (layer_steps's "post_norm"),
     each of those norms and the residual add after it in one call of ops.rms_norm."""
     kwargs = _by_name(self, hidden_states, args, kwargs)
     (eps1, kind1), (eps2, kind2) = self._hgemm_norms
@@ -54,7 +178,7 @@ def _post_norm_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> to
     out = out[0] if isinstance(out, tuple) else out
     h = self._hgemm_ops.rms_norm(out, self.post_attention_layernorm.weight, eps1, kind1, hidden_states)
     pre = getattr(self, "pre_feedforward_layernorm", None)
-    out = self.mlp(h if pre is None else pre(h))
+    out = getattr(self, self._hgemm_mlp)(h if pre is None else pre(h))
     return self._hgemm_ops.rms_norm(out, self.post_feedforward_layernorm.weight, eps2, kind2, h)
 
 
@@ -69,18 +193,21 @@ def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tenso
     return out
 
 
-def residuals(layer, module: nn.Module, ops, down: str) -> None:
-    """The layer's residual adds in the epilogues of o_proj and of its MLP's last projection `down` (`layer`:
-    hgemm_fuse's _Layer, which records what changed)."""
-    for proj in (module.self_attn.o_proj, getattr(module.mlp, down)):
+def residuals(layer, module: nn.Module, ops, mlp: str, down: str | None, mlp_output=(False, False)) -> None:
+    """The layer's residual adds in the epilogues of o_proj and of its MLP's (the child `mlp`'s) last projection
+    `down`; with `down` None, the MLP's add stays as the layer runs it, its output taken as `mlp_output` says (a
+    pair, its rows flat: layer_steps) (`layer`: hgemm_fuse's _Layer, which records what changed)."""
+    projections = [module.self_attn.o_proj] + ([] if down is None else [getattr(getattr(module, mlp), down)])
+    for proj in projections:
         layer.set_forward(proj, _residual_forward, ops=ops, residual=None, sum=None)
-    layer.set_forward(module, _layer_forward, signature=inspect.signature(type(module).forward), down=down)
-    layer.kinds += ["o_residual", "down_residual"]
+    layer.set_forward(module, _layer_forward, signature=inspect.signature(type(module).forward), mlp=mlp, down=down,
+                      mlp_output=tuple(mlp_output))
+    layer.kinds += ["o_residual", "down_residual"][:len(projections)]
 
 
-def post_norms(layer, module: nn.Module, ops, norms: list) -> None:
-    """The layer's norms after its attention and MLP with the residual adds after them in one ops.rms_norm call each
-    (`norms`: each norm's recognise.rms_norm_of)."""
+def post_norms(layer, module: nn.Module, ops, mlp: str, norms: list) -> None:
+    """The layer's norms after its attention and its MLP (the child `mlp`) with the residual adds after them in one
+    ops.rms_norm call each (`norms`: each norm's recognise.rms_norm_of)."""
     layer.set_forward(module, _post_norm_forward, ops=ops, signature=inspect.signature(type(module).forward),
-                      norms=norms)
+                      mlp=mlp, norms=norms)
     layer.kinds.append("norm_residual")
