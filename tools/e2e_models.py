@@ -31,6 +31,16 @@ CONFIGS = {
     "gemma2-9b": ("Gemma2Config", "Gemma2ForCausalLM",
                   dict(hidden_size=3584, intermediate_size=14336, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=256, vocab_size=256000, max_position_embeddings=8192)),
+    # Phi-2: hidden 2560, intermediate 10240, 32 heads, biases, LayerNorm, the attention and a gateless MLP (fc1, tanh
+    # GELU, fc2) both on the layer's normed input, rotary on 40% of each head
+    "phi-2": ("PhiConfig", "PhiForCausalLM",
+              dict(hidden_size=2560, intermediate_size=10240, num_attention_heads=32, num_key_value_heads=32,
+                   vocab_size=51200, max_position_embeddings=2048, partial_rotary_factor=0.4, hidden_act="gelu_new")),
+    # Mixtral-8x7B: Llama's attention (hidden 4096, 32 heads, 8 KV heads), an MoE block of 8 experts of 14336, top 2
+    "mixtral-8x7b": ("MixtralConfig", "MixtralForCausalLM",
+                     dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                          num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768,
+                          rope_theta=1000000.0)),
     "tiny": ("LlamaConfig", "LlamaForCausalLM",
              dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
                   vocab_size=1024, max_position_embeddings=4096)),

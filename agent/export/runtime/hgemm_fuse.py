@@ -1,10 +1,12 @@
 """Fusions of decoder layers: what a serving engine merges, patched into a Hugging Face model in place.
 
-Looked into: a decoder layer with an attention `self_attn` and, usually, an MLP `mlp` (hgemm_recognise.py decides
-what in it is fused): Llama, Mistral, Qwen2 (q/k/v with biases), Phi-3 (q/k/v already one projection, gate and up one
-gate_up_proj) and any decoder built the same way fuse all of what follows; layers with norms after the attention
-and the MLP (Olmo2, Gemma2) their q/k/v and gate/up, and MoE layers their q/k/v and o_proj's residual add
-(tools/arch_probe.py checks every causal LM of the installed transformers); outside such layers, attentions, gated
+Looked into: a decoder layer with an attention (`self_attn`, `attn`, `attention` or `self_attention`) and, usually,
+an MLP (`mlp`, or the layer's one other child); hgemm_recognise.py and hgemm_steps.py decide what in it is fused.
+Llama, Mistral, Qwen2 (q/k/v with biases), Phi-3 (q/k/v already one projection, gate and up one gate_up_proj) and
+any decoder built the same way fuse all of what follows; layers with norms after the attention and the MLP (Olmo2,
+Gemma2) their q/k/v, gate/up and the adds after the norms; MoE layers their q/k/v and o_proj's residual add;
+layers whose attention and MLP both read the input (GPT-J, Phi, Falcon, Cohere) the MLP's add
+(tools/arch_probe.py checks every causal LM of the installed transformers). Outside such layers: attentions, gated
 and gateless MLPs (an MoE block's shared expert), norms and rotary embeddings on their own. What `fuse(model, ops)`
 does to each:
 
@@ -25,6 +27,12 @@ does to each:
   with the residual adds fused into o_proj and that projection (`residual` epilogue); where the MLP returns
   something else (an MoE block), o_proj's add alone; an attention that changes o_proj's output before returning it
   is an error at its first call (hgemm_steps.py);
+- parallel_residual: where the layer's own forward is x + attn(norm1(x)) + mlp(norm2(x)) (GPT-J's, Phi's,
+  GPT-NeoX's, Falcon's, Cohere's; two probe calls with the attention and the MLP stood in for, which also show
+  under which names the layer passes its arguments to the attention: hgemm_steps.parallel_steps) and its MLP
+  returns its last projection's output as it is, the layer runs as the same steps with the MLP's add (of the
+  attention's output, or of x plus it, as the layer adds) in that projection's epilogue; in training mode it runs
+  its own forward;
 - norm_residual: where the layer's steps put a norm after the attention and after the MLP, each before its residual
   add (Gemma 2's, Olmo 2's; the same probe), and `ops` has rms_norm, each of those norms and its add run as one
   ops.rms_norm call (hgemm_steps.py);
@@ -69,7 +77,8 @@ def _beside(name: str) -> types.ModuleType:
 recognise = _beside("hgemm_recognise")
 steps = _beside("hgemm_steps")
 
-KINDS = ("qkv", "gate_up", "mlp_act", "o_residual", "down_residual", "norm_residual", "rms_norm", "rotary")
+KINDS = ("qkv", "gate_up", "mlp_act", "o_residual", "down_residual", "parallel_residual", "norm_residual", "rms_norm",
+         "rotary")
 _fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder layer -> _Layer (what fuse changed)
 _forwards: weakref.WeakSet = weakref.WeakSet()  # every module whose forward a fused layer replaced
 _classes: dict = {}  # (a module's class, a forward of this file, id(ops)) -> the subclass that runs it (ops kept alive)
@@ -265,7 +274,7 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
     fused."""
     counts = dict.fromkeys(KINDS, 0)
     norms = norms and hasattr(ops, "rms_norm")
-    for name, module in list(steps.decoder_layers(model)):
+    for name, module, attn_name in list(steps.decoder_layers(model)):
         if module in _fused:
             continue
         layer = _fused[module] = _Layer(name)
@@ -286,8 +295,8 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             kind, *mlp_output = found or (None, False, False)
             llama = llama and kind == "llama" and (down is None or not any(mlp_output))
             post_norm = all(post) and kind == "post_norm"
-            if recognise.has_qkv(module.self_attn):
-                _qkv(layer, module.self_attn, ops)
+            if recognise.has_qkv(getattr(module, attn_name)):
+                _qkv(layer, getattr(module, attn_name), ops)
             if gated:
                 _gate_up(layer, mlp, ops, gated)
             elif plain:
@@ -296,6 +305,10 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
                 steps.residuals(layer, module, ops, mlp_name, down, mlp_output)
             elif post_norm:
                 steps.post_norms(layer, module, ops, mlp_name, post)
+            elif down is not None and kind is None:
+                found = steps.parallel_steps(module, attn_name, mlp_name, down)
+                if found is not None:
+                    steps.parallel(layer, module, ops, found)
             for norm in (getattr(module, n, None) for n in ("input_layernorm", "post_attention_layernorm")):
                 found = recognise.rms_norm_of(norm) if norms and norm is not None and not owns(norm) else None
                 if found is not None:
@@ -366,7 +379,9 @@ def describe(model: nn.Module) -> list[str]:
     """One line per fused layer: its name and what runs fused there."""
     words = {"qkv": "q/k/v as one GEMM", "gate_up": "gate/up as one gated GEMM",
              "mlp_act": "the MLP's activation in its first GEMM", "o_residual": "o_proj + residual",
-             "down_residual": "down_proj + residual", "norm_residual": "post-norms + residual in one kernel each",
+             "down_residual": "down_proj + residual",
+             "parallel_residual": "the MLP's add in its last GEMM (attention and MLP in parallel)",
+             "norm_residual": "post-norms + residual in one kernel each",
              "rms_norm": "RMSNorm in one kernel",
              "rotary": "rotary frequencies by broadcasting, no matmul"}
     lines = []

@@ -1,0 +1,215 @@
+"""A decoder layer's steps recognised by probe calls (agent/export/runtime/hgemm_steps.py), for layers whose
+attention and MLP both read the layer's input (GPT-J's, Phi's, GPT-NeoX's, Falcon's, Cohere's steps): the MLP's add
+runs in its last projection's epilogue, the logits match the unfused model's, the layer's arguments reach the
+attention as its own forward passes them, and layers whose steps differ keep their own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from agent.export.runtime import hgemm_fuse
+from tests.test_fuse import MLP, Attention, Model, PlainMLP, RMSNorm, TorchOps
+
+steps = hgemm_fuse.steps
+
+
+class MaskAttention(Attention):
+    """An attention whose arguments have names of its own (GPT-J's and Falcon's take `layer_past`), keeping what
+    each call got."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seen = []
+
+    def forward(self, hidden_states, mask=None, layer_past=None, scale=1.0):
+        self.seen.append((mask, layer_past, scale))
+        out, _ = super().forward(hidden_states)
+        return out, "weights"
+
+
+class CohereLayer(nn.Module):
+    """One norm for both branches, (x + a) + m."""
+
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__()
+        self.self_attn, self.mlp = Attention(hidden, 4, 2, bias), MLP(hidden, inter, act)
+        self.input_layernorm = norm(hidden)
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        h = self.input_layernorm(hidden_states)
+        a, _ = self.self_attn(hidden_states=h, attention_mask=attention_mask, **kwargs)
+        return hidden_states + a + self.mlp(h)
+
+
+class GPTJBlock(nn.Module):
+    """GPT-J's names and order: `attn`, `ln_1`, a plain MLP, (a + m) + x; its arguments renamed for the attention."""
+
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__()
+        self.ln_1, self.attn = norm(hidden), MaskAttention(hidden, 4, 2, bias)
+        self.mlp = PlainMLP(hidden, inter, nn.GELU(approximate="tanh"), ("fc_in", "fc_out"))
+
+    def forward(self, hidden_states, layer_past=None, attention_mask=None, use_cache=False):
+        residual = hidden_states
+        hidden_states = self.ln_1(hidden_states)
+        attn_output, _ = self.attn(hidden_states=hidden_states, mask=attention_mask, layer_past=layer_past,
+                                   scale=0.5)
+        return attn_output + self.mlp(hidden_states) + residual
+
+
+class FalconLayer(nn.Module):
+    """Falcon's: a norm for each branch, the attention called positionally, the MLP's output added to in place,
+    dropouts, and the attention's weights returned beside the output."""
+
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__()
+        self.self_attention, self.mlp = MaskAttention(hidden, 4, 2, bias), PlainMLP(hidden, inter, nn.GELU())
+        self.ln_attn, self.ln_mlp = norm(hidden), norm(hidden)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, hidden_states, attention_mask=None, layer_past=None, **kwargs):
+        residual = hidden_states
+        attention_output, weights = self.self_attention(self.ln_attn(hidden_states), layer_past=layer_past,
+                                                        mask=attention_mask)
+        mlp_output = self.mlp(self.ln_mlp(hidden_states))
+        mlp_output += attention_output
+        return self.dropout(mlp_output) + residual, weights
+
+
+class PlainCohereLayer(CohereLayer):
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__(hidden, inter, act, bias, norm)
+        self.mlp = PlainMLP(hidden, inter, nn.ReLU())
+
+
+def parallel_model(layer):
+    torch.manual_seed(0)
+    return Model(layer=layer).eval(), torch.randint(50, (2, 9))
+
+
+@pytest.mark.parametrize("layer, form, epilogue", [(CohereLayer, "xam", "silu_mul"), (PlainCohereLayer, "xam", "relu"),
+                                                   (GPTJBlock, "amx", "gelu_tanh"), (FalconLayer, "amx", "gelu")])
+def test_a_parallel_layer_adds_its_mlps_output_in_the_mlps_last_gemm(layer, form, epilogue):
+    model, ids = parallel_model(layer)
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        ref, ref_layer = model(ids), model.layers[0](x)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert counts["parallel_residual"] == 2 and counts["o_residual"] == counts["down_residual"] == 0
+    found = model.layers[0]._hgemm_parallel
+    assert found.form == form
+    assert type(model.layers[0]).forward is steps._parallel_forward
+    TorchOps.calls = []
+    with torch.no_grad():
+        out = model(ids)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    # per layer: q/k/v, the MLP's first GEMM with its activation, its last with the residual
+    assert [c[0] for c in TorchOps.calls if c[0] != "rms_norm"] == ["none", epilogue, "residual"] * 2
+    if layer is not CohereLayer:  # the adds in the order the layer makes them, bit for bit (gate/up's merged GEMM
+        with torch.no_grad():     # may round otherwise)
+            fused_layer = model.layers[0](x)
+        if isinstance(ref_layer, tuple):  # the output, and the attention's weights as the layer returns them
+            assert fused_layer[1:] == ref_layer[1:]
+            fused_layer, ref_layer = fused_layer[0], ref_layer[0]
+        assert torch.equal(fused_layer, ref_layer)
+    assert "the MLP's add in its last GEMM" in hgemm_fuse.describe(model)[0]
+    assert hgemm_fuse.unfuse(model) >= 2 and type(model.layers[0]) is layer
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref)
+
+
+def test_the_layers_arguments_reach_the_attention_as_its_own_forward_passes_them():
+    model, ids = parallel_model(FalconLayer)
+    found = steps.parallel_steps(model.layers[0], "self_attention", "mlp", "fc2")
+    assert (found.attn_norm, found.mlp_norm, found.positional, found.extras) == ("ln_attn", "ln_mlp", True, False)
+    assert dict(found.attn_args) == {"layer_past": ("arg", "layer_past"), "mask": ("arg", "attention_mask")}
+    assert found.returns == 2  # the output and the attention's second output
+    found = steps.parallel_steps(parallel_model(GPTJBlock)[0].layers[0], "attn", "mlp", "fc_out")
+    assert dict(found.attn_args) == {"mask": ("arg", "attention_mask"), "layer_past": ("arg", "layer_past"),
+                                     "scale": ("const", 0.5)}
+    assert (found.attn_norm, found.mlp_norm, found.positional) == ("ln_1", "same", False)
+    layer = FalconLayer(64, 96, None, False, RMSNorm).eval()
+    x, mask = torch.randn(2, 5, 64), torch.ones(2, 5)
+    with torch.no_grad():
+        ref, weights = layer(x, mask, layer_past="cache")
+        hgemm_fuse.fuse(layer, TorchOps)
+        out, fused_weights = layer(x, attention_mask=mask, layer_past="cache")
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5) and fused_weights == weights == "weights"
+    (m1, p1, s1), (m2, p2, s2) = layer.self_attention.seen
+    assert m1 is m2 is mask and p1 == p2 == "cache" and s1 == s2 == 1.0
+    hgemm_fuse.unfuse(layer)
+
+
+class FlagLayer(CohereLayer):
+    """Returns the attention's weights only when asked: its steps change with an argument."""
+
+    def forward(self, hidden_states, output_attentions=False, **kwargs):
+        h = self.input_layernorm(hidden_states)
+        a, weights = self.self_attn(h)
+        out = hidden_states + a + self.mlp(h)
+        return (out, weights) if output_attentions else out
+
+
+class ScaledBranchLayer(CohereLayer):
+    def forward(self, hidden_states, **kwargs):
+        h = self.input_layernorm(hidden_states)
+        return hidden_states + self.self_attn(h)[0] + self.mlp(h) * 0.5
+
+
+class MaskedLayer(CohereLayer):
+    """Computes what it passes to the attention from an argument."""
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        h = self.input_layernorm(hidden_states)
+        mask = None if attention_mask is None else attention_mask.bool()
+        return hidden_states + self.self_attn(h, attention_mask=mask)[0] + self.mlp(h)
+
+
+class SequentialMLPLayer(CohereLayer):
+    """The MLP reads the attention's sum (Llama's steps without Llama's norm names): not parallel."""
+
+    def forward(self, hidden_states, **kwargs):
+        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states))[0]
+        return h + self.mlp(h)
+
+
+@pytest.mark.parametrize("layer", [FlagLayer, ScaledBranchLayer, MaskedLayer, SequentialMLPLayer])
+def test_a_layer_whose_steps_are_not_parallel_keeps_its_own_forward(layer):
+    model, ids = parallel_model(layer)
+    with torch.no_grad():
+        ref = model(ids)
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert counts["parallel_residual"] == 0 and counts["qkv"] == counts["gate_up"] == 2
+    assert type(model.layers[0]).forward is layer.forward
+    with torch.no_grad():
+        assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    hgemm_fuse.unfuse(model)
+
+
+def test_a_parallel_layer_runs_its_own_forward_in_training_mode():
+    model, ids = parallel_model(FalconLayer)
+    hgemm_fuse.fuse(model, TorchOps)
+    model.train()
+    TorchOps.calls = []
+    torch.manual_seed(1)
+    with torch.no_grad():
+        out = model(ids)
+    assert ("residual", (64, 96)) not in TorchOps.calls  # its dropout ran: the layer's own steps
+    hgemm_fuse.unfuse(model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        assert torch.allclose(model(ids), out, atol=1e-5, rtol=1e-5)
+
+
+def test_a_compiled_parallel_model_runs_whole():
+    model, ids = parallel_model(GPTJBlock)
+    with torch.no_grad():
+        ref = model(ids)
+        hgemm_fuse.fuse(model, TorchOps)
+        out = torch.compile(model, fullgraph=True, backend="aot_eager")(ids)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    hgemm_fuse.unfuse(model)
