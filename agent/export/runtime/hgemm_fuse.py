@@ -11,15 +11,20 @@ and gateless MLPs (an MoE block's shared expert), norms and rotary embeddings on
 does to each:
 
 - qkv: q, k and v as one GEMM of N = q + k + v on one merged weight (and merged biases), in any module with plain
-  q_proj, k_proj and v_proj; they keep their parameters as views of it (one copy), and the calls the attention
-  makes on the same input take their columns of the one product (where one goes unused, as a cross-attention's
-  would, q runs its own rows from then on);
+  q_proj, k_proj and v_proj (or BERT's query, key and value, T5's q, k and v: hgemm_qkv.py); they keep their
+  parameters as views of it (one copy), and the calls the attention makes on the same input take their columns of
+  the one product (where one goes unused, as a cross-attention's would, q runs its own rows from then on);
 - gate_up: where the MLP's own forward is down(act(gate(x)) * up(x)) (a probe call: the same values bit for bit),
   gate and up as one gated GEMM (`silu_mul`, or `gelu_mul` for a tanh-GELU), its weight the two interleaved in
   blocks of 8 rows (hgemm_epilogue.interleave_gate_up), the only copy: gate_proj's and up_proj's parameters (or
   gate_up_proj's) keep their identity but give up their storage until `unfuse` writes it back, bit for bit;
-- mlp_act: an MLP that is second(act(first(x))) (recognise.plain_mlp) runs its first GEMM with the activation in
-  its epilogue (its dropouts, identities in eval mode, skipped; in training mode with a dropout its own forward);
+- mlp_act: an MLP that is second(act(first(x))) (recognise.plain_mlp), or outside decoder layers a module that is
+  act(first(x)) (BERT's intermediate block), runs its first GEMM with the activation in its epilogue (its
+  dropouts, identities in eval mode, skipped; in training mode with a dropout its own forward);
+- mlp_act in a layer: an activation the layer applies inline to a Linear child's output (OPT's, BART's fc1;
+  hgemm_inline.py) moves into that Linear's epilogue;
+- residual_norm: a module whose forward(h, r) is norm(linear(h) + r), or linear(h) + r (BERT's output blocks;
+  recognise.residual_norm), runs the add in the GEMM's epilogue, then its norm;
 - o_residual, down_residual: where the layer's own forward is Llama's, x + attn(norm1(x)) and then h + mlp(norm2(h)),
   returning a tensor (a probe call with the attention and the MLP stood in for by fixed functions: the same values
   bit for bit; Gemma2's extra norms and Granite's residual multiplier are not), and its MLP returns its last
@@ -55,6 +60,7 @@ torch.compile reaches every module by one path (closures over modules made dynam
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 import types
 import weakref
@@ -76,9 +82,11 @@ def _beside(name: str) -> types.ModuleType:
 
 recognise = _beside("hgemm_recognise")
 steps = _beside("hgemm_steps")
+qkv = _beside("hgemm_qkv")
+inline = _beside("hgemm_inline")
 
-KINDS = ("qkv", "gate_up", "mlp_act", "o_residual", "down_residual", "parallel_residual", "norm_residual", "rms_norm",
-         "rotary")
+KINDS = ("qkv", "gate_up", "mlp_act", "o_residual", "down_residual", "parallel_residual", "norm_residual",
+         "residual_norm", "rms_norm", "rotary")
 _fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder layer -> _Layer (what fuse changed)
 _forwards: weakref.WeakSet = weakref.WeakSet()  # every module whose forward a fused layer replaced
 _classes: dict = {}  # (a module's class, a forward of this file, id(ops)) -> the subclass that runs it (ops kept alive)
@@ -104,18 +112,6 @@ def _norm(layer: _Layer, m: nn.Module, found: tuple[float, int], ops) -> None:
     """An RMSNorm (recognise.rms_norm_of's `found`: its epsilon and rounding kind) as ops.rms_norm."""
     layer.set_forward(m, _norm_forward, ops=ops, eps=found[0], kind=found[1])
     layer.kinds.append("rms_norm")
-
-
-class _Shared:
-    """What q, k and v's forwards share: the merged weight and bias, their columns, the last merged product and its
-    input, which of k (1) and v (2) have yet to take their columns of it (`left`), and whether q runs alone
-    (`alone`: a product went unused, as a cross-attention's does, whose k and v read another input or are
-    cached)."""
-
-    def __init__(self, weight, bias, bounds):
-        self.weight, self.bias, self.bounds = weight, bias, bounds
-        self.x = self.y = None
-        self.left, self.alone = 0, False
 
 
 class _Layer:
@@ -147,60 +143,6 @@ class _Layer:
         for name in [n for n in module.__dict__ if n.startswith("_hgemm_")]:
             del module.__dict__[name]
         _forwards.discard(module)
-
-
-def _qkv_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """q's forward runs the merged GEMM and keeps its product; k's and v's take their columns of it when their
-    input is the same tensor (the product is let go once both have), else run their own rows of the merged weight.
-    Where a product goes unused (k or v called on another input, or q again before both took theirs), it is let go
-    and q runs its own rows from then on."""
-    shared, index = self._hgemm_qkv, self._hgemm_index
-    lo, hi = shared.bounds[index]
-    if shared.x is not None and (index == 0 or shared.x is not x or not shared.left & index):
-        shared.x = shared.y = None
-        shared.alone = True
-    if index == 0 and not shared.alone:
-        shared.x, shared.y, shared.left = x, self._hgemm_ops.linear(x, shared.weight, shared.bias), 3
-        return shared.y[..., lo:hi]
-    if index and shared.x is x:  # k or v on q's input, its columns not taken yet
-        y = shared.y
-        shared.left &= ~index
-        if not shared.left:
-            shared.x = shared.y = None
-        return y[..., lo:hi]
-    return self._hgemm_ops.linear(x, shared.weight[lo:hi], None if shared.bias is None else shared.bias[lo:hi])
-
-
-def _qkv(layer: _Layer, attn: nn.Module, ops) -> None:
-    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
-    biases = [p.bias for p in (q, k, v)]
-    if any(b is None for b in biases) and any(b is not None for b in biases):
-        return
-    if len({(p.in_features, p.weight.dtype, p.weight.device) for p in (q, k, v)}) > 1:  # not one input's projections
-        return
-    weight = torch.cat([p.weight.detach() for p in (q, k, v)])
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    sizes = [p.weight.shape[0] for p in (q, k, v)]
-    bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(3)]
-    attn.register_buffer("hgemm_qkv_weight", weight, persistent=False)
-    attn.register_buffer("hgemm_qkv_bias", bias, persistent=False)
-    for p, (lo, hi) in zip((q, k, v), bounds, strict=True):  # one copy: the parameters become views of the merge
-        p.weight.data = weight[lo:hi]
-        if p.bias is not None:
-            p.bias.data = bias[lo:hi]
-    shared = _Shared(weight, bias, bounds)
-    for i, p in enumerate((q, k, v)):
-        layer.set_forward(p, _qkv_forward, ops=ops, qkv=shared, index=i)
-
-    def restore():
-        for p in (q, k, v):  # their own storage again, the same values
-            p.weight.data = p.weight.data.clone()
-            if p.bias is not None:
-                p.bias.data = p.bias.data.clone()
-        del attn.hgemm_qkv_weight, attn.hgemm_qkv_bias
-
-    layer.restore.append(restore)
-    layer.kinds.append("qkv")
 
 
 def _gate_up_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -253,12 +195,22 @@ def _act_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if self.training and self._hgemm_dropout:  # its dropouts are no identities: its own forward
         return self._hgemm_base.forward(self, x)
     first = getattr(self, self._hgemm_first)
-    return getattr(self, self._hgemm_second)(self._hgemm_ops.fused_linear(x, first.weight, first.bias,
-                                                                          self._hgemm_epilogue, None))
+    y = self._hgemm_ops.fused_linear(x, first.weight, first.bias, self._hgemm_epilogue, None)
+    return y if self._hgemm_second is None else getattr(self, self._hgemm_second)(y)
 
 
-def _act_mlp(layer: _Layer, mlp: nn.Module, ops, found: tuple[str, str, str]) -> None:
-    """An MLP second(act(first(x))) (recognise.plain_mlp's `found`) with the activation in the first GEMM."""
+def _residual_norm_forward(self, *args, **kwargs) -> torch.Tensor:
+    if self.training and self._hgemm_dropout:  # its dropouts are no identities: its own forward
+        return self._hgemm_base.forward(self, *args, **kwargs)
+    h, r = list(self._hgemm_signature.bind(self, *args, **kwargs).arguments.values())[1:3]
+    lin = getattr(self, self._hgemm_linear)
+    y = self._hgemm_ops.fused_linear(h, lin.weight, lin.bias, "residual", r)
+    return y if self._hgemm_norm is None else getattr(self, self._hgemm_norm)(y)
+
+
+def _act_mlp(layer: _Layer, mlp: nn.Module, ops, found: tuple[str, str | None, str]) -> None:
+    """An MLP second(act(first(x))), or act(first(x)) (recognise.plain_mlp's `found`), with the activation in the
+    first GEMM."""
     first, second, epilogue = found
     dropout = any(isinstance(c, nn.Dropout) and c.p > 0 for c in mlp.children())
     layer.set_forward(mlp, _act_mlp_forward, ops=ops, first=first, second=second, epilogue=epilogue,
@@ -295,12 +247,15 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             kind, *mlp_output = found or (None, False, False)
             llama = llama and kind == "llama" and (down is None or not any(mlp_output))
             post_norm = all(post) and kind == "post_norm"
-            if recognise.has_qkv(getattr(module, attn_name)):
-                _qkv(layer, getattr(module, attn_name), ops)
+            names = recognise.qkv_names(getattr(module, attn_name))
+            if names:
+                qkv.merge(layer, getattr(module, attn_name), ops, names)
             if gated:
                 _gate_up(layer, mlp, ops, gated)
             elif plain:
                 _act_mlp(layer, mlp, ops, plain)
+            elif mlp is None and (act := inline.inline_activation(module, _epilogue_module(ops))):
+                inline.fold(layer, module, ops, act)  # OPT's, BART's fc1 and activation, inline in the layer
             if llama:
                 steps.residuals(layer, module, ops, mlp_name, down, mlp_output)
             elif post_norm:
@@ -331,15 +286,17 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
 
 
 def _fuse_alone(layer: _Layer, module: nn.Module, ops, norms: bool) -> None:
-    """A module outside the decoder layers `fuse` looks into, if it is one of: an attention with plain q_proj, k_proj
-    and v_proj (a vision tower's, a cross-attention's), a gated MLP (recognise.probe_mlp: an MoE block's shared
-    expert, experts held as modules), a gateless MLP (recognise.plain_mlp), an RMSNorm (where `norms`), a rotary
-    embedding."""
-    if recognise.has_qkv(module):
-        _qkv(layer, module, ops)
+    """A module outside the decoder layers `fuse` looks into, if it is one of: an attention with plain q, k and v
+    projections (recognise.qkv_names: a vision tower's, a cross-attention's, BERT's), a gated MLP
+    (recognise.probe_mlp: an MoE block's shared expert, experts held as modules), a gateless MLP or a Linear and its
+    activation (recognise.plain_mlp), a Linear whose output is added to a residual before a norm
+    (recognise.residual_norm: BERT's output blocks), an RMSNorm (where `norms`), a rotary embedding."""
+    names = recognise.qkv_names(module)
+    if names:
+        qkv.merge(layer, module, ops, names)
         return
     found = recognise.rms_norm_of(module) if norms else None
-    plain = recognise.plain_mlp(module, _epilogue_module(ops)) if found is None else None
+    plain = recognise.plain_mlp(module, _epilogue_module(ops), single=True) if found is None else None
     gated = (recognise.probe_mlp(module)[0] if found is None and plain is None and recognise.act_of(module) is not None
              and recognise.plain_linear(getattr(module, "down_proj", None)) else None)
     if found is not None:
@@ -351,6 +308,11 @@ def _fuse_alone(layer: _Layer, module: nn.Module, ops, norms: bool) -> None:
     elif recognise.is_rotary(module):
         layer.set_forward(module, _rotary_forward)
         layer.kinds.append("rotary")
+    elif (added := recognise.residual_norm(module)) is not None:
+        dropout = any(isinstance(c, nn.Dropout) and c.p > 0 for c in module.children())
+        layer.set_forward(module, _residual_norm_forward, ops=ops, signature=inspect.signature(type(module).forward),
+                          linear=added[0], norm=added[1], dropout=dropout)
+        layer.kinds.append("residual_norm")
 
 
 def unfuse(model: nn.Module) -> int:
@@ -378,10 +340,11 @@ def owns(module: nn.Module) -> bool:
 def describe(model: nn.Module) -> list[str]:
     """One line per fused layer: its name and what runs fused there."""
     words = {"qkv": "q/k/v as one GEMM", "gate_up": "gate/up as one gated GEMM",
-             "mlp_act": "the MLP's activation in its first GEMM", "o_residual": "o_proj + residual",
+             "mlp_act": "the activation in the GEMM before it", "o_residual": "o_proj + residual",
              "down_residual": "down_proj + residual",
              "parallel_residual": "the MLP's add in its last GEMM (attention and MLP in parallel)",
              "norm_residual": "post-norms + residual in one kernel each",
+             "residual_norm": "the residual add (before a norm) in the GEMM",
              "rms_norm": "RMSNorm in one kernel",
              "rotary": "rotary frequencies by broadcasting, no matmul"}
     lines = []

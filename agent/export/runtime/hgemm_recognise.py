@@ -148,9 +148,13 @@ def plain_linear(m) -> bool:
     return seen[1]
 
 
-def has_qkv(attn: nn.Module) -> bool:
-    """Whether the module has q_proj, k_proj and v_proj, each a plain_linear (what hgemm_fuse merges)."""
-    return all(plain_linear(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj"))
+QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"))  # Llama's, BERT's, T5's
+
+
+def qkv_names(attn: nn.Module) -> tuple[str, str, str] | None:
+    """The names of the module's q, k and v projections (one of QKV_NAMES), each a plain_linear (what hgemm_fuse
+    merges), or None."""
+    return next((names for names in QKV_NAMES if all(plain_linear(getattr(attn, n, None)) for n in names)), None)
 
 
 _linear_like: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Linear -> (its class, plain_linear's probe)
@@ -218,22 +222,23 @@ def probe_mlp(mlp: nn.Module, down: str = "down_proj", first: str = "up_proj") -
     return (kind if out.dtype == ref.dtype and torch.equal(out, ref) else None), returns_down
 
 
-def plain_mlp(m: nn.Module, epilogue) -> tuple[str, str, str] | None:
+def plain_mlp(m: nn.Module, epilogue, single: bool = False) -> tuple[str, str | None, str] | None:
     """(first, second, epilogue) of a module whose own forward computes second(act(first(x))) with two plain
     nn.Linear children and an activation child the epilogues compute (`activation`; dropouts besides, nothing
-    else), checked by a probe call: the same values bit for bit; or None."""
+    else), checked by a probe call: the same values bit for bit; where `single`, also (first, None, epilogue) of one
+    that computes act(first(x)) with one (BERT's intermediate block); or None."""
     children = dict(m.named_children())
     linears = [n for n, c in children.items() if plain_linear(c)]
     acts = [c for n, c in children.items() if n not in linears and not isinstance(c, nn.Dropout)]
-    if ("forward" in m.__dict__ or len(linears) != 2 or len(acts) != 1 or list(m.parameters(recurse=False))
-            or any(children[n].weight.is_meta for n in linears)):
+    if ("forward" in m.__dict__ or len(linears) not in ((1, 2) if single else (2,)) or len(acts) != 1
+            or list(m.parameters(recurse=False)) or any(children[n].weight.is_meta for n in linears)):
         return None
     name = activation(acts[0], epilogue)
     if name is None:
         return None
-    for first, second in (linears, linears[::-1]):
-        lin1, lin2 = children[first], children[second]
-        if lin1.out_features != lin2.in_features or lin1.weight.dtype != lin2.weight.dtype:
+    for first, second in (linears, linears[::-1]) if len(linears) == 2 else ((linears[0], None),):
+        lin1, lin2 = children[first], children[second] if second else (lambda t: t)
+        if second and (lin1.out_features != lin2.in_features or lin1.weight.dtype != lin2.weight.dtype):
             continue
         x = probe_input(lin1.weight, 3, lin1.in_features)
         try:
@@ -244,3 +249,26 @@ def plain_mlp(m: nn.Module, epilogue) -> tuple[str, str, str] | None:
         if isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref):
             return first, second, name
     return None
+
+
+def residual_norm(m: nn.Module) -> tuple[str, str | None] | None:
+    """(linear, norm) of a module whose own forward(h, r) computes norm(linear(h) + r) with one plain nn.Linear
+    child and one other (BERT's output blocks: the residual added before their LayerNorm), or linear(h) + r with
+    the Linear alone (norm None: pre-norm BERTs'), dropouts besides, checked by a probe call: the same values bit
+    for bit; or None."""
+    children = dict(m.named_children())
+    linears = [n for n, c in children.items() if plain_linear(c)]
+    others = [n for n, c in children.items() if n not in linears and not isinstance(c, nn.Dropout)]
+    if "forward" in m.__dict__ or len(linears) != 1 or len(others) > 1 or list(m.parameters(recurse=False)):
+        return None
+    lin, norm = children[linears[0]], children[others[0]] if others else (lambda t: t)
+    if lin.weight.is_meta:
+        return None
+    h, r = probe_input(lin.weight, 3, lin.in_features), probe_input(lin.weight, 3, lin.out_features, scale=-0.5)
+    try:
+        with torch.no_grad():
+            out, ref = type(m).forward(m, h, r), norm(lin(h) + r)
+    except Exception:  # another signature
+        return None
+    ok = isinstance(out, torch.Tensor) and isinstance(ref, torch.Tensor) and out.dtype == ref.dtype
+    return (linears[0], (others or [None])[0]) if ok and torch.equal(out, ref) else None

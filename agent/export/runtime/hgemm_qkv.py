@@ -1,0 +1,79 @@
+"""q, k and v as one GEMM, patched into an attention in place (hgemm_fuse.py decides where): the three projections'
+weights (and biases) merged into one buffer whose slices their parameters become (one copy), q's forward running
+the merged GEMM and k's and v's taking their columns of its product where they are called on the same input.
+Shipped in an export beside hgemm_fuse.py, which loads it; the forward runs as the projections' class method
+(hgemm_fuse's set_forward).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class _Shared:
+    """What q, k and v's forwards share: the merged weight and bias, their columns, the last merged product and its
+    input, which of k (1) and v (2) have yet to take their columns of it (`left`), and whether q runs alone
+    (`alone`: a product went unused, as a cross-attention's does, whose k and v read another input or are
+    cached)."""
+
+    def __init__(self, weight, bias, bounds):
+        self.weight, self.bias, self.bounds = weight, bias, bounds
+        self.x = self.y = None
+        self.left, self.alone = 0, False
+
+
+def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    """q's forward runs the merged GEMM and keeps its product; k's and v's take their columns of it when their
+    input is the same tensor (the product is let go once both have), else run their own rows of the merged weight.
+    Where a product goes unused (k or v called on another input, or q again before both took theirs), it is let go
+    and q runs its own rows from then on."""
+    shared, index = self._hgemm_qkv, self._hgemm_index
+    lo, hi = shared.bounds[index]
+    if shared.x is not None and (index == 0 or shared.x is not x or not shared.left & index):
+        shared.x = shared.y = None
+        shared.alone = True
+    if index == 0 and not shared.alone:
+        shared.x, shared.y, shared.left = x, self._hgemm_ops.linear(x, shared.weight, shared.bias), 3
+        return shared.y[..., lo:hi]
+    if index and shared.x is x:  # k or v on q's input, its columns not taken yet
+        y = shared.y
+        shared.left &= ~index
+        if not shared.left:
+            shared.x = shared.y = None
+        return y[..., lo:hi]
+    return self._hgemm_ops.linear(x, shared.weight[lo:hi], None if shared.bias is None else shared.bias[lo:hi])
+
+
+def merge(layer, attn: nn.Module, ops, names: tuple[str, str, str]) -> None:
+    """q, k and v (the attention's children `names`) as one GEMM on their merged weight and biases, which their
+    parameters become views of (`layer`: hgemm_fuse's _Layer, which records what changed)."""
+    q, k, v = (getattr(attn, n) for n in names)
+    biases = [p.bias for p in (q, k, v)]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return
+    if len({(p.in_features, p.weight.dtype, p.weight.device) for p in (q, k, v)}) > 1:  # not one input's projections
+        return
+    weight = torch.cat([p.weight.detach() for p in (q, k, v)])
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    sizes = [p.weight.shape[0] for p in (q, k, v)]
+    bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(3)]
+    attn.register_buffer("hgemm_qkv_weight", weight, persistent=False)
+    attn.register_buffer("hgemm_qkv_bias", bias, persistent=False)
+    for p, (lo, hi) in zip((q, k, v), bounds, strict=True):  # one copy: the parameters become views of the merge
+        p.weight.data = weight[lo:hi]
+        if p.bias is not None:
+            p.bias.data = bias[lo:hi]
+    shared = _Shared(weight, bias, bounds)
+    for i, p in enumerate((q, k, v)):
+        layer.set_forward(p, _forward, ops=ops, qkv=shared, index=i)
+
+    def restore():
+        for p in (q, k, v):  # their own storage again, the same values
+            p.weight.data = p.weight.data.clone()
+            if p.bias is not None:
+                p.bias.data = p.bias.data.clone()
+        del attn.hgemm_qkv_weight, attn.hgemm_qkv_bias
+
+    layer.restore.append(restore)
+    layer.kinds.append("qkv")

@@ -1,0 +1,139 @@
+"""Modules recognised by what they compute (agent/export/runtime/hgemm_recognise.py), here BERT's blocks: q/k/v by
+any of their usual names, a Linear and its activation, and a Linear whose output is added to a residual before a
+norm (or without one); fused, an encoder's output matches the unfused one's and `unfuse` puts it back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from agent.export.runtime import hgemm_fuse
+from tests.test_fuse import TorchOps
+
+recognise = hgemm_fuse.recognise
+
+
+class SelfAttention(nn.Module):
+    """BERT's names: query, key, value (T5's: q, k, v)."""
+
+    def __init__(self, hidden: int, names=("query", "key", "value"), bias=True):
+        super().__init__()
+        self.names = names
+        for n in names:
+            setattr(self, n, nn.Linear(hidden, hidden, bias=bias))
+
+    def forward(self, x):
+        q, k, v = (getattr(self, n)(x).unflatten(-1, (4, -1)).transpose(1, 2) for n in self.names)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(-2)
+
+
+class Output(nn.Module):
+    """BERT's output blocks: LayerNorm(dropout(dense(h)) + r); `norm=False`: a pre-norm BERT's, dense(h) + r."""
+
+    def __init__(self, inner: int, hidden: int, norm: bool = True, p: float = 0.0):
+        super().__init__()
+        self.dense, self.dropout = nn.Linear(inner, hidden), nn.Dropout(p)
+        if norm:
+            self.LayerNorm = nn.LayerNorm(hidden)
+
+    def forward(self, hidden_states, input_tensor):
+        h = self.dropout(self.dense(hidden_states)) + input_tensor
+        return self.LayerNorm(h) if hasattr(self, "LayerNorm") else h
+
+
+class Intermediate(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.dense, self.intermediate_act_fn = nn.Linear(hidden, inner), nn.GELU()
+
+    def forward(self, x):
+        return self.intermediate_act_fn(self.dense(x))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, hidden=64, inner=128, names=("query", "key", "value"), norm=True, p=0.0):
+        super().__init__()
+        self.self_attn_block = SelfAttention(hidden, names)
+        self.attention_output = Output(hidden, hidden, norm, p)
+        self.intermediate, self.output = Intermediate(hidden, inner), Output(inner, hidden, norm, p)
+
+    def forward(self, x):
+        h = self.attention_output(self.self_attn_block(x), x)
+        return self.output(self.intermediate(h), h)
+
+
+@pytest.mark.parametrize("names, norm", [(("query", "key", "value"), True), (("q", "k", "v"), False)])
+def test_an_encoder_layer_fuses_its_qkv_its_activation_and_its_residual_adds(names, norm):
+    torch.manual_seed(0)
+    model, x = nn.Sequential(EncoderLayer(names=names, norm=norm), EncoderLayer(names=names, norm=norm)).eval(), \
+        torch.randn(2, 7, 64)
+    with torch.no_grad():
+        ref = model(x)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert recognise.qkv_names(model[0].self_attn_block) == names
+    assert recognise.residual_norm(model[0].output) == ("dense", "LayerNorm" if norm else None)
+    assert recognise.plain_mlp(model[0].intermediate, hgemm_fuse._epilogue_module(TorchOps), single=True) == (
+        "dense", None, "gelu")
+    assert recognise.plain_mlp(model[0].intermediate, hgemm_fuse._epilogue_module(TorchOps)) is None  # two Linears
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert (counts["qkv"], counts["mlp_act"], counts["residual_norm"]) == (2, 2, 4)
+    TorchOps.calls = []
+    with torch.no_grad():
+        out = model(x)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    # a layer: q/k/v, the attention's output + x, the intermediate's GEMM and GELU, the output's GEMM + h
+    assert [c[0] for c in TorchOps.calls] == ["none", "residual", "gelu", "residual"] * 2
+    with torch.no_grad():  # each block as it computes, bit for bit (its residual added once, before its norm)
+        h = torch.randn(2, 7, 128)
+        assert torch.equal(model[0].output(h, x), Output.forward(model[0].output, h, x))
+    assert "the residual add (before a norm) in the GEMM" in "; ".join(hgemm_fuse.describe(model))
+    assert hgemm_fuse.unfuse(model) == 8
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
+
+
+class NormThenAdd(Output):
+    def forward(self, hidden_states, input_tensor):  # the residual after the norm
+        return self.LayerNorm(self.dense(hidden_states)) + input_tensor
+
+
+class ScaledResidual(Output):
+    def forward(self, hidden_states, input_tensor):
+        return self.LayerNorm(self.dense(hidden_states) + 0.5 * input_tensor)
+
+
+class Projection(nn.Module):
+    """A Linear and a norm, one input: no residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.dense(x))
+
+
+def test_what_does_not_add_its_residual_before_its_norm_stays_as_it_is():
+    for block in (NormThenAdd(64, 64), ScaledResidual(64, 64), Projection()):
+        assert recognise.residual_norm(block) is None, type(block).__name__
+        assert hgemm_fuse.fuse(block, TorchOps)["residual_norm"] == 0
+        hgemm_fuse.unfuse(block)
+    two = SelfAttention(64, names=("query", "key", "values"))  # no third name of a set
+    assert recognise.qkv_names(two) is None
+
+
+def test_an_output_block_with_a_dropout_runs_its_own_forward_in_training_mode():
+    block, h, x = Output(64, 64, p=0.5), torch.randn(3, 64), torch.randn(3, 64)
+    assert hgemm_fuse.fuse(block.eval(), TorchOps)["residual_norm"] == 1
+    block.train()
+    TorchOps.calls = []
+    with torch.no_grad():
+        block(h, input_tensor=x)  # by keyword too
+    assert TorchOps.calls == []
+    block.eval()
+    with torch.no_grad():
+        assert torch.equal(block(h, input_tensor=x), Output.forward(block, h, x))
+    assert TorchOps.calls == [("residual", (64, 64))]
+    hgemm_fuse.unfuse(block)
