@@ -116,3 +116,33 @@ class CrossBranchLayer(OPTLayer):
 def test_an_activation_in_a_branch_only_an_encoders_states_take_stays_in_the_layer():
     layers, x = stack(CrossBranchLayer)
     assert inline.inline_activation(layers[0], hgemm_fuse._epilogue_module(TorchOps)) is None
+
+
+def test_a_model_with_a_moved_activation_compiles_whole():
+    layers, x = stack(OPTLayer, nn.GELU())
+    ref = run(layers, x)
+    hgemm_fuse.fuse(layers, TorchOps)
+
+    def forward(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+    with torch.no_grad():
+        out = torch.compile(forward, fullgraph=True, backend="aot_eager")(x)
+    assert torch.allclose(out, ref, atol=1e-6, rtol=1e-6)
+    hgemm_fuse.unfuse(layers)
+
+
+class NoCrossLayer(OPTLayer):
+    """XGLM's without cross-attention: it takes an encoder's states but has no module to read them (it raises)."""
+
+    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None):
+        if encoder_hidden_states is not None:
+            hidden_states = hidden_states + self.encoder_attn(encoder_hidden_states)[0]
+        return super().forward(hidden_states, attention_mask)
+
+
+def test_a_layer_that_cannot_take_an_encoders_states_moves_its_activation():
+    layers, x = stack(NoCrossLayer)
+    assert inline.inline_activation(layers[0], hgemm_fuse._epilogue_module(TorchOps)) == ("fc1", "activation_fn",
+                                                                                            "relu")

@@ -137,3 +137,14 @@ def test_an_output_block_with_a_dropout_runs_its_own_forward_in_training_mode():
         assert torch.equal(block(h, input_tensor=x), Output.forward(block, h, x))
     assert TorchOps.calls == [("residual", (64, 64))]
     hgemm_fuse.unfuse(block)
+
+
+def test_a_fused_encoder_compiles_whole():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(EncoderLayer(), EncoderLayer()).eval(), torch.randn(2, 7, 64)
+    with torch.no_grad():
+        ref = model(x)
+        hgemm_fuse.fuse(model, TorchOps)
+        out = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    hgemm_fuse.unfuse(model)

@@ -54,23 +54,32 @@ def inline_activation(layer: nn.Module, epilogue) -> tuple[str, str, str] | None
             layer._modules[n] = steps._Stand(1.5, pair=True)
         for width in widths:
             x = recognise.probe_input(children[linears[0]].weight, 2, 3, width)
-            # a decoder layer's cross-attention branch runs too where the layer takes an encoder's states
-            calls = [required] + ([required | {"encoder_hidden_states": x * 0.5}]
-                                  if "encoder_hidden_states" in inspect.signature(type(layer).forward).parameters
-                                  else [])
-            try:
-                refs = [_first(type(layer).forward(layer, x, **given)) for given in calls]
-            except Exception:  # another input width, or a forward that needs more than its input
+            ref = _call(layer, x, required)
+            if ref is None:  # another input width, or a forward that needs more than its input
                 continue
-            if not all(isinstance(ref, torch.Tensor) for ref in refs):
+            calls = [(required, ref)]
+            if "encoder_hidden_states" in inspect.signature(type(layer).forward).parameters:
+                # a decoder layer's cross-attention branch too, where the layer has one (one without raises there,
+                # as it would in use)
+                given = required | {"encoder_hidden_states": x * 0.5}
+                if (crossed := _call(layer, x, given)) is not None:
+                    calls.append((given, crossed))
+            if not all(isinstance(ref, torch.Tensor) for _, ref in calls):
                 return None
             for name in linears:
-                pairs = zip(calls, refs, strict=True)
-                if all(_folded_equal(layer, name, act_name, x, given, ref) for given, ref in pairs):
+                if all(_folded_equal(layer, name, act_name, x, given, ref) for given, ref in calls):
                     return name, act_name, epi
     finally:
         layer._modules.update(saved)
     return None
+
+
+def _call(layer: nn.Module, x: torch.Tensor, given: dict):
+    """The layer's output (its first, where a tuple) on x, or None where its forward raises."""
+    try:
+        return _first(type(layer).forward(layer, x, **given))
+    except Exception:
+        return None
 
 
 def _folded_equal(layer: nn.Module, name: str, act_name: str, x: torch.Tensor, given: dict, ref: torch.Tensor) -> bool:
@@ -78,9 +87,7 @@ def _folded_equal(layer: nn.Module, name: str, act_name: str, x: torch.Tensor, g
     linear, act = layer._modules[name], layer._modules[act_name]
     layer._modules[name], layer._modules[act_name] = _Folded(linear, act), nn.Identity()
     try:
-        out = _first(type(layer).forward(layer, x, **given))
-    except Exception:
-        return False
+        out = _call(layer, x, given)
     finally:
         layer._modules[name], layer._modules[act_name] = linear, act
     return isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref)
