@@ -645,16 +645,21 @@ def test_an_attention_that_changes_o_projs_output_is_an_error_not_a_wrong_answer
     hgemm_fuse.unfuse(model)
 
 
+def compiles_whole(model: nn.Module, x: torch.Tensor, tolerance: float = 1e-5) -> None:
+    """Fuses the model with PyTorch's ops, checks that torch.compile(fullgraph=True) runs it and gives the unfused
+    model's output, and unfuses it."""
+    with torch.no_grad():
+        ref = model(x)
+        hgemm_fuse.fuse(model, TorchOps)
+        out = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    assert torch.allclose(out, ref, atol=tolerance, rtol=tolerance)
+    hgemm_fuse.unfuse(model)
+
+
 @pytest.mark.parametrize("layer", [Layer, PostNormLayer, MoELayer, "plain"])
 def test_a_fused_model_compiles_whole(layer):
-    model, ids = plain_model(nn.GELU(), ("up_proj", "down_proj"), p=0.1) if layer == "plain" else model_and_ids(
-        layer=layer)
-    with torch.no_grad():
-        ref = model(ids)
-        hgemm_fuse.fuse(model, TorchOps)
-        out = torch.compile(model, fullgraph=True, backend="aot_eager")(ids)
-    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
-    hgemm_fuse.unfuse(model)
+    compiles_whole(*(plain_model(nn.GELU(), ("up_proj", "down_proj"), p=0.1) if layer == "plain" else
+                     model_and_ids(layer=layer)))
 
 
 class WrittenGELU(nn.Module):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from agent.export.runtime import hgemm_fuse
-from tests.test_fuse import TorchOps
+from tests.test_fuse import TorchOps, compiles_whole
 
 recognise = hgemm_fuse.recognise
 
@@ -141,10 +141,4 @@ def test_an_output_block_with_a_dropout_runs_its_own_forward_in_training_mode():
 
 def test_a_fused_encoder_compiles_whole():
     torch.manual_seed(0)
-    model, x = nn.Sequential(EncoderLayer(), EncoderLayer()).eval(), torch.randn(2, 7, 64)
-    with torch.no_grad():
-        ref = model(x)
-        hgemm_fuse.fuse(model, TorchOps)
-        out = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
-    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
-    hgemm_fuse.unfuse(model)
+    compiles_whole(nn.Sequential(EncoderLayer(), EncoderLayer()).eval(), torch.randn(2, 7, 64))

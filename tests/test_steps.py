@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from agent.export.runtime import hgemm_fuse
-from tests.test_fuse import MLP, Attention, Model, PlainMLP, RMSNorm, TorchOps
+from tests.test_fuse import MLP, Attention, Model, PlainMLP, RMSNorm, TorchOps, compiles_whole
 
 steps = hgemm_fuse.steps
 
@@ -206,10 +206,4 @@ def test_a_parallel_layer_runs_its_own_forward_in_training_mode():
 
 
 def test_a_compiled_parallel_model_runs_whole():
-    model, ids = parallel_model(GPTJBlock)
-    with torch.no_grad():
-        ref = model(ids)
-        hgemm_fuse.fuse(model, TorchOps)
-        out = torch.compile(model, fullgraph=True, backend="aot_eager")(ids)
-    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
-    hgemm_fuse.unfuse(model)
+    compiles_whole(*parallel_model(GPTJBlock))
