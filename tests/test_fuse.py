@@ -496,6 +496,20 @@ class UnshapedLayer(FeedForwardLayer):
         return h + self.feed_forward(self.post_attention_layernorm(h))[0]
 
 
+class ReshapingLayer(Layer):
+    """Llama 4's dense layers: the MLP's output reshaped to the layer's (a no-op for a dense MLP's)."""
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), attention_mask)[0]
+        return h + self.mlp(self.post_attention_layernorm(h)).view(h.shape)
+
+
+def test_a_layer_that_reshapes_its_mlps_output_fuses_both_adds():
+    model, ids = model_and_ids(layer=ReshapingLayer)
+    assert hgemm_fuse.steps.layer_steps(model.layers[0], "mlp") == ("llama", False, True)
+    assert fused_as_before(model, ids) == (2, 2, 2, 2)
+
+
 @pytest.mark.parametrize("layer, flat", [(FeedForwardLayer, True), (UnshapedLayer, False)])
 def test_a_layer_that_takes_its_moe_blocks_output_as_a_pair_fuses_o_projs_add(layer, flat):
     model, ids = model_and_ids(layer=layer)

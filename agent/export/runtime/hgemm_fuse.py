@@ -245,7 +245,8 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
                     if norms and getattr(module, "post_feedforward_layernorm", None) is not None else [None])
             found = steps.layer_steps(module, mlp_name) if mlp is not None and (llama or all(post)) else None
             kind, *mlp_output = found or (None, False, False)
-            llama = llama and kind == "llama" and (down is None or not any(mlp_output))
+            # a layer that takes the MLP's output as a pair cannot take down's tensor; one that reshapes it can
+            llama = llama and kind == "llama" and (down is None or not mlp_output[0])
             post_norm = all(post) and kind == "post_norm"
             names = recognise.qkv_names(getattr(module, attn_name))
             if names:

@@ -18,6 +18,7 @@ from torch import nn
 
 recognise = sys.modules[__name__.replace("__hgemm_steps", "__hgemm_recognise")]  # hgemm_fuse loads it first
 
+
 class _Stand(nn.Module):
     """A stand-in for a decoder layer's attention (a pair, as attentions return: its output and `extra`, an object
     of its own) or MLP in the probes of a layer's steps: a fixed elementwise function of its input; `flat`: its
