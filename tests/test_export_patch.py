@@ -180,9 +180,14 @@ def test_a_gpt2_records_and_routes_every_projection(tmp_path, monkeypatch):
     assert "16_192_64:kn:f16:bias" in keys and "16_64_256:kn:f16:bias" in keys  # c_attn, mlp c_proj
     ops = load_ops(small_export(tmp_path / "out", keys))
     with torch.no_grad():
-        assert ops.patch(model)["linear"] == 2 * 4 + 1  # c_attn, attn c_proj, c_fc, mlp c_proj per block; lm_head
+        done = ops.patch(model)
+        # the MLP fused (c_fc + GELU, mlp c_proj + residual); routed: c_attn, attn c_proj and c_fc (whose weight the
+        # fused MLP reads) per block, lm_head
+        assert (done["mlp_act"], done["down_residual"], done["linear"]) == (2, 2, 2 * 3 + 1)
+        assert torch.allclose(model(ids).logits, want, atol=1e-2, rtol=1e-2)  # the GELU as the epilogue computes it
+    assert ops.unpatch(model) == 7 + 2  # the routed layers and the two fused blocks
+    with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
-    assert ops.unpatch(model) == 9
 
 
 def test_patch_fuses_decoder_layers_and_says_what_it_did(tmp_path, op_build_dir):

@@ -142,3 +142,57 @@ def test_an_output_block_with_a_dropout_runs_its_own_forward_in_training_mode():
 def test_a_fused_encoder_compiles_whole():
     torch.manual_seed(0)
     compiles_whole(nn.Sequential(EncoderLayer(), EncoderLayer()).eval(), torch.randn(2, 7, 64))
+
+
+class Conv1D(nn.Module):
+    """transformers' Conv1D, as it is written there: a weight K x N, x @ W + b by addmm."""
+
+    def __init__(self, nf: int, nx: int):
+        super().__init__()
+        self.nf = nf
+        self.weight, self.bias = nn.Parameter(torch.randn(nx, nf) * 0.1), nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+
+
+def test_a_gpt2_mlp_of_conv1d_layers_fuses_with_its_weights_stored_once_as_n_by_k():
+    class GPT2MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_fc, self.c_proj, self.act = Conv1D(128, 64), Conv1D(64, 128), nn.GELU(approximate="tanh")
+
+        def forward(self, x):
+            return self.c_proj(self.act(self.c_fc(x)))
+
+    class PairAttention(SelfAttention):
+        def forward(self, x):
+            return super().forward(x), None
+
+    class Block(nn.Module):  # GPT-2's steps and names: ln_1, attn, ln_2, mlp
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(64), PairAttention(64), nn.LayerNorm(64), GPT2MLP()
+
+        def forward(self, hidden_states):
+            a, _ = self.attn(self.ln_1(hidden_states))
+            h = a + hidden_states
+            return h + self.mlp(self.ln_2(h))
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(Block(), Block()).eval(), torch.randn(2, 7, 64)
+    assert recognise.conv1d(model[0].mlp.c_fc) and not recognise.conv1d(nn.Linear(4, 4))
+    with torch.no_grad():
+        ref = model(x)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert (counts["qkv"], counts["mlp_act"], counts["down_residual"]) == (2, 2, 2)
+    w = model[0].mlp.c_fc.weight
+    assert w.shape == (64, 128) and w.t().is_contiguous() and w.untyped_storage().nbytes() == 64 * 128 * 4
+    TorchOps.calls = []
+    with torch.no_grad():
+        assert torch.allclose(model(x), ref, atol=1e-5, rtol=1e-5)
+    assert ("gelu_tanh", (128, 64)) in TorchOps.calls and ("residual", (64, 128)) in TorchOps.calls  # N x K weights
+    hgemm_fuse.unfuse(model)
+    assert model[0].mlp.c_fc.weight.is_contiguous()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

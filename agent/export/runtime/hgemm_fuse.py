@@ -5,7 +5,7 @@ an MLP (`mlp`, or the layer's one other child); hgemm_recognise.py and hgemm_ste
 Llama, Mistral, Qwen2 (q/k/v with biases), Phi-3 (q/k/v already one projection, gate and up one gate_up_proj) and
 any decoder built the same way fuse all of what follows; layers with norms after the attention and the MLP (Olmo2,
 Gemma2) their q/k/v, gate/up and the adds after the norms; MoE layers their q/k/v and o_proj's residual add;
-layers whose attention and MLP both read the input (GPT-J, Phi, Falcon, Cohere) the MLP's add
+other layers (GPT-J, Phi, Falcon, Cohere, GPT-2) the MLP's add
 (tools/arch_probe.py checks every causal LM of the installed transformers). Outside such layers: attentions, gated
 and gateless MLPs (an MoE block's shared expert), norms and rotary embeddings on their own. What `fuse(model, ops)`
 does to each:
@@ -18,7 +18,8 @@ does to each:
   gate and up as one gated GEMM (`silu_mul`, or `gelu_mul` for a tanh-GELU), its weight the two interleaved in
   blocks of 8 rows (hgemm_epilogue.interleave_gate_up), the only copy: gate_proj's and up_proj's parameters (or
   gate_up_proj's) keep their identity but give up their storage until `unfuse` writes it back, bit for bit;
-- mlp_act: an MLP that is second(act(first(x))) (recognise.plain_mlp), or outside decoder layers a module that is
+- mlp_act: an MLP that is second(act(first(x))) (recognise.plain_mlp; its projections nn.Linear or transformers'
+  Conv1D, whose weight is then stored N x K, its parameter a transposed view), or outside decoder layers one that is
   act(first(x)) (BERT's intermediate block), runs its first GEMM with the activation in its epilogue (its
   dropouts, identities in eval mode, skipped; in training mode with a dropout its own forward);
 - mlp_act in a layer: an activation the layer applies inline to a Linear child's output (OPT's, BART's fc1;
@@ -32,12 +33,13 @@ does to each:
   with the residual adds fused into o_proj and that projection (`residual` epilogue); where the MLP returns
   something else (an MoE block), o_proj's add alone; an attention that changes o_proj's output before returning it
   is an error at its first call (hgemm_steps.py);
-- parallel_residual: where the layer's own forward is x + attn(norm1(x)) + mlp(norm2(x)) (GPT-J's, Phi's,
-  GPT-NeoX's, Falcon's, Cohere's; two probe calls with the attention and the MLP stood in for, which also show
-  under which names the layer passes its arguments to the attention: hgemm_steps.parallel_steps) and its MLP
-  returns its last projection's output as it is, the layer runs as the same steps with the MLP's add (of the
-  attention's output, or of x plus it, as the layer adds) in that projection's epilogue; in training mode it runs
-  its own forward;
+- parallel_residual, and down_residual in other layers: where the layer's own forward is x + attn(norm1(x)) +
+  mlp(norm2(x)) (GPT-J's, Phi's, GPT-NeoX's, Falcon's, Cohere's), or h = x + attn(norm1(x)) then h + mlp(norm2(h))
+  under names that are not Llama's (GPT-2's, Persimmon's), and its MLP returns its last projection's output as it
+  is, the MLP's add (of the attention's output, of x plus it, or of h, as the layer adds) runs in that projection's
+  epilogue (probe calls with the attention and the MLP stood in for, which also show under which names the layer
+  passes its arguments to the attention, and which of its arguments change its steps: with one of those given, or
+  in training mode, the layer runs its own forward; hgemm_adds.py);
 - norm_residual: where the layer's steps put a norm after the attention and after the MLP, each before its residual
   add (Gemma 2's, Olmo 2's; the same probe), and `ops` has rms_norm, each of those norms and its add run as one
   ops.rms_norm call (hgemm_steps.py);
@@ -84,6 +86,7 @@ recognise = _beside("hgemm_recognise")
 steps = _beside("hgemm_steps")
 qkv = _beside("hgemm_qkv")
 inline = _beside("hgemm_inline")
+adds = _beside("hgemm_adds")
 
 KINDS = ("qkv", "gate_up", "mlp_act", "o_residual", "down_residual", "parallel_residual", "norm_residual",
          "residual_norm", "rms_norm", "rotary")
@@ -195,7 +198,7 @@ def _act_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if self.training and self._hgemm_dropout:  # its dropouts are no identities: its own forward
         return self._hgemm_base.forward(self, x)
     first = getattr(self, self._hgemm_first)
-    y = self._hgemm_ops.fused_linear(x, first.weight, first.bias, self._hgemm_epilogue, None)
+    y = self._hgemm_ops.fused_linear(x, recognise.nk_weight(first), first.bias, self._hgemm_epilogue, None)
     return y if self._hgemm_second is None else getattr(self, self._hgemm_second)(y)
 
 
@@ -212,6 +215,7 @@ def _act_mlp(layer: _Layer, mlp: nn.Module, ops, found: tuple[str, str | None, s
     """An MLP second(act(first(x))), or act(first(x)) (recognise.plain_mlp's `found`), with the activation in the
     first GEMM."""
     first, second, epilogue = found
+    steps.as_nk(layer, getattr(mlp, first))
     dropout = any(isinstance(c, nn.Dropout) and c.p > 0 for c in mlp.children())
     layer.set_forward(mlp, _act_mlp_forward, ops=ops, first=first, second=second, epilogue=epilogue,
                       dropout=dropout)
@@ -236,7 +240,7 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             mlp = getattr(module, mlp_name or "", None)
             plain = recognise.plain_mlp(mlp, _epilogue_module(ops)) if mlp is not None else None
             first, down = plain[:2] if plain else ("up_proj", "down_proj")  # the MLP's first and last projection
-            has_down = recognise.plain_linear(getattr(mlp, down, None))
+            has_down = recognise.linear_like(getattr(mlp, down, None))
             gated, returns_down = recognise.probe_mlp(mlp, down, first) if has_down else (None, False)
             down = down if returns_down else None  # None: only o_proj takes its residual add
             llama = steps.llama_parts(module, mlp_name, down)  # the parts of Llama's steps
@@ -262,9 +266,9 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             elif post_norm:
                 steps.post_norms(layer, module, ops, mlp_name, post)
             elif down is not None and kind is None:
-                found = steps.parallel_steps(module, attn_name, mlp_name, down)
+                found = adds.residual_steps(module, attn_name, mlp_name, down)
                 if found is not None:
-                    steps.parallel(layer, module, ops, found)
+                    adds.fuse_adds(layer, module, ops, found)
             for norm in (getattr(module, n, None) for n in ("input_layernorm", "post_attention_layernorm")):
                 found = recognise.rms_norm_of(norm) if norms and norm is not None and not owns(norm) else None
                 if found is not None:

@@ -142,9 +142,38 @@ def plain_linear(m) -> bool:
         return True
     if "_hgemm_base" in vars(cls):  # a fused module's class (hgemm_fuse's set_forward)
         return False
+    return _probed(m)
+
+
+def conv1d(m) -> bool:
+    """Whether `m` is transformers' Conv1D (GPT-2's projections: addmm(bias, x, W), W K x N) computing
+    F.linear(x, W.T, bias) bit for bit on a probe call (checked once per module and class); not one a fusion runs."""
+    w = getattr(m, "weight", None)
+    if (type(m).__name__ != "Conv1D" or "forward" in m.__dict__ or "_hgemm_base" in vars(type(m))
+            or not isinstance(w, torch.Tensor) or w.dim() != 2 or getattr(m, "nf", None) != w.shape[1]):
+        return False
+    return _probed(m)
+
+
+def linear_like(m) -> bool:
+    """A plain_linear or a conv1d: what the fused forwards can run as a GEMM of an N x K weight (nk_weight)."""
+    return plain_linear(m) or conv1d(m)
+
+
+def features(m: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a linear_like module."""
+    return (m.in_features, m.out_features) if isinstance(m, nn.Linear) else tuple(m.weight.shape)
+
+
+def nk_weight(m: nn.Module) -> torch.Tensor:
+    """A linear_like module's weight as N x K (a Conv1D's transposed: contiguous once hgemm_steps.as_nk ran)."""
+    return m.weight if isinstance(m, nn.Linear) else m.weight.t()
+
+
+def _probed(m: nn.Module) -> bool:
     seen = _linear_like.get(m)
-    if seen is None or seen[0] is not cls:
-        seen = _linear_like[m] = (cls, _computes_linear(m))
+    if seen is None or seen[0] is not type(m):
+        seen = _linear_like[m] = (type(m), _computes_linear(m))
     return seen[1]
 
 
@@ -157,11 +186,11 @@ def qkv_names(attn: nn.Module) -> tuple[str, str, str] | None:
     return next((names for names in QKV_NAMES if all(plain_linear(getattr(attn, n, None)) for n in names)), None)
 
 
-_linear_like: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Linear -> (its class, plain_linear's probe)
+_linear_like: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (its class, _computes_linear)
 
 
-def _computes_linear(m: nn.Linear) -> bool:
-    w = m.weight
+def _computes_linear(m: nn.Module) -> bool:
+    w = nk_weight(m)
     if w.is_meta or w.dim() != 2 or not w.is_floating_point():
         return False
     x = probe_input(w, 3, w.shape[1])
@@ -202,10 +231,10 @@ def probe_mlp(mlp: nn.Module, down: str = "down_proj", first: str = "up_proj") -
             gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
             return down(act(gate) * up)
     else:
-        kind, first = None, next(m for m in (getattr(mlp, first, None), down) if plain_linear(m))
+        kind, first = None, next(m for m in (getattr(mlp, first, None), down) if linear_like(m))
     if first.weight.is_meta:
         return None, False
-    x, seen = probe_input(first.weight, 3, first.in_features), []
+    x, seen = probe_input(first.weight, 3, features(first)[0]), []
     hook = down.register_forward_hook(lambda module, args, out: seen.append(out))
     try:
         out = type(mlp).forward(mlp, x)
@@ -224,11 +253,11 @@ def probe_mlp(mlp: nn.Module, down: str = "down_proj", first: str = "up_proj") -
 
 def plain_mlp(m: nn.Module, epilogue, single: bool = False) -> tuple[str, str | None, str] | None:
     """(first, second, epilogue) of a module whose own forward computes second(act(first(x))) with two plain
-    nn.Linear children and an activation child the epilogues compute (`activation`; dropouts besides, nothing
-    else), checked by a probe call: the same values bit for bit; where `single`, also (first, None, epilogue) of one
-    that computes act(first(x)) with one (BERT's intermediate block); or None."""
+    nn.Linear (or Conv1D: linear_like) children and an activation child the epilogues compute (`activation`;
+    dropouts besides, nothing else), checked by a probe call: the same values bit for bit; where `single`, also
+    (first, None, epilogue) of one that computes act(first(x)) with one (BERT's intermediate block); or None."""
     children = dict(m.named_children())
-    linears = [n for n, c in children.items() if plain_linear(c)]
+    linears = [n for n, c in children.items() if linear_like(c)]
     acts = [c for n, c in children.items() if n not in linears and not isinstance(c, nn.Dropout)]
     if ("forward" in m.__dict__ or len(linears) not in ((1, 2) if single else (2,)) or len(acts) != 1
             or list(m.parameters(recurse=False)) or any(children[n].weight.is_meta for n in linears)):
@@ -238,9 +267,9 @@ def plain_mlp(m: nn.Module, epilogue, single: bool = False) -> tuple[str, str | 
         return None
     for first, second in (linears, linears[::-1]) if len(linears) == 2 else ((linears[0], None),):
         lin1, lin2 = children[first], children[second] if second else (lambda t: t)
-        if second and (lin1.out_features != lin2.in_features or lin1.weight.dtype != lin2.weight.dtype):
+        if second and (features(lin1)[1] != features(lin2)[0] or lin1.weight.dtype != lin2.weight.dtype):
             continue
-        x = probe_input(lin1.weight, 3, lin1.in_features)
+        x = probe_input(lin1.weight, 3, features(lin1)[0])
         try:
             with torch.no_grad():
                 out, ref = type(m).forward(m, x), lin2(acts[0](lin1(x)))

@@ -1,17 +1,15 @@
 """A decoder layer's steps: recognised by probe calls with its attention and MLP stood in for (`layer_steps`), and
 run fused: Llama's, with its residual adds in the epilogues of o_proj and of the MLP's last projection (o_proj's
-alone where the MLP is an MoE block); a layer with norms after its attention and MLP (Gemma 2's, Olmo 2's), with
-each add in the norm kernel before it; and a layer whose attention and MLP both read its input (GPT-J's, Phi's,
-GPT-NeoX's, Falcon's, Cohere's), with the MLP's add in its last projection's epilogue (`parallel_steps`). Shipped
-in an export beside hgemm_fuse.py, which loads it after hgemm_recognise.py; the forwards here run as the fused
-modules' class methods (hgemm_fuse's set_forward).
+alone where the MLP is an MoE block); and a layer with norms after its attention and MLP (Gemma 2's, Olmo 2's),
+with each add in the norm kernel before it (other layers' adds: hgemm_adds.py). Shipped in an export beside
+hgemm_fuse.py, which loads it after hgemm_recognise.py; the forwards here run as the fused modules' class methods
+(hgemm_fuse's set_forward).
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -113,129 +111,12 @@ def layer_steps(layer: nn.Module, mlp: str = "mlp") -> tuple[str, bool, bool] | 
     return None
 
 
-class Parallel(NamedTuple):
-    """How a layer whose attention and MLP both read its input runs (parallel_steps): the children's names (`attn`,
-    `mlp`; the norm before each, None for none, `mlp_norm` "same" for the attention's normed input itself), the
-    MLP's last projection `down`, how the attention is called (its input positional or as hidden_states=, each
-    keyword argument from the layer's argument of a name or as a constant, the layer's **kwargs passed on or
-    not), which sum the layer returns ("amx": (a + m) + x, "xam": (x + a) + m) and how (`returns`: 0 the tensor, n
-    a tuple of it and n - 1 times the attention's second output)."""
-    attn: str
-    attn_norm: str | None
-    mlp: str
-    mlp_norm: str | None
-    down: str
-    positional: bool
-    attn_args: tuple
-    extras: bool
-    form: str
-    returns: int
-
-
-class _Arg:
-    """A probe's value for one of the layer's arguments, to see where the layer passes it."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-
-def _norm_of(layer: nn.Module, x: torch.Tensor, seen: torch.Tensor, skip: tuple) -> str | None | bool:
-    """Which child of the layer (none of `skip`) gave `seen` from x (bit for bit); None where `seen` is x; False."""
-    if seen is x:
-        return None
-    for n, c in layer.named_children():
-        if n not in skip and not isinstance(c, (nn.Dropout, nn.Identity)):
-            try:
-                out = c(x)
-            except Exception:  # a child that is no norm of the input
-                continue
-            if isinstance(out, torch.Tensor) and out.shape == seen.shape and torch.equal(out, seen):
-                return n
-    return False
-
-
-def parallel_steps(layer: nn.Module, attn: str, mlp: str, down: str) -> Parallel | None:
-    """Whether the layer's own forward computes x + attn(norm1(x)) + mlp(norm2(x)) (GPT-J's, Phi's, GPT-NeoX's,
-    Falcon's and Cohere's steps), added as (a + m) + x or (x + a) + m, with `down` the MLP's last projection:
-    how (Parallel), or None. Its forward is called twice with the attention and the MLP stood in for (_Stand):
-    with each of its other arguments a value of its own (to see which the attention gets, under which name) and
-    with their defaults; both must give the same steps, bit for bit. A layer whose steps change with an argument's
-    value (a flag that adds the attention's weights to what it returns) is not recognised."""
-    lin = getattr(getattr(layer, mlp), down)
-    if lin.weight.is_meta:
-        return None
-    x = recognise.probe_input(lin.weight, 2, 3, lin.out_features)
-    params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
-    named = [q for q in params if q.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
-    extras = any(q.kind == inspect.Parameter.VAR_KEYWORD for q in params)
-    found = []
-    for probe in ("args", "defaults"):
-        given = ({q.name: _Arg(q.name) for q in named} | ({"hgemm_probe": _Arg("**")} if extras else {})
-                 if probe == "args" else
-                 {q.name: None for q in named if q.default is inspect.Parameter.empty})
-        found.append(_parallel_probe(layer, attn, mlp, x, given))
-        if found[-1] is None:
-            return None
-    (attn_args, passed, ran), (_, _, ran_by_defaults) = found
-    if ran != ran_by_defaults:
-        return None
-    attn_norm, mlp_norm, positional, form, returns = ran
-    return Parallel(attn, attn_norm, mlp, mlp_norm, down, positional, attn_args, passed, form, returns)
-
-
-def _parallel_probe(layer, attn: str, mlp: str, x, given: dict):
-    """One probe call of parallel_steps: (the attention's keyword arguments, each (name, ("arg", the layer's
-    argument) or ("const", value)); whether it got the layer's **kwargs; (attn_norm, mlp_norm, positional, form,
-    returns)), or None."""
-    stand_a, stand_m = _Stand(1.5, pair=True), _Stand(-0.75, pair=False)
-    saved = layer._modules[attn], layer._modules[mlp]
-    layer._modules[attn], layer._modules[mlp] = stand_a, stand_m
-    try:
-        out = type(layer).forward(layer, x, **given)
-    except Exception:  # a forward that uses an argument itself, or needs more than its input
-        return None
-    finally:
-        layer._modules[attn], layer._modules[mlp] = saved
-    if len(stand_a.calls) != 1 or len(stand_m.calls) != 1:
-        return None
-    (a_args, a_kwargs), (m_args, m_kwargs) = stand_a.calls[0], stand_m.calls[0]
-    positional = "hidden_states" not in a_kwargs
-    a_in = a_args[0] if positional and len(a_args) == 1 else a_kwargs.get("hidden_states")
-    if not isinstance(a_in, torch.Tensor) or (a_args and not positional) or m_kwargs or len(m_args) != 1:
-        return None
-    attn_args, passed = [], False
-    for k, v in a_kwargs.items():
-        if k == "hidden_states":
-            continue
-        if isinstance(v, _Arg):
-            passed |= v.name == "**"
-            if v.name != "**":
-                attn_args.append((k, ("arg", v.name)))
-        elif v is None or isinstance(v, (bool, int, float, str)):
-            attn_args.append((k, ("const", v)))
-        else:  # something the layer computed
-            return None
-    skip = (attn, mlp)
-    attn_norm = _norm_of(layer, x, a_in, skip)
-    mlp_norm = "same" if m_args[0] is a_in else _norm_of(layer, x, m_args[0], skip)
-    if attn_norm is False or mlp_norm is False:
-        return None
-    a, m = stand_a(a_in)[0], stand_m(m_args[0])
-    o, rest = (out, ()) if isinstance(out, torch.Tensor) else (out[0], out[1:]) if isinstance(out, tuple) else (0, 0)
-    if not isinstance(o, torch.Tensor) or o.dtype != x.dtype or any(r is not stand_a.extra for r in rest):
-        return None
-    form = "amx" if torch.equal(o, (a + m) + x) else "xam" if torch.equal(o, (x + a) + m) else None
-    if form is None:
-        return None
-    return tuple(attn_args), passed, (attn_norm, mlp_norm, positional, form, 0 if o is out else 1 + len(rest))
-
-
 def decoder_layers(model: nn.Module):
     """(name, module, its attention's name) of every decoder layer `fuse` looks into: a module with an attention
     (attention_name), usually an MLP (mlp_name) beside it, none with a forward of its own; what in it is fused is
-    each part's own test (q/k/v: recognise.has_qkv; gate/up: probe_mlp; the residual adds: llama_parts and
-    layer_steps, or parallel_steps; the post-norms' adds: layer_steps and rms_norm_of). Layers whose steps are none
-    of these may still have their q/k/v or gate/up fused."""
+    each part's own test (q/k/v: recognise.qkv_names; gate/up: probe_mlp; the residual adds: llama_parts and
+    layer_steps, or hgemm_adds.residual_steps; the post-norms' adds: layer_steps and rms_norm_of). Layers whose
+    steps are none of these may still have their q/k/v or gate/up fused."""
     for name, m in model.named_modules():
         attn_name = attention_name(m)
         if attn_name is None:
@@ -257,14 +138,27 @@ def llama_parts(layer: nn.Module, mlp: str | None, down: str | None = "down_proj
 
 
 def _residual_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """A projection that adds the residual its layer left on it (once), in the GEMM's epilogue; it keeps the sum
-    for its layer to check that the sum is what the attention returns."""
-    r = self._hgemm_residual
+    """A projection (an nn.Linear or a Conv1D) that adds the residual its layer left on it (once), in the GEMM's
+    epilogue; it keeps the sum for its layer to check that the sum is what the attention returns."""
+    r, w = self._hgemm_residual, recognise.nk_weight(self)
     if r is None:
-        return self._hgemm_ops.linear(x, self.weight, self.bias)
+        return self._hgemm_ops.linear(x, w, self.bias)
     self._hgemm_residual = None
-    self._hgemm_sum = self._hgemm_ops.fused_linear(x, self.weight, self.bias, "residual", r)
+    self._hgemm_sum = self._hgemm_ops.fused_linear(x, w, self.bias, "residual", r)
     return self._hgemm_sum
+
+
+def as_nk(layer, m: nn.Module) -> None:
+    """A Conv1D's weight stored N x K (its parameter a transposed view of that, the same values, one copy) so that
+    nk_weight is contiguous for the kernels; put back K x N by `unfuse` (`layer`: hgemm_fuse's _Layer)."""
+    if isinstance(m, nn.Linear) or m.weight.t().is_contiguous():
+        return
+    m.weight.data = m.weight.data.t().contiguous().t()
+
+    def restore():
+        m.weight.data = m.weight.data.contiguous()
+
+    layer.restore.append(restore)
 
 
 def _by_name(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> dict:
@@ -310,37 +204,6 @@ def _post_norm_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> to
     return self._hgemm_ops.rms_norm(out, self.post_feedforward_layernorm.weight, eps2, kind2, h)
 
 
-def _parallel_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-    """The steps of a layer whose attention and MLP both read its input (parallel_steps), the add of the MLP's
-    output in the epilogue of its last projection (of the attention's output, or of x + that); in training mode,
-    the layer's own forward (dropouts)."""
-    if self.training:
-        return self._hgemm_base.forward(self, hidden_states, *args, **kwargs)
-    p = self._hgemm_parallel
-    bound = self._hgemm_signature.bind(self, hidden_states, *args, **kwargs)
-    bound.apply_defaults()
-    values = bound.arguments
-    x = hidden_states
-    a_in = x if p.attn_norm is None else getattr(self, p.attn_norm)(x)
-    given = {k: values[v] if kind == "arg" else v for k, (kind, v) in p.attn_args}
-    if p.extras:
-        given.update(values.get(self._hgemm_varkw) or {})
-    attn, mlp = getattr(self, p.attn), getattr(self, p.mlp)
-    out = attn(a_in, **given) if p.positional else attn(hidden_states=a_in, **given)
-    if not isinstance(out, tuple):
-        raise RuntimeError(f"hgemm: {type(attn).__name__} returns a {type(out).__name__}, not the pair its layer "
-                           "took when patched; patch this model with fuse=False")
-    m_in = a_in if p.mlp_norm == "same" else x if p.mlp_norm is None else getattr(self, p.mlp_norm)(x)
-    down = getattr(mlp, p.down)
-    if p.form == "amx":  # (a + m) + x
-        down._hgemm_residual = out[0]
-        o = _summed(mlp, down, mlp(m_in)) + x
-    else:  # (x + a) + m
-        down._hgemm_residual = x + out[0]
-        o = _summed(mlp, down, mlp(m_in))
-    return o if not p.returns else (o, *[out[1]] * (p.returns - 1))
-
-
 def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tensor:
     """`out`, the block's output, after checking that it is the sum its projection computed (a block that changes
     its projection's output, or does not call it, would have the residual added in the wrong place or not at all)."""
@@ -370,13 +233,3 @@ def post_norms(layer, module: nn.Module, ops, mlp: str, norms: list) -> None:
     layer.set_forward(module, _post_norm_forward, ops=ops, signature=inspect.signature(type(module).forward),
                       mlp=mlp, norms=norms)
     layer.kinds.append("norm_residual")
-
-
-def parallel(layer, module: nn.Module, ops, found: Parallel) -> None:
-    """The layer's steps as `found` (parallel_steps) says, with the MLP's add in its last projection's epilogue."""
-    down = getattr(getattr(module, found.mlp), found.down)
-    layer.set_forward(down, _residual_forward, ops=ops, residual=None, sum=None)
-    signature = inspect.signature(type(module).forward)
-    varkw = next((q.name for q in signature.parameters.values() if q.kind == inspect.Parameter.VAR_KEYWORD), None)
-    layer.set_forward(module, _parallel_forward, signature=signature, parallel=found, varkw=varkw)
-    layer.kinds.append("parallel_residual")

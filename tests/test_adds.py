@@ -1,7 +1,8 @@
-"""A decoder layer's steps recognised by probe calls (agent/export/runtime/hgemm_steps.py), for layers whose
-attention and MLP both read the layer's input (GPT-J's, Phi's, GPT-NeoX's, Falcon's, Cohere's steps): the MLP's add
-runs in its last projection's epilogue, the logits match the unfused model's, the layer's arguments reach the
-attention as its own forward passes them, and layers whose steps differ keep their own forward."""
+"""A decoder layer's MLP add in its last projection's epilogue where its names or steps are not Llama's
+(agent/export/runtime/hgemm_adds.py): layers whose attention and MLP both read the layer's input (GPT-J's, Phi's,
+GPT-NeoX's, Falcon's, Cohere's steps) or run in turn under names of their own; the logits match the unfused model's,
+the layer's arguments reach the attention as its own forward passes them, arguments that change the steps send the
+call to the layer's own forward, and layers whose steps differ keep theirs."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import torch
 from torch import nn
 
 from agent.export.runtime import hgemm_fuse
-from tests.test_fuse import MLP, Attention, Model, PlainMLP, RMSNorm, TorchOps, compiles_whole
+from tests.test_fuse import MLP, Attention, Model, PlainMLP, RMSNorm, TorchOps, compiles_whole, fused_as_before
 
-steps = hgemm_fuse.steps
+adds = hgemm_fuse.adds
 
 
 class MaskAttention(Attention):
@@ -99,9 +100,9 @@ def test_a_parallel_layer_adds_its_mlps_output_in_the_mlps_last_gemm(layer, form
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     counts = hgemm_fuse.fuse(model, TorchOps)
     assert counts["parallel_residual"] == 2 and counts["o_residual"] == counts["down_residual"] == 0
-    found = model.layers[0]._hgemm_parallel
+    found = model.layers[0]._hgemm_adds
     assert found.form == form
-    assert type(model.layers[0]).forward is steps._parallel_forward
+    assert type(model.layers[0]).forward is adds._adds_forward
     TorchOps.calls = []
     with torch.no_grad():
         out = model(ids)
@@ -124,11 +125,11 @@ def test_a_parallel_layer_adds_its_mlps_output_in_the_mlps_last_gemm(layer, form
 
 def test_the_layers_arguments_reach_the_attention_as_its_own_forward_passes_them():
     model, ids = parallel_model(FalconLayer)
-    found = steps.parallel_steps(model.layers[0], "self_attention", "mlp", "fc2")
+    found = adds.residual_steps(model.layers[0], "self_attention", "mlp", "fc2")
     assert (found.attn_norm, found.mlp_norm, found.positional, found.extras) == ("ln_attn", "ln_mlp", True, False)
     assert dict(found.attn_args) == {"layer_past": ("arg", "layer_past"), "mask": ("arg", "attention_mask")}
     assert found.returns == 2  # the output and the attention's second output
-    found = steps.parallel_steps(parallel_model(GPTJBlock)[0].layers[0], "attn", "mlp", "fc_out")
+    found = adds.residual_steps(parallel_model(GPTJBlock)[0].layers[0], "attn", "mlp", "fc_out")
     assert dict(found.attn_args) == {"mask": ("arg", "attention_mask"), "layer_past": ("arg", "layer_past"),
                                      "scale": ("const", 0.5)}
     assert (found.attn_norm, found.mlp_norm, found.positional) == ("ln_1", "same", False)
@@ -154,12 +155,6 @@ class FlagLayer(CohereLayer):
         return (out, weights) if output_attentions else out
 
 
-class ScaledBranchLayer(CohereLayer):
-    def forward(self, hidden_states, **kwargs):
-        h = self.input_layernorm(hidden_states)
-        return hidden_states + self.self_attn(h)[0] + self.mlp(h) * 0.5
-
-
 class MaskedLayer(CohereLayer):
     """Computes what it passes to the attention from an argument."""
 
@@ -169,21 +164,69 @@ class MaskedLayer(CohereLayer):
         return hidden_states + self.self_attn(h, attention_mask=mask)[0] + self.mlp(h)
 
 
-class SequentialMLPLayer(CohereLayer):
-    """The MLP reads the attention's sum (Llama's steps without Llama's norm names): not parallel."""
+@pytest.mark.parametrize("layer, branch", [(FlagLayer, ("output_attentions", True)),
+                                           (MaskedLayer, ("attention_mask", torch.ones(2, 9)))])
+def test_an_argument_that_changes_the_steps_sends_the_call_to_the_layers_own_forward(layer, branch):
+    model, ids = parallel_model(layer)
+    found = adds.residual_steps(model.layers[0], "self_attn", "mlp", "down_proj")
+    assert found.branches == ((branch[0], None if layer is MaskedLayer else False),)
+    x = torch.randn(2, 9, 64)
+    with torch.no_grad():
+        ref, ref_branch = model.layers[0](x), model.layers[0](x, **dict([branch]))
+        assert hgemm_fuse.fuse(model, TorchOps)["parallel_residual"] == 2
+        TorchOps.calls = []
+        out = model.layers[0](x)
+        assert ("residual", (64, 96)) in TorchOps.calls  # its default: the fused steps
+        TorchOps.calls = []
+        out_branch = model.layers[0](x, **dict([branch]))
+    assert ("residual", (64, 96)) not in TorchOps.calls  # the layer's own steps
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    out_branch, ref_branch = (t[0] if isinstance(t, tuple) else t for t in (out_branch, ref_branch))
+    assert torch.allclose(out_branch, ref_branch, atol=1e-5, rtol=1e-5)
+    hgemm_fuse.unfuse(model)
+
+
+class SequentialLayer(CohereLayer):
+    """The attention, then the MLP on a norm of its sum (Persimmon's steps, under names of its own)."""
+
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__(hidden, inter, act, bias, norm)
+        self.ln_2 = norm(hidden)
 
     def forward(self, hidden_states, **kwargs):
         h = hidden_states + self.self_attn(self.input_layernorm(hidden_states))[0]
-        return h + self.mlp(h)
+        return h + self.mlp(self.ln_2(h))
 
 
-@pytest.mark.parametrize("layer", [FlagLayer, ScaledBranchLayer, MaskedLayer, SequentialMLPLayer])
-def test_a_layer_whose_steps_are_not_parallel_keeps_its_own_forward(layer):
+def test_a_sequential_layer_under_other_names_adds_in_its_mlps_last_gemm():
+    model, ids = parallel_model(SequentialLayer)
+    found = adds.residual_steps(model.layers[0], "self_attn", "mlp", "down_proj")
+    assert (found.form, found.attn_norm, found.mlp_norm) == ("seq", "input_layernorm", "ln_2")
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert (counts["down_residual"], counts["o_residual"], counts["parallel_residual"]) == (2, 0, 0)
+    hgemm_fuse.unfuse(model)
+    assert fused_as_before(model, ids) == (2, 2, 0, 2)
+
+
+class ScaledBranchLayer(CohereLayer):
+    def forward(self, hidden_states, **kwargs):
+        h = self.input_layernorm(hidden_states)
+        return hidden_states + self.self_attn(h)[0] + self.mlp(h) * 0.5
+
+
+class ScaledSequentialLayer(SequentialLayer):
+    def forward(self, hidden_states, **kwargs):
+        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states))[0]
+        return h * 0.5 + self.mlp(self.ln_2(h))
+
+
+@pytest.mark.parametrize("layer", [ScaledBranchLayer, ScaledSequentialLayer])
+def test_a_layer_whose_adds_are_not_plain_keeps_its_own_forward(layer):
     model, ids = parallel_model(layer)
     with torch.no_grad():
         ref = model(ids)
     counts = hgemm_fuse.fuse(model, TorchOps)
-    assert counts["parallel_residual"] == 0 and counts["qkv"] == counts["gate_up"] == 2
+    assert counts["parallel_residual"] == counts["down_residual"] == 0 and counts["qkv"] == counts["gate_up"] == 2
     assert type(model.layers[0]).forward is layer.forward
     with torch.no_grad():
         assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,208 @@
+"""A decoder layer's MLP add in its last projection's epilogue, for layers whose names or steps are not Llama's
+(hgemm_steps.py has those): a layer whose attention and MLP both read its input, x + attn(norm1(x)) +
+mlp(norm2(x)) (GPT-J's, Phi's, GPT-NeoX's, Falcon's, Cohere's), and one that runs them in turn under names of its
+own, h = x + attn(norm1(x)), h + mlp(norm2(h)) (Persimmon's, GPT-NeoX's sequential layers). Found by probe calls of
+the layer's own forward with its attention and MLP stood in for, which also show how the layer passes its arguments
+to the attention (`residual_steps`). Shipped in an export beside hgemm_fuse.py, which loads it after
+hgemm_recognise.py and hgemm_steps.py; the forward here runs as the fused layer's class method.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+recognise = sys.modules[__name__.replace("__hgemm_adds", "__hgemm_recognise")]  # hgemm_fuse loads them first
+steps = sys.modules[__name__.replace("__hgemm_adds", "__hgemm_steps")]
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+class Adds(NamedTuple):
+    """How the layer runs (residual_steps): the children's names (`attn`, `mlp`; the norm before each, None for
+    none, `mlp_norm` "same" for the attention's normed input itself), the MLP's last projection `down`, how the
+    attention is called (its input positional or as hidden_states=, each keyword argument from the layer's argument
+    of a name or as a constant, the layer's **kwargs passed on or not), the layer's arguments that change its steps
+    (`branches`, each with its default: the fused steps run only while they have it), which sum the layer returns
+    ("amx": (a + m) + x, "xam": (x + a) + m, "seq": h + m with h = x + a and the MLP on h) and how (`returns`: 0 the
+    tensor, n a tuple of it and n - 1 times the attention's second output)."""
+    attn: str
+    attn_norm: str | None
+    mlp: str
+    mlp_norm: str | None
+    down: str
+    positional: bool
+    attn_args: tuple
+    extras: bool
+    branches: tuple
+    form: str
+    returns: int
+
+
+class _Arg:
+    """A probe's value for one of the layer's arguments, to see where the layer passes it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def residual_steps(layer: nn.Module, attn: str, mlp: str, down: str) -> Adds | None:
+    """Whether the layer's own forward computes x + attn(norm1(x)) + mlp(norm2(x)), added as (a + m) + x or
+    (x + a) + m, or h + mlp(norm2(h)) with h = x + attn(norm1(x)), `down` the MLP's last projection: how (Adds),
+    or None. Its forward is called with the attention and the MLP stood in for (hgemm_steps._Stand): with its
+    arguments' defaults (required ones None), then once more for each argument with a value of its own in its place,
+    which shows under which name the attention gets it; an argument whose value changes the steps or is passed only
+    when given (a flag that adds the attention's weights to what the layer returns, an encoder's states that start
+    a cross-attention) is a branch: the fused steps run while it has its default, the layer's own forward otherwise.
+    """
+    lin = getattr(getattr(layer, mlp), down)
+    if lin.weight.is_meta:
+        return None
+    x = recognise.probe_input(lin.weight, 2, 3, recognise.features(lin)[1])
+    params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
+    named = [q for q in params if q.kind in _NAMED]
+    base = {q.name: None for q in named if q.default is inspect.Parameter.empty}
+    ref = _probe(layer, attn, mlp, x, base)
+    if ref is None:
+        return None
+    attn_args, branches = dict(ref[0]), []
+    for q in named:
+        got = _probe(layer, attn, mlp, x, base | {q.name: _Arg(q.name)})
+        passed = [k for k, v in (got[0] if got else ()) if v == ("arg", q.name)]
+        if got is None or got[2] != ref[2] or any(k not in attn_args for k in passed):
+            if q.default is inspect.Parameter.empty:  # a required argument that changes the steps
+                return None
+            branches.append((q.name, q.default))
+            continue
+        attn_args.update(dict.fromkeys(passed, ("arg", q.name)))
+    extras = any(q.kind == inspect.Parameter.VAR_KEYWORD for q in params)
+    if extras:
+        got = _probe(layer, attn, mlp, x, base | {"hgemm_probe": _Arg("**")})
+        extras = got is not None and got[1] and got[2] == ref[2]
+    attn_norm, mlp_norm, positional, form, returns = ref[2]
+    return Adds(attn, attn_norm, mlp, mlp_norm, down, positional, tuple(attn_args.items()), extras, tuple(branches),
+                form, returns)
+
+
+def _probe(layer, attn: str, mlp: str, x: torch.Tensor, given: dict):
+    """One probe call of residual_steps: (the attention's keyword arguments, each (name, ("arg", the layer's
+    argument) or ("const", value))); whether it got the layer's **kwargs; (attn_norm, mlp_norm, positional, form,
+    returns)), or None."""
+    stand_a, stand_m = steps._Stand(1.5, pair=True), steps._Stand(-0.75, pair=False)
+    saved = layer._modules[attn], layer._modules[mlp]
+    layer._modules[attn], layer._modules[mlp] = stand_a, stand_m
+    try:
+        out = type(layer).forward(layer, x, **given)
+    except Exception:  # a forward that uses an argument itself, or needs more than its input
+        return None
+    finally:
+        layer._modules[attn], layer._modules[mlp] = saved
+    if len(stand_a.calls) != 1 or len(stand_m.calls) != 1:
+        return None
+    (a_args, a_kwargs), (m_args, m_kwargs) = stand_a.calls[0], stand_m.calls[0]
+    positional = "hidden_states" not in a_kwargs
+    a_in = a_args[0] if positional and len(a_args) == 1 else a_kwargs.get("hidden_states")
+    if not isinstance(a_in, torch.Tensor) or (a_args and not positional) or m_kwargs or len(m_args) != 1:
+        return None
+    attn_args, passed = [], False
+    for k, v in a_kwargs.items():
+        if k == "hidden_states":
+            continue
+        if isinstance(v, _Arg):
+            passed |= v.name == "**"
+            if v.name != "**":
+                attn_args.append((k, ("arg", v.name)))
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            attn_args.append((k, ("const", v)))
+        else:  # something the layer computed
+            return None
+    skip, m_in = (attn, mlp), m_args[0]
+    a, m = stand_a(a_in)[0], stand_m(m_in)
+    h = x + a
+    attn_norm = _norm_of(layer, x, a_in, skip)
+    mlp_norm = "same" if m_in is a_in else _norm_of(layer, x, m_in, skip)
+    sequential = mlp_norm is False
+    if sequential:  # the MLP reads the attention's sum, or a norm of it
+        mlp_norm = None if torch.equal(m_in, h) else _norm_of(layer, h, m_in, skip)
+    if attn_norm is False or mlp_norm is False:
+        return None
+    o, rest = (out, ()) if isinstance(out, torch.Tensor) else (out[0], out[1:]) if isinstance(out, tuple) else (0, 0)
+    if not isinstance(o, torch.Tensor) or o.dtype != x.dtype or any(r is not stand_a.extra for r in rest):
+        return None
+    if sequential:
+        form = "seq" if torch.equal(o, h + m) else None
+    else:
+        form = "amx" if torch.equal(o, (a + m) + x) else "xam" if torch.equal(o, h + m) else None
+    if form is None:
+        return None
+    return tuple(attn_args), passed, (attn_norm, mlp_norm, positional, form, 0 if o is out else 1 + len(rest))
+
+
+def _norm_of(layer: nn.Module, x: torch.Tensor, seen: torch.Tensor, skip: tuple) -> str | None | bool:
+    """Which child of the layer (none of `skip`) gave `seen` from x (bit for bit); None where `seen` is x; False."""
+    if seen is x:
+        return None
+    for n, c in layer.named_children():
+        if n not in skip and not isinstance(c, (nn.Dropout, nn.Identity)):
+            try:
+                out = c(x)
+            except Exception:  # a child that is no norm of the input
+                continue
+            if isinstance(out, torch.Tensor) and out.shape == seen.shape and torch.equal(out, seen):
+                return n
+    return False
+
+
+def _branched(values: dict, branches: tuple) -> bool:
+    """Whether any branch argument has a value other than its default."""
+    return any(not (values[n] is d or (type(values[n]) is type(d) and isinstance(d, (bool, int, float, str))
+                                       and values[n] == d)) for n, d in branches)
+
+
+def _adds_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+    """The layer's steps (residual_steps), the add of the MLP's output in the epilogue of its last projection (of
+    the attention's output, of x plus it, or of the attention's sum); in training mode, or with a branch argument
+    given, the layer's own forward."""
+    p = self._hgemm_adds
+    bound = self._hgemm_signature.bind(self, hidden_states, *args, **kwargs)
+    bound.apply_defaults()
+    values = bound.arguments
+    if self.training or _branched(values, p.branches):
+        return self._hgemm_base.forward(self, hidden_states, *args, **kwargs)
+    x = hidden_states
+    a_in = x if p.attn_norm is None else getattr(self, p.attn_norm)(x)
+    given = {k: values[v] if kind == "arg" else v for k, (kind, v) in p.attn_args}
+    if p.extras:
+        given.update(values.get(self._hgemm_varkw) or {})
+    attn, mlp = getattr(self, p.attn), getattr(self, p.mlp)
+    out = attn(a_in, **given) if p.positional else attn(hidden_states=a_in, **given)
+    if not isinstance(out, tuple):
+        raise RuntimeError(f"hgemm: {type(attn).__name__} returns a {type(out).__name__}, not the pair its layer "
+                           "took when patched; patch this model with fuse=False")
+    down = getattr(mlp, p.down)
+    if p.form == "amx":  # (a + m) + x
+        m_in = a_in if p.mlp_norm == "same" else x if p.mlp_norm is None else getattr(self, p.mlp_norm)(x)
+        down._hgemm_residual = out[0]
+        o = steps._summed(mlp, down, mlp(m_in)) + x
+    else:  # (x + a) + m, the MLP on a norm of x ("xam") or of x + a ("seq")
+        h = x + out[0]
+        base = h if p.form == "seq" else x
+        m_in = a_in if p.mlp_norm == "same" else base if p.mlp_norm is None else getattr(self, p.mlp_norm)(base)
+        down._hgemm_residual = h
+        o = steps._summed(mlp, down, mlp(m_in))
+    return o if not p.returns else (o, *[out[1]] * (p.returns - 1))
+
+
+def fuse_adds(layer, module: nn.Module, ops, found: Adds) -> None:
+    """The layer's steps as `found` (residual_steps) says, with the MLP's add in its last projection's epilogue
+    (`layer`: hgemm_fuse's _Layer, which records what changed)."""
+    down = getattr(getattr(module, found.mlp), found.down)
+    steps.as_nk(layer, down)
+    layer.set_forward(down, steps._residual_forward, ops=ops, residual=None, sum=None)
+    signature = inspect.signature(type(module).forward)
+    varkw = next((q.name for q in signature.parameters.values() if q.kind == inspect.Parameter.VAR_KEYWORD), None)
+    layer.set_forward(module, _adds_forward, signature=signature, adds=found, varkw=varkw)
+    layer.kinds.append("down_residual" if found.form == "seq" else "parallel_residual")
