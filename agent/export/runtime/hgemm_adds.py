@@ -18,7 +18,6 @@ from torch import nn
 
 recognise = sys.modules[__name__.replace("__hgemm_adds", "__hgemm_recognise")]  # hgemm_fuse loads them first
 steps = sys.modules[__name__.replace("__hgemm_adds", "__hgemm_steps")]
-_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 class Adds(NamedTuple):
@@ -63,8 +62,7 @@ def residual_steps(layer: nn.Module, attn: str, mlp: str, down: str) -> Adds | N
         return None
     x = recognise.probe_input(lin.weight, 2, 3, recognise.features(lin)[1])
     params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
-    named = [q for q in params if q.kind in _NAMED]
-    base = {q.name: None for q in named if q.default is inspect.Parameter.empty}
+    named, base = [q for q in params if q.kind in steps.NAMED], steps.required_args(layer)
     ref = _probe(layer, attn, mlp, x, base)
     if ref is None:
         return None

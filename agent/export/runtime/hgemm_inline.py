@@ -44,9 +44,7 @@ def inline_activation(layer: nn.Module, epilogue) -> tuple[str, str, str] | None
     if len(acts) != 1 or not linears or not attns or "forward" in layer.__dict__:
         return None
     act_name, epi = acts[0]
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    required = {q.name: None for q in list(inspect.signature(type(layer).forward).parameters.values())[2:]
-                if q.default is inspect.Parameter.empty and q.kind in named}
+    required = steps.required_args(layer)
     widths = {children[n].in_features for n in linears}
     saved = dict(layer._modules)
     try:

@@ -34,6 +34,13 @@ class _Stand(nn.Module):
         return (y, self.extra) if self.pair else y
 
 
+def required_args(layer: nn.Module) -> dict:
+    """The arguments the layer's forward requires besides its input, each None (for a probe call)."""
+    return {q.name: None for q in list(inspect.signature(type(layer).forward).parameters.values())[2:]
+            if q.default is inspect.Parameter.empty and q.kind in NAMED}
+
+
+NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)  # arguments a call can name
 ATTENTIONS = ("self_attn", "attn", "attention", "self_attention")  # a decoder layer's attention, by its names
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
@@ -72,9 +79,7 @@ def layer_steps(layer: nn.Module, mlp: str = "mlp") -> tuple[str, bool, bool] | 
                                                                                      nn.Module):
         return None
     x = recognise.probe_input(o_proj.weight, 2, 3, o_proj.out_features)
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    required = {q.name: None for q in list(inspect.signature(type(layer).forward).parameters.values())[2:]
-                if q.default is inspect.Parameter.empty and q.kind in named}
+    required = required_args(layer)
     attn = _Stand(1.5, pair=True)
     saved = layer._modules["self_attn"], layer._modules[mlp]
     layer._modules["self_attn"] = attn
