@@ -74,7 +74,7 @@ def test_an_encoder_layer_fuses_its_qkv_its_activation_and_its_residual_adds(nam
     assert recognise.qkv_names(model[0].self_attn_block) == names
     assert recognise.residual_norm(model[0].output) == ("dense", "LayerNorm" if norm else None)
     assert recognise.plain_mlp(model[0].intermediate, hgemm_fuse._epilogue_module(TorchOps), single=True) == (
-        "dense", None, "gelu")
+        "dense", None, "gelu", False)
     assert recognise.plain_mlp(model[0].intermediate, hgemm_fuse._epilogue_module(TorchOps)) is None  # two Linears
     counts = hgemm_fuse.fuse(model, TorchOps)
     assert (counts["qkv"], counts["mlp_act"], counts["residual_norm"]) == (2, 2, 4)
@@ -196,3 +196,55 @@ def test_a_gpt2_mlp_of_conv1d_layers_fuses_with_its_weights_stored_once_as_n_by_
     hgemm_fuse.unfuse(model)
     assert model[0].mlp.c_fc.weight.is_contiguous()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+class BloomGELU(nn.Module):
+    def forward(self, x):  # BLOOM's tanh GELU, sqrt(2/pi) written as 0.79788456
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+class ResidualMLP(nn.Module):
+    """BLOOM's and MPT's MLPs: the residual an argument, added after the second projection (a dropout between)."""
+
+    def __init__(self, act=None):
+        super().__init__()
+        self.dense_h_to_4h, self.gelu_impl, self.dense_4h_to_h = nn.Linear(64, 256), act or BloomGELU(), \
+            nn.Linear(256, 64)
+
+    def forward(self, hidden_states, residual):
+        out = self.dense_4h_to_h(self.gelu_impl(self.dense_h_to_4h(hidden_states)))
+        return nn.functional.dropout(out, 0.1, self.training) + residual
+
+
+def test_an_mlp_that_takes_its_residual_adds_it_in_its_second_gemm():
+    torch.manual_seed(0)
+    mlp, h, r = ResidualMLP().eval(), torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    assert recognise.activation(mlp.gelu_impl, hgemm_fuse._epilogue_module(TorchOps)) == "gelu_tanh"
+    assert recognise.plain_mlp(mlp, hgemm_fuse._epilogue_module(TorchOps)) == ("dense_h_to_4h", "dense_4h_to_h",
+                                                                               "gelu_tanh", True)
+    with torch.no_grad():
+        ref = mlp(h, r)
+    counts = hgemm_fuse.fuse(mlp, TorchOps)
+    assert (counts["mlp_act"], counts["down_residual"]) == (1, 1)
+    TorchOps.calls = []
+    with torch.no_grad():
+        assert torch.allclose(mlp(h, residual=r), ref, atol=1e-6, rtol=1e-6)
+    assert TorchOps.calls == [("gelu_tanh", (256, 64)), ("residual", (64, 256))]
+    mlp.train()  # its dropout is a function call: its own forward
+    TorchOps.calls = []
+    with torch.no_grad():
+        mlp(h, r)
+    assert TorchOps.calls == []
+    hgemm_fuse.unfuse(mlp)
+    mlp.eval()
+    with torch.no_grad():
+        assert torch.equal(mlp(h, r), ref)
+
+
+class TwiceResidualMLP(ResidualMLP):
+    def forward(self, hidden_states, residual):
+        return super().forward(hidden_states, residual) + residual
+
+
+def test_an_mlp_that_adds_its_residual_otherwise_is_not_a_chain():
+    assert recognise.plain_mlp(TwiceResidualMLP().eval(), hgemm_fuse._epilogue_module(TorchOps)) is None

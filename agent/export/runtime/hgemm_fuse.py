@@ -21,7 +21,8 @@ does to each:
 - mlp_act: an MLP that is second(act(first(x))) (recognise.plain_mlp; its projections nn.Linear or transformers'
   Conv1D, whose weight is then stored N x K, its parameter a transposed view), or outside decoder layers one that is
   act(first(x)) (BERT's intermediate block), runs its first GEMM with the activation in its epilogue (its
-  dropouts, identities in eval mode, skipped; in training mode with a dropout its own forward);
+  dropouts, identities in eval mode, skipped; in training mode with a dropout its own forward); one whose
+  forward(h, r) is second(act(first(h))) + r (BLOOM's, MPT's) adds r in the second GEMM too (down_residual);
 - mlp_act in a layer: an activation the layer applies inline to a Linear child's output (OPT's, BART's fc1;
   hgemm_inline.py) moves into that Linear's epilogue;
 - residual_norm: a module whose forward(h, r) is norm(linear(h) + r), or linear(h) + r (BERT's output blocks;
@@ -194,12 +195,19 @@ def _gate_up(layer: _Layer, mlp: nn.Module, ops, kind: str) -> None:
     layer.epilogues.append(epilogue)
 
 
-def _act_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if self.training and self._hgemm_dropout:  # its dropouts are no identities: its own forward
-        return self._hgemm_base.forward(self, x)
-    first = getattr(self, self._hgemm_first)
-    y = self._hgemm_ops.fused_linear(x, recognise.nk_weight(first), first.bias, self._hgemm_epilogue, None)
-    return y if self._hgemm_second is None else getattr(self, self._hgemm_second)(y)
+def _act_mlp_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    chain = self._hgemm_chain
+    if self.training and (self._hgemm_dropout or chain.residual):  # dropouts that are no identities (a residual
+        return self._hgemm_base.forward(self, x, *args, **kwargs)  # MLP's may be a function call): its own forward
+    first = getattr(self, chain.first)
+    y = self._hgemm_ops.fused_linear(x, recognise.nk_weight(first), first.bias, chain.epilogue, None)
+    if chain.second is None:
+        return y
+    second = getattr(self, chain.second)
+    if not chain.residual:
+        return second(y)
+    r = list(self._hgemm_signature.bind(self, x, *args, **kwargs).arguments.values())[2]
+    return self._hgemm_ops.fused_linear(y, recognise.nk_weight(second), second.bias, "residual", r)
 
 
 def _residual_norm_forward(self, *args, **kwargs) -> torch.Tensor:
@@ -211,16 +219,17 @@ def _residual_norm_forward(self, *args, **kwargs) -> torch.Tensor:
     return y if self._hgemm_norm is None else getattr(self, self._hgemm_norm)(y)
 
 
-def _act_mlp(layer: _Layer, mlp: nn.Module, ops, found: tuple[str, str | None, str]) -> None:
-    """An MLP second(act(first(x))), or act(first(x)) (recognise.plain_mlp's `found`), with the activation in the
-    first GEMM."""
-    first, second, epilogue = found
-    steps.as_nk(layer, getattr(mlp, first))
+def _act_mlp(layer: _Layer, mlp: nn.Module, ops, found) -> None:
+    """An MLP second(act(first(x))), act(first(x)), or second(act(first(h))) + r (recognise.plain_mlp's Chain
+    `found`), with the activation in the first GEMM (and the residual in the second's)."""
+    steps.as_nk(layer, getattr(mlp, found.first))
+    if found.residual:
+        steps.as_nk(layer, getattr(mlp, found.second))
     dropout = any(isinstance(c, nn.Dropout) and c.p > 0 for c in mlp.children())
-    layer.set_forward(mlp, _act_mlp_forward, ops=ops, first=first, second=second, epilogue=epilogue,
-                      dropout=dropout)
-    layer.kinds.append("mlp_act")
-    layer.epilogues.append(epilogue)
+    layer.set_forward(mlp, _act_mlp_forward, ops=ops, chain=found, dropout=dropout,
+                      signature=inspect.signature(type(mlp).forward))
+    layer.kinds += ["mlp_act"] + (["down_residual"] if found.residual else [])
+    layer.epilogues.append(found.epilogue)
 
 
 def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:

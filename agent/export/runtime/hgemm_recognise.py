@@ -8,7 +8,9 @@ code there. Shipped in an export beside hgemm_fuse.py, which loads it.
 
 from __future__ import annotations
 
+import inspect
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -17,9 +19,9 @@ from torch import nn
 def activation(act, epilogue) -> str | None:
     """Which of the epilogues' activations (`epilogue`: core/epilogue.py, or the export's copy) the module `act`
     computes: one without parameters, children or a forward of its own whose output on fp64 values from -12 to 12
-    is that activation's within 1e-9 (relative), so that a formula written out (transformers' NewGELUActivation for
-    the tanh GELU) counts as the function it computes, and one that is another function (QuickGELU, a clipped
-    GELU, ReLU squared) does not; or None."""
+    is that activation's within 1e-7 (relative: fp32's rounding), so that a formula written out (transformers'
+    NewGELUActivation for the tanh GELU, BLOOM's with sqrt(2/pi) as 0.79788456) counts as the function it computes,
+    and one that is another function (QuickGELU, a clipped GELU, ReLU squared) does not; or None."""
     if (not isinstance(act, nn.Module) or list(act.parameters()) or list(act.children()) or list(act.buffers())
             or "forward" in act.__dict__):
         return None
@@ -32,7 +34,7 @@ def activation(act, epilogue) -> str | None:
     if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype:
         return None
     return next((name for name in epilogue.ACTIVATIONS
-                 if torch.allclose(y, epilogue.activate(x, name), rtol=1e-9, atol=1e-12)), None)
+                 if torch.allclose(y, epilogue.activate(x, name), rtol=1e-7, atol=1e-12)), None)
 
 
 def gated_epilogue(act, epilogue) -> str | None:
@@ -251,11 +253,20 @@ def probe_mlp(mlp: nn.Module, down: str = "down_proj", first: str = "up_proj") -
     return (kind if out.dtype == ref.dtype and torch.equal(out, ref) else None), returns_down
 
 
-def plain_mlp(m: nn.Module, epilogue, single: bool = False) -> tuple[str, str | None, str] | None:
-    """(first, second, epilogue) of a module whose own forward computes second(act(first(x))) with two plain
-    nn.Linear (or Conv1D: linear_like) children and an activation child the epilogues compute (`activation`;
-    dropouts besides, nothing else), checked by a probe call: the same values bit for bit; where `single`, also
-    (first, None, epilogue) of one that computes act(first(x)) with one (BERT's intermediate block); or None."""
+class Chain(NamedTuple):
+    """An MLP without a gate (plain_mlp): its first and second projections' names (second None: act(first(x))), the
+    epilogue of its activation, and whether its forward(h, r) adds a residual r it is given (BLOOM's, MPT's)."""
+    first: str
+    second: str | None
+    epilogue: str
+    residual: bool
+
+
+def plain_mlp(m: nn.Module, epilogue, single: bool = False) -> Chain | None:
+    """How a module computes second(act(first(x))) with two plain nn.Linear (or Conv1D: linear_like) children and an
+    activation child the epilogues compute (`activation`; dropouts besides, nothing else), or second(act(first(h)))
+    + r where its forward takes (h, r), checked by a probe call: the same values bit for bit; where `single`, also
+    act(first(x)) with one (BERT's intermediate block); or None."""
     children = dict(m.named_children())
     linears = [n for n, c in children.items() if linear_like(c)]
     acts = [c for n, c in children.items() if n not in linears and not isinstance(c, nn.Dropout)]
@@ -265,18 +276,23 @@ def plain_mlp(m: nn.Module, epilogue, single: bool = False) -> tuple[str, str | 
     name = activation(acts[0], epilogue)
     if name is None:
         return None
+    taken = [q for q in list(inspect.signature(type(m).forward).parameters.values())[1:]
+             if q.default is inspect.Parameter.empty and q.kind != inspect.Parameter.VAR_KEYWORD]
+    residual = len(taken) == 2 and len(linears) == 2
     for first, second in (linears, linears[::-1]) if len(linears) == 2 else ((linears[0], None),):
         lin1, lin2 = children[first], children[second] if second else (lambda t: t)
         if second and (features(lin1)[1] != features(lin2)[0] or lin1.weight.dtype != lin2.weight.dtype):
             continue
         x = probe_input(lin1.weight, 3, features(lin1)[0])
+        r = probe_input(lin1.weight, 3, features(lin2)[1], scale=-0.5) if residual else None
         try:
             with torch.no_grad():
-                out, ref = type(m).forward(m, x), lin2(acts[0](lin1(x)))
+                out, ref = type(m).forward(m, x, *[r] if residual else []), lin2(acts[0](lin1(x)))
         except Exception:  # another signature
             return None
+        ref = ref + r if residual else ref
         if isinstance(out, torch.Tensor) and out.dtype == ref.dtype and torch.equal(out, ref):
-            return first, second, name
+            return Chain(first, second, name, residual)
     return None
 
 
