@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import types
 
 import pytest
 import torch
@@ -66,14 +67,14 @@ def test_a_model_unfuse_does_not_restore_is_reported(monkeypatch):
 
 
 def test_an_architecture_that_hangs_is_skipped(monkeypatch):
-    monkeypatch.setattr(probe, "probe", lambda model_type, tolerance: time.sleep(30))
+    monkeypatch.setattr(probe, "probe", lambda model_type, tolerance, cached: time.sleep(30))
     t0 = time.time()
     record = probe.isolated("llama", timeout_s=1)
     assert record["status"] == "skipped" and record["why"] == "took over 1 s" and time.time() - t0 < 10
 
 
 def test_an_architecture_that_crashes_the_interpreter_is_skipped(monkeypatch):
-    monkeypatch.setattr(probe, "probe", lambda model_type, tolerance: os._exit(3))
+    monkeypatch.setattr(probe, "probe", lambda model_type, tolerance, cached: os._exit(3))
     record = probe.isolated("llama", timeout_s=20)
     assert record["status"] == "skipped" and record["why"] == "the process died (3)"
 
@@ -118,3 +119,17 @@ def test_shrink_sets_the_tiny_dimensions_inside_nested_configs_and_skips_read_on
     for c in (config, config.text_config):
         assert (c.hidden_size, c.num_attention_heads, c.head_dim, c.name) == (64, 4, 16, "kept")
         assert c.eos_token_id == 2  # inside the tiny vocabulary
+
+
+def test_cached_logits_run_a_prefill_then_one_step_for_each_of_the_last_two_tokens():
+    calls = []
+
+    class Cached(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=False):
+            calls.append((input_ids.tolist(), past_key_values, use_cache))
+            return types.SimpleNamespace(logits=input_ids[..., None].float(), past_key_values=len(calls))
+
+    ids = torch.arange(6)[None]
+    out = probe.cached_logits(Cached(), ids)
+    assert calls == [([[0, 1, 2, 3]], None, True), ([[4]], 1, True), ([[5]], 2, True)]
+    assert torch.equal(out, ids[..., None].float())

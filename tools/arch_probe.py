@@ -6,6 +6,7 @@ parameters and logits bit for bit.
 
     python3 tools/arch_probe.py                      # every causal LM transformers has (a few minutes on a CPU)
     python3 tools/arch_probe.py --archs llama,gemma2,granite --json probe.json
+    python3 tools/arch_probe.py --cached             # a prefill and two decode steps with the KV cache
 
 One line per architecture: what was fused (counts per kind), the logits' relative error (max over elements of
 |fused - stock| / max |stock|), and WRONG where it is above --tolerance or the restored model differs; architectures
@@ -111,6 +112,18 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, use_cache=False).logits.float()
 
 
+def cached_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of a prefill of all but the last two tokens, then of one decode step for each of those two with
+    the model's KV cache (`past_key_values`), in order: the fused layers' arguments (the cache among them) in use."""
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :-2], use_cache=True)
+        logits = [out.logits]
+        for t in (-2, -1):
+            out = model(input_ids=ids[:, t:t + 1 or None], past_key_values=out.past_key_values, use_cache=True)
+            logits.append(out.logits)
+    return torch.cat(logits, 1).float()
+
+
 def check(model: torch.nn.Module, run, ops=TorchOps, tolerance: float = TOLERANCE) -> dict:
     """Fuse `model` with `ops`, compare `run(model)` (its logits) with the stock model's, unfuse, and compare the
     parameters and logits with the stock ones bit for bit. The record: status (ok or WRONG), fused (counts per kind),
@@ -140,18 +153,22 @@ def check(model: torch.nn.Module, run, ops=TorchOps, tolerance: float = TOLERANC
     return record
 
 
-def probe(model_type: str, tolerance: float = TOLERANCE) -> dict:
-    """One architecture built tiny and checked (`check`); skipped, with why, where it does not build or run."""
+def probe(model_type: str, tolerance: float = TOLERANCE, cached: bool = False) -> dict:
+    """One architecture built tiny and checked (`check`) on one forward, or where `cached` on a prefill and two
+    cached decode steps (cached_logits); skipped, with why, where it does not build or run."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = tiny_model(model_type)
             vocab = model.get_input_embeddings().num_embeddings
             ids = torch.randint(min(vocab, 200), (1, 9), generator=torch.Generator().manual_seed(1))
-            logits(model, ids)
+
+            def run(m):
+                return cached_logits(m, ids) if cached else logits(m, ids)
+            run(model)
     except Exception as e:  # configs that need more than the tiny dimensions, remote code, vision towers
         return _skipped(model_type, f"{type(e).__name__}: {_first_line(e)}")
-    return {"type": model_type, **check(model, lambda m: logits(m, ids), tolerance=tolerance)}
+    return {"type": model_type, **check(model, run, tolerance=tolerance)}
 
 
 def _first_line(e: BaseException) -> str:
@@ -162,20 +179,21 @@ def _skipped(model_type: str, why: str) -> dict:
     return {"type": model_type, "status": "skipped", "fused": {}, "error": None, "restored": None, "why": why}
 
 
-def _child(model_type: str, tolerance: float, conn) -> None:
+def _child(model_type: str, tolerance: float, cached: bool, conn) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
     try:
-        conn.send(probe(model_type, tolerance))
+        conn.send(probe(model_type, tolerance, cached))
     except BaseException as e:  # MemoryError included: the parent reports it
         conn.send(_skipped(model_type, f"{type(e).__name__} outside the checks"))
 
 
-def isolated(model_type: str, tolerance: float = TOLERANCE, timeout_s: float = TIMEOUT_S) -> dict:
+def isolated(model_type: str, tolerance: float = TOLERANCE, timeout_s: float = TIMEOUT_S,
+             cached: bool = False) -> dict:
     """probe() in a forked process of its own, with a time and a memory limit: a model that hangs, runs out of
     memory or crashes the interpreter is skipped with why."""
     ctx = multiprocessing.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(model_type, tolerance, send), daemon=True)
+    proc = ctx.Process(target=_child, args=(model_type, tolerance, cached, send), daemon=True)
     proc.start()
     send.close()
     try:
@@ -208,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help=f"seconds an architecture may take (default "
                     f"{TIMEOUT_S}); it runs in a process of its own")
     ap.add_argument("--json", help="also write the records here (rewritten after each architecture)")
+    ap.add_argument("--cached", action="store_true", help="compare a prefill and two decode steps with the KV cache "
+                    "(the layers' cache arguments in use) instead of one forward without it")
     args = ap.parse_args(argv)
     try:
         known = causal_lms()
@@ -223,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     records, t0 = [], time.time()
     for i, arch in enumerate(archs, 1):
-        records.append(isolated(arch, args.tolerance, args.timeout))
+        records.append(isolated(arch, args.tolerance, args.timeout, args.cached))
         print(f"[{i}/{len(archs)} {time.time() - t0:5.0f}s] " + line(records[-1]), flush=True)
         if args.json:  # after each architecture: an interrupted run keeps what it has
             Path(args.json).write_text(json.dumps(records, indent=1))
