@@ -250,3 +250,28 @@ def test_a_parallel_layer_runs_its_own_forward_in_training_mode():
 
 def test_a_compiled_parallel_model_runs_whole():
     compiles_whole(*parallel_model(GPTJBlock))
+
+
+class KwargsAttention(Attention):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seen = []
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        self.seen.append(kwargs)
+        return super().forward(hidden_states, attention_mask)
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_a_layers_extra_keywords_reach_the_attention_as_its_own_forward_passes_them(positional):
+    torch.manual_seed(0)
+    layer = CohereLayer(64, 96, nn.SiLU(), False, RMSNorm).eval()
+    layer.self_attn = KwargsAttention(64, 4, 2, False)
+    x, mask = torch.randn(2, 5, 64), torch.ones(2, 5)
+    with torch.no_grad():
+        ref = layer(x, mask, extra="e") if positional else layer(x, attention_mask=mask, extra="e")
+        assert hgemm_fuse.fuse(layer, TorchOps)["parallel_residual"] == 1
+        out = layer(x, mask, extra="e") if positional else layer(x, attention_mask=mask, extra="e")
+    assert layer._hgemm_adds.extras and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    assert layer.self_attn.seen == [{"extra": "e"}] * 2
+    hgemm_fuse.unfuse(layer)

@@ -227,9 +227,10 @@ def test_an_mlp_that_takes_its_residual_adds_it_in_its_second_gemm():
     counts = hgemm_fuse.fuse(mlp, TorchOps)
     assert (counts["mlp_act"], counts["down_residual"]) == (1, 1)
     TorchOps.calls = []
-    with torch.no_grad():
+    with torch.no_grad():  # the residual by keyword and positionally
         assert torch.allclose(mlp(h, residual=r), ref, atol=1e-6, rtol=1e-6)
-    assert TorchOps.calls == [("gelu_tanh", (256, 64)), ("residual", (64, 256))]
+        assert torch.allclose(mlp(h, r), ref, atol=1e-6, rtol=1e-6)
+    assert TorchOps.calls == [("gelu_tanh", (256, 64)), ("residual", (64, 256))] * 2
     mlp.train()  # its dropout is a function call: its own forward
     TorchOps.calls = []
     with torch.no_grad():

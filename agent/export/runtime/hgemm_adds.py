@@ -164,17 +164,21 @@ def _adds_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     """The layer's steps (residual_steps), the add of the MLP's output in the epilogue of its last projection (of
     the attention's output, of x plus it, or of the attention's sum); in training mode, or with a branch argument
     given, the layer's own forward."""
-    p = self._hgemm_adds
-    bound = self._hgemm_signature.bind(self, hidden_states, *args, **kwargs)
-    bound.apply_defaults()
-    values = bound.arguments
+    p, defaults = self._hgemm_adds, self._hgemm_defaults
+    if args or not self._hgemm_required <= kwargs.keys():  # positional arguments: bound as the layer binds them
+        bound = self._hgemm_signature.bind(self, hidden_states, *args, **kwargs)
+        bound.apply_defaults()
+        values = bound.arguments
+        extra = values.get(self._hgemm_varkw) or {}
+    else:  # keywords only (as Hugging Face models call their layers): no binding on every call
+        values, extra = defaults | kwargs, {k: v for k, v in kwargs.items() if k not in defaults}
     if self.training or _branched(values, p.branches):
         return self._hgemm_base.forward(self, hidden_states, *args, **kwargs)
     x = hidden_states
     a_in = x if p.attn_norm is None else getattr(self, p.attn_norm)(x)
     given = {k: values[v] if kind == "arg" else v for k, (kind, v) in p.attn_args}
     if p.extras:
-        given.update(values.get(self._hgemm_varkw) or {})
+        given.update(extra)
     attn, mlp = getattr(self, p.attn), getattr(self, p.mlp)
     out = attn(a_in, **given) if p.positional else attn(hidden_states=a_in, **given)
     if not isinstance(out, tuple):
@@ -201,6 +205,10 @@ def fuse_adds(layer, module: nn.Module, ops, found: Adds) -> None:
     steps.as_nk(layer, down)
     layer.set_forward(down, steps._residual_forward, ops=ops, residual=None, sum=None)
     signature = inspect.signature(type(module).forward)
-    varkw = next((q.name for q in signature.parameters.values() if q.kind == inspect.Parameter.VAR_KEYWORD), None)
-    layer.set_forward(module, _adds_forward, signature=signature, adds=found, varkw=varkw)
+    params = list(signature.parameters.values())[2:]
+    varkw = next((q.name for q in params if q.kind == inspect.Parameter.VAR_KEYWORD), None)
+    named = [q for q in params if q.kind in steps.NAMED]
+    layer.set_forward(module, _adds_forward, signature=signature, adds=found, varkw=varkw,
+                      defaults={q.name: q.default for q in named if q.default is not inspect.Parameter.empty},
+                      required={q.name for q in named if q.default is inspect.Parameter.empty})
     layer.kinds.append("down_residual" if found.form == "seq" else "parallel_residual")

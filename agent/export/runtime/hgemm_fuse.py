@@ -206,14 +206,16 @@ def _act_mlp_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     second = getattr(self, chain.second)
     if not chain.residual:
         return second(y)
-    r = list(self._hgemm_signature.bind(self, x, *args, **kwargs).arguments.values())[2]
+    r = args[0] if len(args) == 1 and not kwargs else list(  # positional, as BLOOM and MPT call it: no binding
+        self._hgemm_signature.bind(self, x, *args, **kwargs).arguments.values())[2]
     return self._hgemm_ops.fused_linear(y, recognise.nk_weight(second), second.bias, "residual", r)
 
 
 def _residual_norm_forward(self, *args, **kwargs) -> torch.Tensor:
     if self.training and self._hgemm_dropout:  # its dropouts are no identities: its own forward
         return self._hgemm_base.forward(self, *args, **kwargs)
-    h, r = list(self._hgemm_signature.bind(self, *args, **kwargs).arguments.values())[1:3]
+    h, r = args if len(args) == 2 and not kwargs else list(  # positional, as BERT calls it: no binding
+        self._hgemm_signature.bind(self, *args, **kwargs).arguments.values())[1:3]
     lin = getattr(self, self._hgemm_linear)
     y = self._hgemm_ops.fused_linear(h, lin.weight, lin.bias, "residual", r)
     return y if self._hgemm_norm is None else getattr(self, self._hgemm_norm)(y)
