@@ -56,15 +56,15 @@ RANGE_SCALE = 2.0 ** 9  # bf16 range check: each input x 2^9, so |C| ~ 2^18 sqrt
 # An activation's check: inputs scaled so the sums (and the bias) have this standard deviation, where the activations
 # bend (with unit inputs the sums grow as sqrt(K) and most land where an activation is linear or zero)
 ACT_STD = 2.0
-# A gated epilogue's inputs: scaled so the sums have about this standard deviation. act(gate) * up grows as the
-# square of the sums, and unit inputs give sums of sqrt(K): at K in the thousands products pass fp16's 65504 and the
-# true result (and the model's) is Inf. Models' activations are small; so are these.
-GATED_STD = 16.0
+# A quadratic epilogue's inputs (gated, relu2): scaled so the sums have about this standard deviation. act(gate) * up
+# and relu(x)^2 grow as the square of the sums, and unit inputs give sums of sqrt(K): at K in the thousands they pass
+# fp16's 65504 and the true result (and the model's) is Inf. Models' activations are small; so are these.
+QUADRATIC_STD = 16.0
 
 
 def input_std(problem: Problem) -> float:
     """The standard deviation of the random A and B the checks and timings use for this problem."""
-    return (GATED_STD / problem.k ** 0.5) ** 0.5 if problem.fused.gated else 1.0
+    return (QUADRATIC_STD / problem.k ** 0.5) ** 0.5 if problem.fused.quadratic else 1.0
 
 NO_EPILOGUE = Epilogue()
 # launch(A, B, C, M, N, K, bias, residual): bias and residual are None where the problem has none

@@ -3,6 +3,7 @@ unfuse does not restore or an architecture that hangs is reported as such."""
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 import types
@@ -67,14 +68,14 @@ def test_a_model_unfuse_does_not_restore_is_reported(monkeypatch):
 
 
 def test_an_architecture_that_hangs_is_skipped(monkeypatch):
-    monkeypatch.setattr(probe, "probe", lambda model_type, tolerance, cached: time.sleep(30))
+    monkeypatch.setattr(probe, "probe", lambda model_type, tolerance, run: time.sleep(30))
     t0 = time.time()
     record = probe.isolated("llama", timeout_s=1)
     assert record["status"] == "skipped" and record["why"] == "took over 1 s" and time.time() - t0 < 10
 
 
 def test_an_architecture_that_crashes_the_interpreter_is_skipped(monkeypatch):
-    monkeypatch.setattr(probe, "probe", lambda model_type, tolerance, cached: os._exit(3))
+    monkeypatch.setattr(probe, "probe", lambda model_type, tolerance, run: os._exit(3))
     record = probe.isolated("llama", timeout_s=20)
     assert record["status"] == "skipped" and record["why"] == "the process died (3)"
 
@@ -133,3 +134,21 @@ def test_cached_logits_run_a_prefill_then_one_step_for_each_of_the_last_two_toke
     out = probe.cached_logits(Cached(), ids)
     assert calls == [([[0, 1, 2, 3]], None, True), ([[4]], 1, True), ([[5]], 2, True)]
     assert torch.equal(out, ids[..., None].float())
+
+
+def test_compiled_logits_trace_the_model_whole_and_a_graph_break_fails_the_run():
+    out = collections.namedtuple("Out", "logits")
+
+    class Plain(torch.nn.Module):
+        def forward(self, input_ids, use_cache=False):
+            return out(input_ids[..., None].float() * 2)
+
+    class Breaks(Plain):
+        def forward(self, input_ids, use_cache=False):
+            torch._dynamo.graph_break()
+            return super().forward(input_ids, use_cache)
+
+    ids = torch.arange(6)[None]
+    assert torch.equal(probe.compiled_logits(Plain(), ids), ids[..., None].float() * 2)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        probe.compiled_logits(Breaks(), ids)

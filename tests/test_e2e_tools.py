@@ -20,6 +20,9 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 def load_tool(name: str):
+    """tools/<name>.py as a module, loaded once per process (a tool may register custom ops)."""
+    if f"tool_{name}" in sys.modules:
+        return sys.modules[f"tool_{name}"]
     spec = importlib.util.spec_from_file_location(f"tool_{name}", TOOLS / f"{name}.py")
     mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -140,8 +140,9 @@ def fused(problem: Problem, cheat: str = ""):
 
 EPILOGUE_PROBLEMS = [Problem(40, 64, 64, "nk", "f16", True, name) for name in EPILOGUES if name != "none"] + [
     Problem(40, 32, 64, "kn", "bf16", False, "gelu_mul"), Problem(40, 64, 64, "kn", "bf16", False, "residual"),
-    # fp16 gated at a long K: act(gate) * up of unit inputs would pass 65504; the checks' inputs keep it in range
-    Problem(300, 64, 4096, "nk", "f16", False, "silu_mul")]
+    # fp16 quadratic epilogues at a long K: act(gate) * up and relu(x)^2 of unit inputs would pass 65504; the checks'
+    # inputs keep them in range
+    Problem(300, 64, 4096, "nk", "f16", False, "silu_mul"), Problem(300, 64, 8192, "nk", "f16", False, "relu2")]
 
 
 @pytest.mark.parametrize("problem", EPILOGUE_PROBLEMS, ids=lambda p: p.key)

@@ -6,7 +6,8 @@ parameters and logits bit for bit.
 
     python3 tools/arch_probe.py                      # every causal LM transformers has (a few minutes on a CPU)
     python3 tools/arch_probe.py --archs llama,gemma2,granite --json probe.json
-    python3 tools/arch_probe.py --cached             # a prefill and two decode steps with the KV cache
+    python3 tools/arch_probe.py --run cached         # a prefill and two decode steps with the KV cache
+    python3 tools/arch_probe.py --run compiled       # one forward under torch.compile(fullgraph=True, aot_eager)
 
 One line per architecture: what was fused (counts per kind), the logits' relative error (max over elements of
 |fused - stock| / max |stock|), and WRONG where it is above --tolerance or the restored model differs; architectures
@@ -66,6 +67,46 @@ class TorchOps:
         cls.calls.append(("rms_norm", tuple(w.shape)))
         out = hgemm_fuse.recognise.RMS_NORMS[kind](x, w, eps)
         return out if residual is None else residual + out
+
+
+@torch.library.custom_op("hgemm_probe::fused_linear", mutates_args=())
+def _opaque_fused_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, epilogue: str,
+                         residual: torch.Tensor | None) -> torch.Tensor:
+    return TorchOps.fused_linear(x, w, bias, epilogue, residual).clone()
+
+
+@_opaque_fused_linear.register_fake
+def _(x, w, bias, epilogue, residual):
+    return x.new_empty((*x.shape[:-1], Epilogue(epilogue).out_cols(w.shape[0])))
+
+
+@torch.library.custom_op("hgemm_probe::rms_norm", mutates_args=())
+def _opaque_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, kind: int,
+                     residual: torch.Tensor | None) -> torch.Tensor:
+    return TorchOps.rms_norm(x, w, eps, kind, residual).clone()
+
+
+@_opaque_rms_norm.register_fake
+def _(x, w, eps, kind, residual):
+    return torch.empty_like(x)
+
+
+class OpaqueOps(TorchOps):
+    """TorchOps behind custom ops that torch.compile cannot look into, as it cannot into the exported op: each call
+    a new tensor in the traced graph (an op that returns its input in eager, such as dropout outside training, gives
+    a new tensor there too)."""
+
+    @classmethod
+    def linear(cls, x, w, bias=None):
+        return _opaque_fused_linear(x, w, bias, "none", None)
+
+    @classmethod
+    def fused_linear(cls, x, w, bias, epilogue, residual):
+        return _opaque_fused_linear(x, w, bias, epilogue, residual)
+
+    @classmethod
+    def rms_norm(cls, x, w, eps, kind=0, residual=None):
+        return _opaque_rms_norm(x, w, eps, kind, residual)
 
 
 def causal_lms() -> list[str]:
@@ -153,9 +194,19 @@ def check(model: torch.nn.Module, run, ops=TorchOps, tolerance: float = TOLERANC
     return record
 
 
-def probe(model_type: str, tolerance: float = TOLERANCE, cached: bool = False) -> dict:
-    """One architecture built tiny and checked (`check`) on one forward, or where `cached` on a prefill and two
-    cached decode steps (cached_logits); skipped, with why, where it does not build or run."""
+def compiled_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """logits() compiled whole (fullgraph, aot_eager: traced as inductor traces, run by PyTorch's eager kernels), from
+    a fresh compile cache so that a fused model is traced anew; a graph break raises."""
+    torch._dynamo.reset()
+    return torch.compile(logits, fullgraph=True, backend="aot_eager")(model, ids)
+
+
+RUNS = {"forward": logits, "cached": cached_logits, "compiled": compiled_logits}
+
+
+def probe(model_type: str, tolerance: float = TOLERANCE, run: str = "forward") -> dict:
+    """One architecture built tiny and checked (`check`) with one of RUNS: one forward, a prefill and two cached
+    decode steps, or one forward compiled; skipped, with why, where the stock model does not build or run so."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -163,12 +214,12 @@ def probe(model_type: str, tolerance: float = TOLERANCE, cached: bool = False) -
             vocab = model.get_input_embeddings().num_embeddings
             ids = torch.randint(min(vocab, 200), (1, 9), generator=torch.Generator().manual_seed(1))
 
-            def run(m):
-                return cached_logits(m, ids) if cached else logits(m, ids)
-            run(model)
+            def go(m):
+                return RUNS[run](m, ids)
+            go(model)
     except Exception as e:  # configs that need more than the tiny dimensions, remote code, vision towers
         return _skipped(model_type, f"{type(e).__name__}: {_first_line(e)}")
-    return {"type": model_type, **check(model, run, tolerance=tolerance)}
+    return {"type": model_type, **check(model, go, OpaqueOps if run == "compiled" else TorchOps, tolerance)}
 
 
 def _first_line(e: BaseException) -> str:
@@ -179,21 +230,21 @@ def _skipped(model_type: str, why: str) -> dict:
     return {"type": model_type, "status": "skipped", "fused": {}, "error": None, "restored": None, "why": why}
 
 
-def _child(model_type: str, tolerance: float, cached: bool, conn) -> None:
+def _child(model_type: str, tolerance: float, run: str, conn) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
     try:
-        conn.send(probe(model_type, tolerance, cached))
+        conn.send(probe(model_type, tolerance, run))
     except BaseException as e:  # MemoryError included: the parent reports it
         conn.send(_skipped(model_type, f"{type(e).__name__} outside the checks"))
 
 
 def isolated(model_type: str, tolerance: float = TOLERANCE, timeout_s: float = TIMEOUT_S,
-             cached: bool = False) -> dict:
+             run: str = "forward") -> dict:
     """probe() in a forked process of its own, with a time and a memory limit: a model that hangs, runs out of
     memory or crashes the interpreter is skipped with why."""
     ctx = multiprocessing.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(model_type, tolerance, cached, send), daemon=True)
+    proc = ctx.Process(target=_child, args=(model_type, tolerance, run, send), daemon=True)
     proc.start()
     send.close()
     try:
@@ -226,8 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help=f"seconds an architecture may take (default "
                     f"{TIMEOUT_S}); it runs in a process of its own")
     ap.add_argument("--json", help="also write the records here (rewritten after each architecture)")
-    ap.add_argument("--cached", action="store_true", help="compare a prefill and two decode steps with the KV cache "
-                    "(the layers' cache arguments in use) instead of one forward without it")
+    ap.add_argument("--run", choices=sorted(RUNS), default="forward", help="what is compared: one forward (default), "
+                    "a prefill and two decode steps with the KV cache (the layers' cache arguments in use), or one "
+                    "forward compiled whole (graph breaks in a fused forward fail it); give compiled a --timeout of "
+                    "a few minutes")
     args = ap.parse_args(argv)
     try:
         known = causal_lms()
@@ -243,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     records, t0 = [], time.time()
     for i, arch in enumerate(archs, 1):
-        records.append(isolated(arch, args.tolerance, args.timeout, args.cached))
+        records.append(isolated(arch, args.tolerance, args.timeout, args.run))
         print(f"[{i}/{len(archs)} {time.time() - t0:5.0f}s] " + line(records[-1]), flush=True)
         if args.json:  # after each architecture: an interrupted run keeps what it has
             Path(args.json).write_text(json.dumps(records, indent=1))

@@ -34,7 +34,7 @@ def operands(ops: types.SimpleNamespace, key: str, m: int | None = None) -> tupl
     _, n, k, layout, dtype, bias, epi = ops.parse_key(key)
     m = ops.intervals.serves(key, ops.MANIFEST["kernels"][key])[0][0] if m is None else m
     fused = ops.epilogue.Epilogue(epi)
-    dt, std = ops.DTYPES[dtype], (16 / k ** 0.5) ** 0.5 if fused.gated else 1.0  # gated: act(gate) * up in range
+    dt, std = ops.DTYPES[dtype], (16 / k ** 0.5) ** 0.5 if fused.quadratic else 1.0  # act(gate) * up, relu^2 in range
     a = (torch.randn(m, k, device="cuda") * std).to(dt)
     b = (torch.randn(*((k, n) if layout == "kn" else (n, k)), device="cuda") * std).to(dt)
     r = torch.randn(m, n, device="cuda").to(dt) if fused.residual else None

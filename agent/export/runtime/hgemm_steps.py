@@ -211,8 +211,12 @@ def _post_norm_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> to
 
 def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tensor:
     """`out`, the block's output, after checking that it is the sum its projection computed (a block that changes
-    its projection's output, or does not call it, would have the residual added in the wrong place or not at all)."""
-    if out is not proj._hgemm_sum:
+    its projection's output, or does not call it, would have the residual added in the wrong place or not at all).
+    Under torch.compile's tracing an op that returns its input in eager (dropout outside training) gives a new
+    tensor, so there the check is that the projection added the residual and `out` has the sum's shape."""
+    summed = proj._hgemm_sum
+    if not (out is summed or (torch.compiler.is_compiling() and summed is not None
+                              and isinstance(out, torch.Tensor) and out.shape == summed.shape)):
         proj._hgemm_residual = None
         raise RuntimeError(f"hgemm: {type(block).__name__} returns something other than its {type(proj).__name__}'s "
                            "output with the residual fused into it; patch this model with fuse=False")
