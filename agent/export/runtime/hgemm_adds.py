@@ -165,7 +165,9 @@ def _adds_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     the attention's output, of x plus it, or of the attention's sum); in training mode, or with a branch argument
     given, the layer's own forward."""
     p, defaults = self._hgemm_adds, self._hgemm_defaults
-    if args or not self._hgemm_required <= kwargs.keys():  # positional arguments: bound as the layer binds them
+    # positional arguments (or a required one missing): bound as the layer binds them; all() rather than a set
+    # against dict keys, a comparison torch.compile does not trace on every Python
+    if args or not all(k in kwargs for k in self._hgemm_required):
         bound = self._hgemm_signature.bind(self, hidden_states, *args, **kwargs)
         bound.apply_defaults()
         values = bound.arguments
