@@ -416,15 +416,21 @@ class MoELayer(Layer):
 
 
 class SparseMoELayer(Layer):
-    """Granite-MoE's and JetMoE's naming: the MoE block is not called `mlp`."""
+    """Granite-MoE's and JetMoE's naming: the MoE block (of class EXPERTS) is not called `mlp` but BLOCK."""
+
+    BLOCK, EXPERTS = "block_sparse_moe", Experts
 
     def __init__(self, hidden, inter, act, bias, norm):
         super().__init__(hidden, inter, act, bias, norm)
         del self.mlp
-        self.block_sparse_moe = Experts(hidden, inter, act)
+        setattr(self, self.BLOCK, self.EXPERTS(hidden, inter, act))
+
+    def attended(self, hidden_states, attention_mask):
+        """x + attn(norm1(x)), the block's input before its norm."""
+        return hidden_states + self.self_attn(self.input_layernorm(hidden_states), attention_mask)[0]
 
     def forward(self, hidden_states, attention_mask=None, **kwargs):
-        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), attention_mask)[0]
+        h = self.attended(hidden_states, attention_mask)
         return h + self.block_sparse_moe(self.post_attention_layernorm(h))
 
 
@@ -470,16 +476,13 @@ class RoutedExperts(Experts):
         return super().forward(x).reshape(-1, x.shape[-1]), self.router(x)
 
 
-class FeedForwardLayer(Layer):
+class FeedForwardLayer(SparseMoELayer):
     """Llama 4's naming and steps: the MoE block `feed_forward`, its output unpacked and reshaped by the layer."""
 
-    def __init__(self, hidden, inter, act, bias, norm):
-        super().__init__(hidden, inter, act, bias, norm)
-        del self.mlp
-        self.feed_forward = RoutedExperts(hidden, inter, act)
+    BLOCK, EXPERTS = "feed_forward", RoutedExperts
 
     def forward(self, hidden_states, attention_mask=None, **kwargs):
-        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), attention_mask)[0]
+        h = self.attended(hidden_states, attention_mask)
         out, _ = self.feed_forward(self.post_attention_layernorm(h))
         return h + out.view(h.shape)
 
@@ -490,12 +493,10 @@ class PairExperts(Experts):
 
 
 class UnshapedLayer(FeedForwardLayer):
-    def __init__(self, hidden, inter, act, bias, norm):
-        super().__init__(hidden, inter, act, bias, norm)
-        self.feed_forward = PairExperts(hidden, inter, act)
+    EXPERTS = PairExperts
 
     def forward(self, hidden_states, attention_mask=None, **kwargs):  # takes the block's output as it comes
-        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), attention_mask)[0]
+        h = self.attended(hidden_states, attention_mask)
         return h + self.feed_forward(self.post_attention_layernorm(h))[0]
 
 

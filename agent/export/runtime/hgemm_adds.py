@@ -166,7 +166,7 @@ def _adds_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     given, the layer's own forward."""
     p, defaults = self._hgemm_adds, self._hgemm_defaults
     # positional arguments (or a required one missing): bound as the layer binds them; all() rather than a set
-    # against dict keys, a comparison torch.compile does not trace on every Python
+    # against dict keys, a comparison torch.compile does not trace in every install
     if args or not all(k in kwargs for k in self._hgemm_required):
         bound = self._hgemm_signature.bind(self, hidden_states, *args, **kwargs)
         bound.apply_defaults()
