@@ -68,14 +68,14 @@ def test_a_model_unfuse_does_not_restore_is_reported(monkeypatch):
 
 
 def test_an_architecture_that_hangs_is_skipped(monkeypatch):
-    monkeypatch.setattr(probe, "probe", lambda model_type, tolerance, run: time.sleep(30))
+    monkeypatch.setattr(probe, "probe", lambda model_type, tolerance, run, **_: time.sleep(30))
     t0 = time.time()
     record = probe.isolated("llama", timeout_s=1)
     assert record["status"] == "skipped" and record["why"] == "took over 1 s" and time.time() - t0 < 10
 
 
 def test_an_architecture_that_crashes_the_interpreter_is_skipped(monkeypatch):
-    monkeypatch.setattr(probe, "probe", lambda model_type, tolerance, run: os._exit(3))
+    monkeypatch.setattr(probe, "probe", lambda model_type, tolerance, run, **_: os._exit(3))
     record = probe.isolated("llama", timeout_s=20)
     assert record["status"] == "skipped" and record["why"] == "the process died (3)"
 
@@ -152,3 +152,28 @@ def test_compiled_logits_trace_the_model_whole_and_a_graph_break_fails_the_run()
     assert torch.equal(probe.compiled_logits(Plain(), ids), ids[..., None].float() * 2)
     with pytest.raises(torch._dynamo.exc.Unsupported):
         probe.compiled_logits(Breaks(), ids)
+
+
+def test_an_export_patches_and_half_precision_is_held_to_the_stock_models_own_rounding(tmp_path, op_build_dir):
+    from tests.export_fixtures import load_ops, small_export
+
+    ops = load_ops(small_export(tmp_path / "out", ["18_64_96:nk:f16:residual"]))
+    model, run = tiny()
+    reference = run(model).float()
+    model.half()
+    record = probe.check(model, run, ops, reference=reference)
+    assert record["status"] == "ok" and record["restored"], record
+    assert {"qkv", "gate_up", "o_residual", "down_residual", "rms_norm"} <= set(record["fused"])
+    assert 0 < record["own"] < 1e-2 and record["error"] <= 2 * record["own"] + probe.TOLERANCE
+    assert not ops.explain_model(model)  # unpatched
+    wrong = probe.check(model, run, ResidualTwice, reference=reference)
+    assert wrong["status"] == "WRONG" and "own rounding" in wrong["why"], wrong
+
+
+def test_cli_refuses_a_folder_that_is_not_an_export_and_a_missing_gpu(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    assert probe.main(["--archs", "llama", "--export", str(tmp_path)]) == 2
+    assert "not an export" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert probe.main(["--archs", "llama", "--device", "cuda"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err

@@ -9,10 +9,17 @@ parameters and logits bit for bit.
     python3 tools/arch_probe.py --run cached         # a prefill and two decode steps with the KV cache
     python3 tools/arch_probe.py --run compiled       # one forward under torch.compile(fullgraph=True, aot_eager)
 
+    python3 tools/arch_probe.py --export EXPORT --device cuda --dtype f16 --run cached   # the export's own op
+
 One line per architecture: what was fused (counts per kind), the logits' relative error (max over elements of
 |fused - stock| / max |stock|), and WRONG where it is above --tolerance or the restored model differs; architectures
-that do not build tiny are listed as skipped with why. Exit 1 where any is WRONG. CPU only, fp32; needs
-`transformers`.
+that do not build tiny are listed as skipped with why. Exit 1 where any is WRONG. Needs `transformers`.
+
+--export DIR patches with that export's hgemm_ops (`patch` / `unpatch`: its compiled op, its norm and gated kernels
+where they serve, cuBLAS and PyTorch's ops where not) instead of fusing with PyTorch's ops, and `--run compiled`
+then compiles with inductor, as a user's model is. In fp16 or bf16 (--dtype) the reference is the stock model in
+fp32: the fused model's error against it must be within twice the stock model's own (its rounding in that dtype)
+plus --tolerance.
 """
 
 from __future__ import annotations
@@ -165,25 +172,43 @@ def cached_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(logits, 1).float()
 
 
-def check(model: torch.nn.Module, run, ops=TorchOps, tolerance: float = TOLERANCE) -> dict:
-    """Fuse `model` with `ops`, compare `run(model)` (its logits) with the stock model's, unfuse, and compare the
-    parameters and logits with the stock ones bit for bit. The record: status (ok or WRONG), fused (counts per kind),
-    error, restored, why."""
-    record = {"status": "ok", "fused": {}, "error": None, "restored": None, "why": ""}
+def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def _patching(ops):
+    """(fuse, unfuse) for `ops`: an export's hgemm_ops module (its patch / unpatch) or a class of ops that
+    hgemm_fuse.fuse runs the fused layers with (TorchOps and the like)."""
+    if hasattr(ops, "patch"):
+        return ops.patch, ops.unpatch
+    return (lambda m: hgemm_fuse.fuse(m, ops)), (lambda m: hgemm_fuse.unfuse(m))
+
+
+def check(model: torch.nn.Module, run, ops=TorchOps, tolerance: float = TOLERANCE,
+          reference: torch.Tensor | None = None) -> dict:
+    """Fuse `model` with `ops` (an ops class, or an export's hgemm_ops: _patching), compare `run(model)` (its logits)
+    with the stock model's, unfuse, and compare the parameters and logits with the stock ones bit for bit. With a
+    `reference` (the stock model's logits in fp32, for a model in fp16 or bf16), the fused model's error is taken
+    against it and may be twice the stock model's own (`own`) plus `tolerance`. The record: status (ok or WRONG),
+    fused (counts per kind), error, own, restored, why."""
+    record = {"status": "ok", "fused": {}, "error": None, "own": None, "restored": None, "why": ""}
     stock = run(model)
+    ref = stock.float() if reference is None else reference
+    record["own"] = _error(stock, ref)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fuse, unfuse = _patching(ops)
     problems = []
     try:
-        counts = hgemm_fuse.fuse(model, ops)
+        counts = fuse(model)
         record["fused"] = {k: v for k, v in counts.items() if v}
-        fused = run(model)
-        record["error"] = float((fused - stock).abs().max() / stock.abs().max().clamp_min(1e-30))
-        if not record["error"] <= tolerance:
-            problems.append(f"logits off by {record['error']:.2g}")
+        record["error"] = _error(run(model), ref)
+        if not record["error"] <= 2 * record["own"] + tolerance:
+            problems.append(f"logits off by {record['error']:.2g}"
+                            + (f" (the stock model's own rounding: {record['own']:.2g})" if record["own"] else ""))
     except Exception as e:
         problems.append(f"fused model raised {type(e).__name__}: {_first_line(e)}")
     finally:
-        hgemm_fuse.unfuse(model)
+        unfuse(model)
     params = dict(model.named_parameters())
     record["restored"] = (params.keys() == before.keys() and all(torch.equal(params[n], t) for n, t in before.items())
                           and torch.equal(run(model), stock))
@@ -194,32 +219,40 @@ def check(model: torch.nn.Module, run, ops=TorchOps, tolerance: float = TOLERANC
     return record
 
 
-def compiled_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """logits() compiled whole (fullgraph, aot_eager: traced as inductor traces, run by PyTorch's eager kernels), from
+def compiled_logits(model: torch.nn.Module, ids: torch.Tensor, backend: str = "aot_eager") -> torch.Tensor:
+    """logits() compiled whole (fullgraph; aot_eager: traced as inductor traces, run by PyTorch's eager kernels), from
     a fresh compile cache so that a fused model is traced anew; a graph break raises."""
     torch._dynamo.reset()
-    return torch.compile(logits, fullgraph=True, backend="aot_eager")(model, ids)
+    return torch.compile(logits, fullgraph=True, backend=backend)(model, ids)
 
 
 RUNS = {"forward": logits, "cached": cached_logits, "compiled": compiled_logits}
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
-def probe(model_type: str, tolerance: float = TOLERANCE, run: str = "forward") -> dict:
+def probe(model_type: str, tolerance: float = TOLERANCE, run: str = "forward", export=None, device: str = "cpu",
+          dtype: str = "f32") -> dict:
     """One architecture built tiny and checked (`check`) with one of RUNS: one forward, a prefill and two cached
-    decode steps, or one forward compiled; skipped, with why, where the stock model does not build or run so."""
+    decode steps, or one forward compiled; skipped, with why, where the stock model does not build or run so.
+    `export` (an export's hgemm_ops module) patches in place of PyTorch's ops, and a compiled run then compiles with
+    inductor; the model runs on `device` in `dtype`, against its fp32 self where that is not f32."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = tiny_model(model_type)
+            model = tiny_model(model_type).to(device)
             vocab = model.get_input_embeddings().num_embeddings
-            ids = torch.randint(min(vocab, 200), (1, 9), generator=torch.Generator().manual_seed(1))
+            ids = torch.randint(min(vocab, 200), (1, 9), generator=torch.Generator().manual_seed(1)).to(device)
+            backend = {"backend": "inductor"} if export is not None and run == "compiled" else {}
 
             def go(m):
-                return RUNS[run](m, ids)
+                return RUNS[run](m, ids, **backend)
+            reference = None if dtype == "f32" else go(model).float()
+            model.to(DTYPES[dtype])
             go(model)
     except Exception as e:  # configs that need more than the tiny dimensions, remote code, vision towers
         return _skipped(model_type, f"{type(e).__name__}: {_first_line(e)}")
-    return {"type": model_type, **check(model, go, OpaqueOps if run == "compiled" else TorchOps, tolerance)}
+    ops = export if export is not None else OpaqueOps if run == "compiled" else TorchOps
+    return {"type": model_type, **check(model, go, ops, tolerance, reference)}
 
 
 def _first_line(e: BaseException) -> str:
@@ -227,24 +260,28 @@ def _first_line(e: BaseException) -> str:
 
 
 def _skipped(model_type: str, why: str) -> dict:
-    return {"type": model_type, "status": "skipped", "fused": {}, "error": None, "restored": None, "why": why}
+    return {"type": model_type, "status": "skipped", "fused": {}, "error": None, "own": None, "restored": None,
+            "why": why}
 
 
-def _child(model_type: str, tolerance: float, run: str, conn) -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+def _child(model_type: str, tolerance: float, run: str, options: dict, conn) -> None:
+    if options.get("device", "cpu") == "cpu":  # CUDA reserves more address space than the limit allows
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+    warnings.simplefilter("ignore")  # a deprecated argument's warning on every call of a model
     try:
-        conn.send(probe(model_type, tolerance, run))
+        conn.send(probe(model_type, tolerance, run, **options))
     except BaseException as e:  # MemoryError included: the parent reports it
         conn.send(_skipped(model_type, f"{type(e).__name__} outside the checks"))
 
 
 def isolated(model_type: str, tolerance: float = TOLERANCE, timeout_s: float = TIMEOUT_S,
-             run: str = "forward") -> dict:
-    """probe() in a forked process of its own, with a time and a memory limit: a model that hangs, runs out of
-    memory or crashes the interpreter is skipped with why."""
+             run: str = "forward", **options) -> dict:
+    """probe() in a forked process of its own (`options`: probe's export, device and dtype), with a time limit and
+    on the CPU a memory limit: a model that hangs, runs out of memory or crashes the interpreter is skipped with why.
+    The parent must not have used CUDA (a forked child could not)."""
     ctx = multiprocessing.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(model_type, tolerance, run, send), daemon=True)
+    proc = ctx.Process(target=_child, args=(model_type, tolerance, run, options, send), daemon=True)
     proc.start()
     send.close()
     try:
@@ -261,12 +298,19 @@ def isolated(model_type: str, tolerance: float = TOLERANCE, timeout_s: float = T
     return record
 
 
+def _cuda_in_a_child() -> bool:
+    """Whether CUDA works here, asked in a forked process: the parent stays unused by CUDA, so later children can."""
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        return pool.apply(torch.cuda.is_available)
+
+
 def line(r: dict) -> str:
     if r["status"] == "skipped":
         return f"{r['type']:<28} skipped  {r['why']}"
     fused = ", ".join(f"{k} {v}" for k, v in r["fused"].items()) or "nothing recognised"
     err = "-" if r["error"] is None else f"{r['error']:.1e}"
-    return f"{r['type']:<28} {r['status']:<8} {err:>8}  {fused}" + (f"  ({r['why']})" if r["why"] else "")
+    own = f" (stock {r['own']:.1e})" if r.get("own") else ""
+    return f"{r['type']:<28} {r['status']:<8} {err:>8}{own}  {fused}" + (f"  ({r['why']})" if r["why"] else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
                     "a prefill and two decode steps with the KV cache (the layers' cache arguments in use), or one "
                     "forward compiled whole (graph breaks in a fused forward fail it); give compiled a --timeout of "
                     "a few minutes")
+    ap.add_argument("--export", type=Path, help="patch with this export's hgemm_ops (its op and kernels) instead of "
+                    "PyTorch's ops")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models run (default cpu)")
+    ap.add_argument("--dtype", default="f32", choices=sorted(DTYPES), help="the models' dtype (default f32); in f16 "
+                    "or bf16 the fused model may be off its fp32 self by twice the stock model's own error")
     args = ap.parse_args(argv)
     try:
         known = causal_lms()
@@ -290,13 +339,26 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.tolerance > 0 and args.timeout > 0):
         print("arch_probe: --tolerance and --timeout must be positive", file=sys.stderr)
         return 2
+    if args.device == "cuda" and not _cuda_in_a_child():
+        print("arch_probe: --device cuda: no CUDA device here", file=sys.stderr)
+        return 2
+    if args.export is not None and not (args.export / "hgemm_ops.py").is_file():
+        print(f"arch_probe: --export {args.export}: not an export (no hgemm_ops.py)", file=sys.stderr)
+        return 2
     archs = [a.strip() for a in args.archs.split(",") if a.strip()] if args.archs else known
     if unknown := [a for a in archs if a not in known]:
         print(f"arch_probe: not a causal LM of this transformers: {', '.join(unknown)}", file=sys.stderr)
         return 2
+    options = {"device": args.device, "dtype": args.dtype, "export": None}
+    if args.export is not None:  # loaded and its op built here, once; the children (forked) use it
+        from sandbox.serve_bench import load_ops
+
+        options["export"] = load_ops(args.export)
+        print(f"export {args.export}: launch path {'compiled' if options['export'].compiled() else 'python'}",
+              flush=True)
     records, t0 = [], time.time()
     for i, arch in enumerate(archs, 1):
-        records.append(isolated(arch, args.tolerance, args.timeout, args.run))
+        records.append(isolated(arch, args.tolerance, args.timeout, args.run, **options))
         print(f"[{i}/{len(archs)} {time.time() - t0:5.0f}s] " + line(records[-1]), flush=True)
         if args.json:  # after each architecture: an interrupted run keeps what it has
             Path(args.json).write_text(json.dumps(records, indent=1))
