@@ -1,8 +1,9 @@
-"""A decoder layer's MLP add in its last projection's epilogue where its names or steps are not Llama's
+"""A decoder layer's residual adds in its projections' epilogues where its names or steps are not Llama's
 (agent/export/runtime/hgemm_adds.py): layers whose attention and MLP both read the layer's input (GPT-J's, Phi's,
-GPT-NeoX's, Falcon's, Cohere's steps) or run in turn under names of their own; the logits match the unfused model's,
-the layer's arguments reach the attention as its own forward passes them, arguments that change the steps send the
-call to the layer's own forward, and layers whose steps differ keep theirs."""
+GPT-NeoX's, Falcon's, Cohere's steps) or run in turn under names of their own; x in the attention's output
+projection, the rest in the MLP's last; the logits match the unfused model's, the layer's arguments reach the
+attention as its own forward passes them, arguments that change the steps send the call to the layer's own forward,
+layers whose steps differ keep theirs, and an attention that changes its projection's output is an error."""
 
 from __future__ import annotations
 
@@ -99,23 +100,25 @@ def test_a_parallel_layer_adds_its_mlps_output_in_the_mlps_last_gemm(layer, form
         ref, ref_layer = model(ids), model.layers[0](x)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     counts = hgemm_fuse.fuse(model, TorchOps)
-    assert counts["parallel_residual"] == 2 and counts["o_residual"] == counts["down_residual"] == 0
+    assert counts["parallel_residual"] == counts["o_residual"] == 2 and counts["down_residual"] == 0
     found = model.layers[0]._hgemm_adds
-    assert found.form == form
+    assert found.form == form and found.out == "o_proj"
     assert type(model.layers[0]).forward is adds._adds_forward
     TorchOps.calls = []
     with torch.no_grad():
         out = model(ids)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
-    # per layer: q/k/v, the MLP's first GEMM with its activation, its last with the residual
-    assert [c[0] for c in TorchOps.calls if c[0] != "rms_norm"] == ["none", epilogue, "residual"] * 2
-    if layer is not CohereLayer:  # the adds in the order the layer makes them, bit for bit (gate/up's merged GEMM
-        with torch.no_grad():     # may round otherwise)
-            fused_layer = model.layers[0](x)
-        if isinstance(ref_layer, tuple):  # the output, and the attention's weights as the layer returns them
-            assert fused_layer[1:] == ref_layer[1:]
-            fused_layer, ref_layer = fused_layer[0], ref_layer[0]
+    # per layer: q/k/v, o_proj with x, the MLP's first GEMM with its activation, its last with x + a
+    assert [c[0] for c in TorchOps.calls if c[0] != "rms_norm"] == ["none", "residual", epilogue, "residual"] * 2
+    with torch.no_grad():
+        fused_layer = model.layers[0](x)
+    if isinstance(ref_layer, tuple):  # the output, and the attention's weights as the layer returns them
+        assert fused_layer[1:] == ref_layer[1:]
+        fused_layer, ref_layer = fused_layer[0], ref_layer[0]
+    if layer is PlainCohereLayer:  # (x + a) + m, the layer's own order, bit for bit
         assert torch.equal(fused_layer, ref_layer)
+    else:  # (a + m) + x summed as (x + a) + m; Cohere's gate/up merged GEMM may round otherwise
+        assert torch.allclose(fused_layer, ref_layer, atol=1e-5, rtol=1e-5)
     assert "the MLP's add in its last GEMM" in hgemm_fuse.describe(model)[0]
     assert hgemm_fuse.unfuse(model) >= 2 and type(model.layers[0]) is layer
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
@@ -203,8 +206,35 @@ def test_a_sequential_layer_under_other_names_adds_in_its_mlps_last_gemm():
     found = adds.residual_steps(model.layers[0], "self_attn", "mlp", "down_proj")
     assert (found.form, found.attn_norm, found.mlp_norm) == ("seq", "input_layernorm", "ln_2")
     counts = hgemm_fuse.fuse(model, TorchOps)
-    assert (counts["down_residual"], counts["o_residual"], counts["parallel_residual"]) == (2, 0, 0)
+    assert (counts["down_residual"], counts["o_residual"], counts["parallel_residual"]) == (2, 2, 0)
     hgemm_fuse.unfuse(model)
+    assert fused_as_before(model, ids) == (2, 2, 2, 2)
+
+
+class ScalingAttention(Attention):
+    """An attention that scales its output projection's output before returning it."""
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        out, extra = super().forward(hidden_states, attention_mask)
+        return out * 0.5, extra
+
+
+def test_an_attention_that_changes_its_projections_output_is_an_error_at_its_first_call():
+    model, ids = parallel_model(SequentialLayer)
+    for layer in model.layers:
+        layer.self_attn.__class__ = ScalingAttention
+    assert hgemm_fuse.fuse(model, TorchOps)["o_residual"] == 2  # the probe stands in for the attention
+    with torch.no_grad(), pytest.raises(RuntimeError, match="ScalingAttention returns something other than"):
+        model(ids)
+    assert model.layers[0].self_attn.o_proj._hgemm_residual is None  # left clean
+    hgemm_fuse.unfuse(model)
+
+
+def test_an_attention_without_one_output_projection_keeps_its_add():
+    model, ids = parallel_model(SequentialLayer)
+    for layer in model.layers:
+        layer.self_attn.dense = nn.Linear(64, 64)  # two candidates: which one the attention returns is not known
+    assert adds.out_projection(model.layers[0].self_attn, 64) is None
     assert fused_as_before(model, ids) == (2, 2, 0, 2)
 
 

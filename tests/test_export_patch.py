@@ -181,11 +181,11 @@ def test_a_gpt2_records_and_routes_every_projection(tmp_path, monkeypatch):
     ops = load_ops(small_export(tmp_path / "out", keys))
     with torch.no_grad():
         done = ops.patch(model)
-        # the MLP fused (c_fc + GELU, mlp c_proj + residual); routed: c_attn, attn c_proj and c_fc (whose weight the
-        # fused MLP reads) per block, lm_head
-        assert (done["mlp_act"], done["down_residual"], done["linear"]) == (2, 2, 2 * 3 + 1)
+        # the MLP fused (c_fc + GELU, mlp c_proj + residual), attn c_proj + residual; routed: c_attn and c_fc (whose
+        # weight the fused MLP reads) per block, lm_head
+        assert (done["mlp_act"], done["down_residual"], done["o_residual"], done["linear"]) == (2, 2, 2, 2 * 2 + 1)
         assert torch.allclose(model(ids).logits, want, atol=1e-2, rtol=1e-2)  # the GELU as the epilogue computes it
-    assert ops.unpatch(model) == 7 + 2  # the routed layers and the two fused blocks
+    assert ops.unpatch(model) == 5 + 2  # the routed layers and the two fused blocks
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
 

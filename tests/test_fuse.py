@@ -185,11 +185,12 @@ def test_each_fusion_is_recognised_and_the_logits_match(bias, act, epilogue):
 
 def test_what_is_not_recognised_stays_as_it_is():
     # an activation with no gated epilogue, a norm that is none of the kernel's; a layer that returns a tuple is not
-    # Llama's, so only the MLP's add is fused (hgemm_adds: the tuple as the layer returns it)
+    # Llama's, its adds are fused as hgemm_adds fuses them (the tuple as the layer returns it)
     model, ids = model_and_ids(act=nn.ReLU(), layer=TupleLayer, norm=HalfScaleNorm)
     with torch.no_grad():
         ref = model(ids)
-    assert hgemm_fuse.fuse(model, TorchOps) == dict.fromkeys(hgemm_fuse.KINDS, 0) | {"qkv": 2, "down_residual": 2}
+    assert hgemm_fuse.fuse(model, TorchOps) == dict.fromkeys(hgemm_fuse.KINDS, 0) | {"qkv": 2, "down_residual": 2,
+                                                                                      "o_residual": 2}
     with torch.no_grad():
         assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
         assert isinstance(model.layers[0](torch.randn(2, 3, 64)), tuple)

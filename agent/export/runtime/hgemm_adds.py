@@ -1,10 +1,12 @@
-"""A decoder layer's MLP add in its last projection's epilogue, for layers whose names or steps are not Llama's
+"""A decoder layer's residual adds in its projections' epilogues, for layers whose names or steps are not Llama's
 (hgemm_steps.py has those): a layer whose attention and MLP both read its input, x + attn(norm1(x)) +
 mlp(norm2(x)) (GPT-J's, Phi's, GPT-NeoX's, Falcon's, Cohere's), and one that runs them in turn under names of its
-own, h = x + attn(norm1(x)), h + mlp(norm2(h)) (Persimmon's, GPT-NeoX's sequential layers). Found by probe calls of
-the layer's own forward with its attention and MLP stood in for, which also show how the layer passes its arguments
-to the attention (`residual_steps`). Shipped in an export beside hgemm_fuse.py, which loads it after
-hgemm_recognise.py and hgemm_steps.py; the forward here runs as the fused layer's class method.
+own, h = x + attn(norm1(x)), h + mlp(norm2(h)) (GPT-2's, Persimmon's, GPT-NeoX's sequential layers). Found by probe
+calls of the layer's own forward with its attention and MLP stood in for, which also show how the layer passes its
+arguments to the attention (`residual_steps`). x is added in the epilogue of the attention's output projection
+(`out_projection`) where it has one, and that sum (else the attention's output, or x + a) in the MLP's last
+projection's. Shipped in an export beside hgemm_fuse.py, which loads it after hgemm_recognise.py and hgemm_steps.py;
+the forward here runs as the fused layer's class method.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class Adds(NamedTuple):
     of a name or as a constant, the layer's **kwargs passed on or not), the layer's arguments that change its steps
     (`branches`, each with its default: the fused steps run only while they have it), which sum the layer returns
     ("amx": (a + m) + x, "xam": (x + a) + m, "seq": h + m with h = x + a and the MLP on h) and how (`returns`: 0 the
-    tensor, n a tuple of it and n - 1 times the attention's second output)."""
+    tensor, n a tuple of it and n - 1 times the attention's second output); the attention's output projection
+    (`out`, out_projection), or None."""
     attn: str
     attn_norm: str | None
     mlp: str
@@ -39,6 +42,19 @@ class Adds(NamedTuple):
     branches: tuple
     form: str
     returns: int
+    out: str | None = None
+
+
+OUT_NAMES = ("o_proj", "out_proj", "c_proj", "dense")  # an attention's output projection, by its names
+
+
+def out_projection(attn: nn.Module, hidden: int) -> str | None:
+    """The name of the attention's output projection: its one child of OUT_NAMES that is linear_like with `hidden`
+    output features, or None. Whether the attention returns that projection's output as it is shows at each call
+    (hgemm_steps._summed)."""
+    names = [n for n in OUT_NAMES if recognise.linear_like(m := getattr(attn, n, None)) and
+             recognise.features(m)[1] == hidden]
+    return names[0] if len(names) == 1 else None
 
 
 class _Arg:
@@ -82,7 +98,7 @@ def residual_steps(layer: nn.Module, attn: str, mlp: str, down: str) -> Adds | N
         extras = got is not None and got[1] and got[2] == ref[2]
     attn_norm, mlp_norm, positional, form, returns = ref[2]
     return Adds(attn, attn_norm, mlp, mlp_norm, down, positional, tuple(attn_args.items()), extras, tuple(branches),
-                form, returns)
+                form, returns, out_projection(getattr(layer, attn), x.shape[-1]))
 
 
 def _probe(layer, attn: str, mlp: str, x: torch.Tensor, given: dict):
@@ -161,9 +177,9 @@ def _branched(values: dict, branches: tuple) -> bool:
 
 
 def _adds_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-    """The layer's steps (residual_steps), the add of the MLP's output in the epilogue of its last projection (of
-    the attention's output, of x plus it, or of the attention's sum); in training mode, or with a branch argument
-    given, the layer's own forward."""
+    """The layer's steps (residual_steps), x added in the epilogue of the attention's output projection where it has
+    one, and in the epilogue of the MLP's last projection that sum (or, without an output projection, the
+    attention's output); in training mode, or with a branch argument given, the layer's own forward."""
     p, defaults = self._hgemm_adds, self._hgemm_defaults
     # positional arguments (or a required one missing): bound as the layer binds them; all() rather than a set
     # against dict keys, a comparison torch.compile does not trace in every install
@@ -182,17 +198,19 @@ def _adds_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     if p.extras:
         given.update(extra)
     attn, mlp = getattr(self, p.attn), getattr(self, p.mlp)
+    if p.out is not None:
+        getattr(attn, p.out)._hgemm_residual = x
     out = attn(a_in, **given) if p.positional else attn(hidden_states=a_in, **given)
     if not isinstance(out, tuple):
         raise RuntimeError(f"hgemm: {type(attn).__name__} returns a {type(out).__name__}, not the pair its layer "
                            "took when patched; patch this model with fuse=False")
     down = getattr(mlp, p.down)
-    if p.form == "amx":  # (a + m) + x
+    if p.out is None and p.form == "amx":  # (a + m) + x
         m_in = a_in if p.mlp_norm == "same" else x if p.mlp_norm is None else getattr(self, p.mlp_norm)(x)
         down._hgemm_residual = out[0]
         o = steps._summed(mlp, down, mlp(m_in)) + x
-    else:  # (x + a) + m, the MLP on a norm of x ("xam") or of x + a ("seq")
-        h = x + out[0]
+    else:  # (x + a) + m, x + a by the output projection where it has one; the MLP on a norm of x or of x + a ("seq")
+        h = x + out[0] if p.out is None else steps._summed(attn, getattr(attn, p.out), out[0])
         base = h if p.form == "seq" else x
         m_in = a_in if p.mlp_norm == "same" else base if p.mlp_norm is None else getattr(self, p.mlp_norm)(base)
         down._hgemm_residual = h
@@ -201,11 +219,14 @@ def _adds_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
 
 
 def fuse_adds(layer, module: nn.Module, ops, found: Adds) -> None:
-    """The layer's steps as `found` (residual_steps) says, with the MLP's add in its last projection's epilogue
-    (`layer`: hgemm_fuse's _Layer, which records what changed)."""
-    down = getattr(getattr(module, found.mlp), found.down)
-    steps.as_nk(layer, down)
-    layer.set_forward(down, steps._residual_forward, ops=ops, residual=None, sum=None)
+    """The layer's steps as `found` (residual_steps) says, with its adds in its projections' epilogues (`layer`:
+    hgemm_fuse's _Layer, which records what changed)."""
+    projections = [getattr(getattr(module, found.mlp), found.down)]
+    if found.out is not None:
+        projections.append(getattr(getattr(module, found.attn), found.out))
+    for proj in projections:
+        steps.as_nk(layer, proj)
+        layer.set_forward(proj, steps._residual_forward, ops=ops, residual=None, sum=None)
     signature = inspect.signature(type(module).forward)
     params = list(signature.parameters.values())[2:]
     varkw = next((q.name for q in params if q.kind == inspect.Parameter.VAR_KEYWORD), None)
@@ -214,3 +235,5 @@ def fuse_adds(layer, module: nn.Module, ops, found: Adds) -> None:
                       defaults={q.name: q.default for q in named if q.default is not inspect.Parameter.empty},
                       required={q.name for q in named if q.default is inspect.Parameter.empty})
     layer.kinds.append("down_residual" if found.form == "seq" else "parallel_residual")
+    if found.out is not None:
+        layer.kinds.append("o_residual")

@@ -5,7 +5,7 @@ an MLP (`mlp`, or the layer's one other child); hgemm_recognise.py and hgemm_ste
 Llama, Mistral, Qwen2 (q/k/v with biases), Phi-3 (q/k/v already one projection, gate and up one gate_up_proj) and
 any decoder built the same way fuse all of what follows; layers with norms after the attention and the MLP (Olmo2,
 Gemma2) their q/k/v, gate/up and the adds after the norms; MoE layers their q/k/v and o_proj's residual add;
-other layers (GPT-J, Phi, Falcon, Cohere, GPT-2) the MLP's add
+other layers (GPT-J, Phi, Falcon, Cohere, GPT-2) both adds
 (tools/arch_probe.py checks every causal LM of the installed transformers). Outside such layers: attentions, gated
 and gateless MLPs (an MoE block's shared expert), norms and rotary embeddings on their own. What `fuse(model, ops)`
 does to each:
@@ -37,10 +37,12 @@ does to each:
 - parallel_residual, and down_residual in other layers: where the layer's own forward is x + attn(norm1(x)) +
   mlp(norm2(x)) (GPT-J's, Phi's, GPT-NeoX's, Falcon's, Cohere's), or h = x + attn(norm1(x)) then h + mlp(norm2(h))
   under names that are not Llama's (GPT-2's, Persimmon's), and its MLP returns its last projection's output as it
-  is, the MLP's add (of the attention's output, of x plus it, or of h, as the layer adds) runs in that projection's
-  epilogue (probe calls with the attention and the MLP stood in for, which also show under which names the layer
-  passes its arguments to the attention, and which of its arguments change its steps: with one of those given, or
-  in training mode, the layer runs its own forward; hgemm_adds.py);
+  is, x + a runs in the epilogue of the attention's output projection (o_residual; its one child named o_proj,
+  out_proj, c_proj or dense, returned as it is or an error at the first call) and the MLP's add in that
+  projection's (x + a + m summed in that order; without an output projection, the MLP's add of the attention's
+  output, of x plus it, or of h, as the layer adds) (probe calls with the attention and the MLP stood in for, which
+  also show under which names the layer passes its arguments to the attention, and which of its arguments change
+  its steps: with one of those given, or in training mode, the layer runs its own forward; hgemm_adds.py);
 - norm_residual: where the layer's steps put a norm after the attention and after the MLP, each before its residual
   add (Gemma 2's, Olmo 2's; the same probe), and `ops` has rms_norm, each of those norms and its add run as one
   ops.rms_norm call (hgemm_steps.py);
