@@ -177,3 +177,17 @@ def test_cli_refuses_a_folder_that_is_not_an_export_and_a_missing_gpu(capsys, tm
     if not torch.cuda.is_available():
         assert probe.main(["--archs", "llama", "--device", "cuda"]) == 2
         assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_shrink_keeps_one_layer_of_each_type_of_a_hybrid_model():
+    config = FakeConfig(nested=False)
+    config.num_hidden_layers = 48
+    config.layer_types = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 44
+    probe.shrink(config)
+    assert (config.num_hidden_layers, config.layer_types) == (2, ["linear_attention", "full_attention"])
+    config.layer_types, config.num_hidden_layers = ["a", "b", "c", "a"], 4  # three kinds: three layers
+    probe.shrink(config)
+    assert (config.num_hidden_layers, config.layer_types) == (3, ["a", "b", "c"])
+    config.layer_types = ["full_attention"] * 48  # one kind: TINY's depth
+    probe.shrink(config)
+    assert (config.num_hidden_layers, config.layer_types) == (2, ["full_attention"] * 2)

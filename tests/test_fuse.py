@@ -362,18 +362,45 @@ def test_a_layer_whose_steps_are_neither_llamas_nor_post_norm_keeps_its_residual
     hgemm_fuse.unfuse(model)
 
 
+class GlmLayer(Layer):
+    """GLM-4's steps: Gemma 2's under other names, its post_attention_layernorm the norm before the MLP."""
+
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__(hidden, inter, act, bias, norm)
+        self.post_self_attn_layernorm, self.post_mlp_layernorm = norm(hidden), norm(hidden)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask)
+        h = hidden_states + self.post_self_attn_layernorm(h)
+        return h + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(h)))
+
+
+POST_NORM_ROLES = {"sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                "post_feedforward_layernorm"),
+                   "post_norm": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+                   "glm": ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm",
+                           "post_mlp_layernorm")}
+
+
 @pytest.mark.parametrize("norm", [RMSNorm, GemmaRMSNorm])
-@pytest.mark.parametrize("layer", ["sandwich", "post_norm"])
+@pytest.mark.parametrize("layer", ["sandwich", "post_norm", "glm"])
 def test_a_post_norm_layer_adds_each_residual_in_the_norm_before_it(layer, norm):
-    """Gemma 2's steps (norms before and after the attention and the MLP) and Olmo 2's (after only): the norm after
-    each block and the add after it in one rms_norm call."""
-    model, ids = model_and_ids(layer=SandwichLayer if layer == "sandwich" else PostNormLayer, norm=norm)
+    """Gemma 2's steps (norms before and after the attention and the MLP), Olmo 2's (after only) and GLM-4's (Gemma
+    2's under other names): the norm after each block and the add after it in one rms_norm call; each norm found in
+    its role by what it computes (weights of their own: a norm in the wrong role would change the logits)."""
+    model, ids = model_and_ids(layer={"sandwich": SandwichLayer, "post_norm": PostNormLayer, "glm": GlmLayer}[layer],
+                               norm=norm)
     with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, norm):
+                m.weight.uniform_(0.5, 1.5)
         ref = model(ids)
+    assert hgemm_fuse.steps.post_norm_roles(model.layers[0]) == POST_NORM_ROLES[layer]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     counts = hgemm_fuse.fuse(model, TorchOps)
     assert (counts["qkv"], counts["gate_up"], counts["o_residual"], counts["norm_residual"]) == (2, 2, 0, 2)
     assert type(model.layers[0]).forward is hgemm_fuse.steps._post_norm_forward
+    assert model.layers[0]._hgemm_roles == POST_NORM_ROLES[layer]
     out, seen = forward_seeing_norms(model, ids)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
     assert [residual for _, residual in seen].count(True) == 4  # two a layer, each with its residual
@@ -957,3 +984,30 @@ def test_a_rotary_embedding_computes_its_frequencies_by_broadcasting_bit_for_bit
     assert "rotary: rotary frequencies by broadcasting, no matmul" in hgemm_fuse.describe(model)
     hgemm_fuse.unfuse(model)
     assert type(model.rotary) is MatmulRotary and not any(n.startswith("_hgemm") for n in vars(model.rotary))
+
+
+class MropeRotary(UnscaledRotary):
+    """Qwen3.5's text rotary: positions in 3 rows (2-D positions broadcast to them), each frequency taken from the
+    row its section names; on 2-D positions the plain rotary's (cos, sin), bit for bit."""
+
+    def forward(self, x, position_ids):
+        if position_ids.dim() == 2:
+            position_ids = position_ids.expand(3, -1, -1)
+        freqs = position_ids[..., None].float() * self.inv_freq  # 3 x batch x positions x dim / 2
+        rows = torch.arange(freqs.shape[-1]) % 3
+        freqs = freqs.gather(0, rows.expand(1, *freqs.shape[1:]))[0]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def test_a_rotary_embedding_given_positions_the_probe_did_not_try_runs_its_own_forward():
+    model, ids = model_and_ids()
+    model.rotary = MropeRotary()
+    assert hgemm_fuse.fuse(model, TorchOps)["rotary"] == 1  # matches on 2-D positions
+    x, pos = torch.randn(2, 6, 8).half(), torch.randint(0, 4096, (2, 6))
+    rows = torch.stack([pos, pos + 7, pos * 2])  # an image's 3 rows of positions differ
+    got, want = model.rotary(x, rows), MropeRotary.forward(model.rotary, x, rows)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)) and got[0].shape == (2, 6, 16)
+    assert all(torch.equal(g, w) for g, w in zip(model.rotary(x, pos), MropeRotary.forward(model.rotary, x, pos),
+                                                 strict=True))
+    hgemm_fuse.unfuse(model)

@@ -123,21 +123,23 @@ def causal_lms() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def tiny_model(model_type: str) -> torch.nn.Module:
-    """The architecture as a tiny fp32 model with random weights (seeded), in eval mode."""
+def tiny_model(model_type: str, every_kind: bool = True) -> torch.nn.Module:
+    """The architecture as a tiny fp32 model with random weights (seeded), in eval mode (shrink; `every_kind`: one
+    layer of each of its layer types)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config = CONFIG_MAPPING[model_type]()
-    shrink(config)
+    shrink(config, every_kind=every_kind)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).float().eval()
 
 
-def shrink(config, depth: int = 0) -> None:
+def shrink(config, depth: int = 0, every_kind: bool = True) -> None:
     """TINY's dimensions set on `config` where it has the name as a plain integer (not a property without a
     setter), and on the configs inside it (a multimodal model's text and vision configs); token ids moved into the
-    tiny vocabulary."""
+    tiny vocabulary; where it lists `layer_types` (hybrid models: linear and full attention, sliding windows), one
+    layer of each type (at least TINY's depth), so that every kind of layer is fused and checked."""
     for name, value in TINY.items():
         prop = getattr(type(config), name, None)
         if isinstance(prop, property) and prop.fset is None:
@@ -147,12 +149,24 @@ def shrink(config, depth: int = 0) -> None:
                 setattr(config, name, value)
             except (AttributeError, ValueError, TypeError):  # a validated or derived field
                 pass
+    kinds = getattr(config, "layer_types", None) if every_kind else None  # hybrid models: every kind of layer
+    if isinstance(kinds, (list, tuple)) and kinds and all(isinstance(k, str) for k in kinds):
+        kinds = list(dict.fromkeys(kinds))
+        depth_name = next((n for n in ("num_hidden_layers", "n_layer", "num_layers")
+                           if isinstance(getattr(config, n, None), int)), None)
+        layers = max(len(kinds), TINY["num_hidden_layers"])
+        try:
+            if depth_name is not None:
+                setattr(config, depth_name, layers)
+            config.layer_types = (kinds * layers)[:layers]
+        except (AttributeError, ValueError, TypeError):  # a validated or derived field
+            pass
     for i, name in enumerate(("pad_token_id", "bos_token_id", "eos_token_id")):  # inside the tiny vocabulary
         if isinstance(getattr(config, name, None), int) and getattr(config, name) >= TINY["vocab_size"]:
             setattr(config, name, i)
     for sub in list(vars(config).values()) if depth < 2 else []:
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):  # a nested config
-            shrink(sub, depth + 1)
+            shrink(sub, depth + 1, every_kind)
 
 
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -236,21 +250,24 @@ def probe(model_type: str, tolerance: float = TOLERANCE, run: str = "forward", e
     decode steps, or one forward compiled; skipped, with why, where the stock model does not build or run so.
     `export` (an export's hgemm_ops module) patches in place of PyTorch's ops, and a compiled run then compiles with
     inductor; the model runs on `device` in `dtype`, against its fp32 self where that is not f32."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = tiny_model(model_type).to(device)
-            vocab = model.get_input_embeddings().num_embeddings
-            ids = torch.randint(min(vocab, 200), (1, 9), generator=torch.Generator().manual_seed(1)).to(device)
-            backend = {"backend": "inductor"} if export is not None and run == "compiled" else {}
+    backend = {"backend": "inductor"} if export is not None and run == "compiled" else {}
+    for every_kind in (True, False):  # one layer of each type; where that does not build or run, as configured
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = tiny_model(model_type, every_kind).to(device)
+                vocab = model.get_input_embeddings().num_embeddings
+                ids = torch.randint(min(vocab, 200), (1, 9), generator=torch.Generator().manual_seed(1)).to(device)
 
-            def go(m):
-                return RUNS[run](m, ids, **backend)
-            reference = None if dtype == "f32" else go(model).float()
-            model.to(DTYPES[dtype])
-            go(model)
-    except Exception as e:  # configs that need more than the tiny dimensions, remote code, vision towers
-        return _skipped(model_type, f"{type(e).__name__}: {_first_line(e)}")
+                def go(m, ids=ids):
+                    return RUNS[run](m, ids, **backend)
+                reference = None if dtype == "f32" else go(model).float()
+                model.to(DTYPES[dtype])
+                go(model)
+                break
+        except Exception as e:  # configs that need more than the tiny dimensions, remote code, vision towers
+            if not every_kind:
+                return _skipped(model_type, f"{type(e).__name__}: {_first_line(e)}")
     ops = export if export is not None else OpaqueOps if run == "compiled" else TorchOps
     return {"type": model_type, **check(model, go, ops, tolerance, reference)}
 

@@ -44,8 +44,8 @@ does to each:
   also show under which names the layer passes its arguments to the attention, and which of its arguments change
   its steps: with one of those given, or in training mode, the layer runs its own forward; hgemm_adds.py);
 - norm_residual: where the layer's steps put a norm after the attention and after the MLP, each before its residual
-  add (Gemma 2's, Olmo 2's; the same probe), and `ops` has rms_norm, each of those norms and its add run as one
-  ops.rms_norm call (hgemm_steps.py);
+  add (Gemma 2's, Olmo 2's, GLM-4's: which child is which norm found by a probe call, not by its name), and `ops`
+  has rms_norm, each of those norms and its add run as one ops.rms_norm call (hgemm_steps.py);
 - rms_norm: every module that computes Llama's RMSNorm or Gemma's (1 + weight; recognise.rms_norm_of) runs as
   `ops.rms_norm`, one kernel where the model runs eight or nine; only where `ops` has rms_norm;
 - rotary: a rotary embedding whose (cos, sin) equal `rotary_cos_sin`'s bit for bit (recognise.is_rotary) computes
@@ -107,6 +107,8 @@ def _epilogue_module(ops):
 
 
 def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if position_ids.dim() != 2:  # not (batch, positions), as the probe called it (Qwen3.5's 3 rows for mrope)
+        return self._hgemm_base.forward(self, x, position_ids)
     return recognise.rotary_cos_sin(x, position_ids, self.inv_freq, self.attention_scaling)
 
 
@@ -257,14 +259,13 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             gated, returns_down = recognise.probe_mlp(mlp, down, first) if has_down else (None, False)
             down = down if returns_down else None  # None: only o_proj takes its residual add
             llama = steps.llama_parts(module, mlp_name, down)  # the parts of Llama's steps
-            post = ([recognise.rms_norm_of(getattr(module, n, None))  # the norms of the post-norm steps
-                     for n in ("post_attention_layernorm", "post_feedforward_layernorm")]
-                    if norms and getattr(module, "post_feedforward_layernorm", None) is not None else [None])
-            found = steps.layer_steps(module, mlp_name) if mlp is not None and (llama or all(post)) else None
+            found = steps.layer_steps(module, mlp_name) if mlp is not None and llama else None
             kind, *mlp_output = found or (None, False, False)
             # a layer that takes the MLP's output as a pair cannot take down's tensor; one that reshapes it can
             llama = llama and kind == "llama" and (down is None or not mlp_output[0])
-            post_norm = all(post) and kind == "post_norm"
+            roles = steps.post_norm_roles(module, mlp_name) if norms and mlp is not None and kind is None else None
+            post = [recognise.rms_norm_of(getattr(module, roles[i])) for i in (1, 3)] if roles else [None]
+            post_norm = all(post)  # the norms after the attention and the MLP are ones the norm kernel computes
             names = recognise.qkv_names(getattr(module, attn_name))
             if names:
                 qkv.merge(layer, getattr(module, attn_name), ops, names)
@@ -277,7 +278,7 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             if llama:
                 steps.residuals(layer, module, ops, mlp_name, down, mlp_output)
             elif post_norm:
-                steps.post_norms(layer, module, ops, mlp_name, post)
+                steps.post_norms(layer, module, ops, mlp_name, post, roles)
             elif down is not None and kind is None:
                 found = adds.residual_steps(module, attn_name, mlp_name, down)
                 if found is not None:

@@ -61,31 +61,25 @@ def mlp_name(layer: nn.Module) -> str | None:
 
 
 def layer_steps(layer: nn.Module, mlp: str = "mlp") -> tuple[str, bool, bool] | None:
-    """Which steps the decoder layer's own forward runs, returning one tensor, with `mlp` the name of its MLP:
-    ("llama", pair, flat), x + attn(norm1(x)) and then h + mlp(norm2(h)) (input_layernorm,
+    """Whether the decoder layer's own forward runs Llama's steps, returning one tensor, with `mlp` the name of its
+    MLP: ("llama", pair, flat), x + attn(norm1(x)) and then h + mlp(norm2(h)) (input_layernorm,
     post_attention_layernorm), which `_layer_forward` runs with the adds in the epilogues of o_proj and of the MLP's
     last projection; `pair` where the layer takes the MLP's output as a pair (output, router scores), `flat` where
-    it takes it with its rows flat too (an MoE block's, which the layer reshapes); or ("post_norm", False, False),
-    x + norm2(attn(norm1(x))) and then h + norm4(mlp(norm3(h))) (Gemma 2's: input_layernorm,
-    post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm; Olmo 2's without the first
-    and third), which `_post_norm_forward` runs with each add in the norm before it; or None. Its forward is called
+    it takes it with its rows flat too (an MoE block's, which the layer reshapes); or None. Its forward is called
     with the attention and the MLP stood in for by fixed functions (_Stand; the MLP's output a tensor, then a pair,
     each of the layer's shape and flat: `flat` where the layer takes it flat, so reshapes it) and compared with those
-    steps, bit for bit. Arguments the forward requires besides the
-    hidden states (position embeddings, in some transformers versions) are given as None: the layer passes them on
-    to the stand-ins, which ignore them."""
-    o_proj = getattr(getattr(layer, "self_attn", None), "o_proj", None)
-    if not isinstance(o_proj, nn.Linear) or o_proj.weight.is_meta or not isinstance(getattr(layer, mlp, None),
-                                                                                     nn.Module):
+    steps, bit for bit. Arguments the forward requires besides the hidden states (position embeddings, in some
+    transformers versions) are given as None: the layer passes them on to the stand-ins, which ignore them."""
+    o_proj = _probe_parts(layer, mlp)
+    if o_proj is None:
         return None
     x = recognise.probe_input(o_proj.weight, 2, 3, o_proj.out_features)
     required = required_args(layer)
     attn = _Stand(1.5, pair=True)
     saved = layer._modules["self_attn"], layer._modules[mlp]
     layer._modules["self_attn"] = attn
-    norm = {n: getattr(layer, n, None) or (lambda t: t) for n in NORMS[:3]}
     try:
-        h = x + attn(hidden_states=norm["input_layernorm"](x))[0]
+        h = x + attn(hidden_states=layer.input_layernorm(x))[0]
 
         def matches(pair: bool, flat: bool) -> bool:
             layer._modules[mlp] = stand = _Stand(-0.75, pair, flat)
@@ -93,26 +87,78 @@ def layer_steps(layer: nn.Module, mlp: str = "mlp") -> tuple[str, bool, bool] | 
                 out = type(layer).forward(layer, x, **required)
             except Exception:  # a forward that needs more than its input, or takes the MLP's output otherwise
                 return False
-            y = stand(norm["post_attention_layernorm"](h))
+            y = stand(layer.post_attention_layernorm(h))
             y = (y[0] if pair else y).view(h.shape)
             return isinstance(out, torch.Tensor) and out.dtype == x.dtype and torch.equal(out, h + y)
         for pair in (False, True):
             shaped, flat = matches(pair, False), matches(pair, True)
             if shaped or flat:
                 return "llama", pair, flat
-        layer._modules[mlp] = stand = _Stand(-0.75, False)
-        post = getattr(layer, "post_feedforward_layernorm", None)
-        if post is None or not isinstance(getattr(layer, "post_attention_layernorm", None), nn.Module):
-            return None
-        out = type(layer).forward(layer, x, **required)
-        h = x + layer.post_attention_layernorm(attn(hidden_states=norm["input_layernorm"](x))[0])
-        if (isinstance(out, torch.Tensor) and torch.equal(out, h + post(stand(norm["pre_feedforward_layernorm"](h))))
-                and out.dtype == x.dtype):
-            return "post_norm", False, False
     except Exception:  # a forward that needs more than its input, or other modules' outputs
         return None
     finally:
         layer._modules["self_attn"], layer._modules[mlp] = saved
+    return None
+
+
+def _probe_parts(layer: nn.Module, mlp: str) -> nn.Linear | None:
+    """The layer's self_attn.o_proj (whose weight makes a probe's input) where it is a plain nn.Linear with weights
+    and the layer has the child `mlp`, else None."""
+    o_proj = getattr(getattr(layer, "self_attn", None), "o_proj", None)
+    if not isinstance(o_proj, nn.Linear) or o_proj.weight.is_meta or not isinstance(getattr(layer, mlp, None),
+                                                                                     nn.Module):
+        return None
+    return o_proj
+
+
+def post_norm_roles(layer: nn.Module, mlp: str = "mlp") -> tuple[str | None, str, str | None, str] | None:
+    """The children of a decoder layer whose steps put a norm after its attention and after its MLP, each before
+    its residual add: x + post_attn(attn(pre_attn(x))), then h + post_mlp(mlp(pre_mlp(h))), as (pre_attn,
+    post_attn, pre_mlp, post_mlp), a pre norm None where there is none (Gemma 2's and 3's names; GLM-4's, its
+    post_attention_layernorm before the MLP; Olmo 2's without pre norms), which `_post_norm_forward` runs with each
+    add in the norm before it; or None. Found by one probe call of the layer's forward with its attention and MLP
+    stood in for (_Stand) and each child with a weight of the hidden size given random values of its own for the
+    call (so that no two compute the same), compared bit for bit with every assignment of those children to the
+    roles."""
+    o_proj = _probe_parts(layer, mlp)
+    if o_proj is None:
+        return None
+    hidden = o_proj.out_features
+    names = [n for n, c in layer.named_children() if n not in ("self_attn", mlp) and isinstance(
+        w := getattr(c, "weight", None), torch.Tensor) and w.shape == (hidden,) and not w.is_meta]
+    if not 2 <= len(names) <= 6:
+        return None
+    x = recognise.probe_input(o_proj.weight, 2, 3, hidden)
+    weights = {n: getattr(layer, n).weight for n in names}
+    kept = {n: w.detach().clone() for n, w in weights.items()}
+    saved = layer._modules["self_attn"], layer._modules[mlp]
+    attn, stand = _Stand(1.5, pair=True), _Stand(-0.75, pair=False)
+    gen = torch.Generator().manual_seed(7)
+    try:
+        with torch.no_grad():
+            for w in weights.values():
+                w.copy_(torch.rand(w.shape, generator=gen) + 0.5)
+            layer._modules["self_attn"], layer._modules[mlp] = attn, stand
+            out = type(layer).forward(layer, x, **required_args(layer))
+            if not isinstance(out, torch.Tensor) or out.dtype != x.dtype:
+                return None
+            run = {n: getattr(layer, n) for n in names} | {None: lambda t: t}
+            for pre_a in [None, *names]:
+                a = attn(hidden_states=run[pre_a](x))[0]
+                for post_a in (n for n in names if n != pre_a):
+                    h = x + run[post_a](a)
+                    for pre_m in (n for n in [None, *names] if n is None or n not in (pre_a, post_a)):
+                        m = stand(run[pre_m](h))
+                        for post_m in (n for n in names if n not in (pre_a, post_a, pre_m)):
+                            if torch.equal(out, h + run[post_m](m)):
+                                return pre_a, post_a, pre_m, post_m
+    except Exception:  # a forward that needs more than its input, or other modules' outputs
+        return None
+    finally:
+        layer._modules["self_attn"], layer._modules[mlp] = saved
+        with torch.no_grad():
+            for n, w in weights.items():
+                w.copy_(kept[n])
     return None
 
 
@@ -196,17 +242,17 @@ def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.
 
 
 def _post_norm_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """The steps of a decoder layer with norms after its attention and MLP (layer_steps's "post_norm"),
-    each of those norms and the residual add after it in one call of ops.rms_norm."""
+    """The steps of a decoder layer with norms after its attention and MLP (post_norm_roles), each of those norms
+    and the residual add after it in one call of ops.rms_norm."""
     kwargs = _by_name(self, hidden_states, args, kwargs)
     (eps1, kind1), (eps2, kind2) = self._hgemm_norms
-    pre = getattr(self, "input_layernorm", None)
-    out = self.self_attn(hidden_states=hidden_states if pre is None else pre(hidden_states), **kwargs)
+    pre_attn, post_attn, pre_mlp, post_mlp = self._hgemm_roles
+    out = self.self_attn(hidden_states=hidden_states if pre_attn is None else getattr(self, pre_attn)(hidden_states),
+                         **kwargs)
     out = out[0] if isinstance(out, tuple) else out
-    h = self._hgemm_ops.rms_norm(out, self.post_attention_layernorm.weight, eps1, kind1, hidden_states)
-    pre = getattr(self, "pre_feedforward_layernorm", None)
-    out = getattr(self, self._hgemm_mlp)(h if pre is None else pre(h))
-    return self._hgemm_ops.rms_norm(out, self.post_feedforward_layernorm.weight, eps2, kind2, h)
+    h = self._hgemm_ops.rms_norm(out, getattr(self, post_attn).weight, eps1, kind1, hidden_states)
+    out = getattr(self, self._hgemm_mlp)(h if pre_mlp is None else getattr(self, pre_mlp)(h))
+    return self._hgemm_ops.rms_norm(out, getattr(self, post_mlp).weight, eps2, kind2, h)
 
 
 def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tensor:
@@ -236,9 +282,9 @@ def residuals(layer, module: nn.Module, ops, mlp: str, down: str | None, mlp_out
     layer.kinds += ["o_residual", "down_residual"][:len(projections)]
 
 
-def post_norms(layer, module: nn.Module, ops, mlp: str, norms: list) -> None:
-    """The layer's norms after its attention and its MLP (the child `mlp`) with the residual adds after them in one
-    ops.rms_norm call each (`norms`: each norm's recognise.rms_norm_of)."""
+def post_norms(layer, module: nn.Module, ops, mlp: str, norms: list, roles: tuple) -> None:
+    """The layer's norms after its attention and its MLP (the child `mlp`; `roles`: post_norm_roles) with the
+    residual adds after them in one ops.rms_norm call each (`norms`: each post norm's recognise.rms_norm_of)."""
     layer.set_forward(module, _post_norm_forward, ops=ops, signature=inspect.signature(type(module).forward),
-                      mlp=mlp, norms=norms)
+                      mlp=mlp, norms=norms, roles=tuple(roles))
     layer.kinds.append("norm_residual")
