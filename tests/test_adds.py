@@ -305,3 +305,60 @@ def test_a_layers_extra_keywords_reach_the_attention_as_its_own_forward_passes_t
     assert layer._hgemm_adds.extras and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
     assert layer.self_attn.seen == [{"extra": "e"}] * 2
     hgemm_fuse.unfuse(layer)
+
+
+def test_which_norm_is_which_does_not_rest_on_values_they_share_at_init():
+    """At init both norms hold ones: the layer's steps are found with them made distinct, so the fused layer applies
+    each where the layer does once they differ (weights loaded after patch)."""
+    model, ids = parallel_model(SequentialLayer)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)  # as transformers' init leaves them
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert counts["down_residual"] == 2 and model.layers[0]._hgemm_adds.mlp_norm == "ln_2"
+    assert torch.equal(model.layers[0].ln_2.weight, torch.ones(64))  # put back after the probe
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.uniform_(0.5, 1.5)
+        fused = model(ids)
+    hgemm_fuse.unfuse(model)
+    with torch.no_grad():
+        assert torch.allclose(fused, model(ids), atol=1e-5, rtol=1e-5)
+
+
+class LinearAttention(Attention):
+    """A hybrid model's linear attention: its output alone, a tensor, not a pair."""
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        return super().forward(hidden_states, attention_mask)[0]
+
+
+class HybridLayer(nn.Module):
+    """Qwen3.5's linear-attention layers: Llama's steps with `linear_attn`, which returns a tensor."""
+
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__()
+        self.linear_attn, self.mlp = LinearAttention(hidden, 4, 2, bias), MLP(hidden, inter, act)
+        self.input_layernorm, self.post_attention_layernorm = norm(hidden), norm(hidden)
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        h = hidden_states + self.linear_attn(hidden_states=self.input_layernorm(hidden_states),
+                                             attention_mask=attention_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def test_a_linear_attention_that_returns_a_tensor_has_both_adds_fused():
+    model, ids = parallel_model(HybridLayer)
+    with torch.no_grad():
+        ref = model(ids)
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert (counts["o_residual"], counts["down_residual"], counts["qkv"], counts["gate_up"]) == (2, 2, 2, 2)
+    found = model.layers[0]._hgemm_adds
+    assert (found.attn, found.pair, found.out, found.form) == ("linear_attn", False, "o_proj", "seq")
+    with torch.no_grad():
+        assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    hgemm_fuse.unfuse(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref)

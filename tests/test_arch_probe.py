@@ -191,3 +191,10 @@ def test_shrink_keeps_one_layer_of_each_type_of_a_hybrid_model():
     config.layer_types = ["full_attention"] * 48  # one kind: TINY's depth
     probe.shrink(config)
     assert (config.num_hidden_layers, config.layer_types) == (2, ["full_attention"] * 2)
+
+
+def test_a_tiny_model_has_no_parameter_that_init_left_constant():
+    pytest.importorskip("transformers")
+    model = probe.tiny_model("llama")
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    assert norms and all(not bool((p == p.flatten()[0]).all()) for p in norms)  # ones at init: random now

@@ -1011,3 +1011,23 @@ def test_a_rotary_embedding_given_positions_the_probe_did_not_try_runs_its_own_f
     assert all(torch.equal(g, w) for g, w in zip(model.rotary(x, pos), MropeRotary.forward(model.rotary, x, pos),
                                                  strict=True))
     hgemm_fuse.unfuse(model)
+
+
+class ResidualScaleLayer(Layer):
+    """Doge's steps: the residual scaled by a weight of the layer's own (ones at init) before each add."""
+
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__(hidden, inter, act, bias, norm)
+        self.input_residual, self.post_attention_residual = nn.Parameter(torch.ones(hidden)), nn.Parameter(
+            torch.ones(hidden))
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask)
+        h = self.input_residual * hidden_states + h
+        return self.post_attention_residual * h + self.mlp(self.post_attention_layernorm(h))
+
+
+def test_a_residual_scaled_by_a_weight_that_is_ones_at_init_keeps_its_adds():
+    model, ids = model_and_ids(layer=ResidualScaleLayer)
+    assert fused_as_before(model, ids)[2:] == (0, 0)  # neither add fused
+    assert torch.equal(model.layers[0].input_residual, torch.ones(64))  # put back after the probe

@@ -124,15 +124,20 @@ def causal_lms() -> list[str]:
 
 
 def tiny_model(model_type: str, every_kind: bool = True) -> torch.nn.Module:
-    """The architecture as a tiny fp32 model with random weights (seeded), in eval mode (shrink; `every_kind`: one
-    layer of each of its layer types)."""
+    """The architecture as a tiny fp32 model with random weights (seeded; those init leaves constant too), in eval
+    mode (shrink; `every_kind`: one layer of each of its layer types)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config = CONFIG_MAPPING[model_type]()
     shrink(config, every_kind=every_kind)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).float().eval()
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # what init leaves constant (norms' ones and zeros, zero biases) made random, as training
+        for p in model.parameters():  # would: a fusion that takes one norm for another shows in the logits
+            if p.is_floating_point() and p.numel() > 1 and bool((p == p.flatten()[0]).all()):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
 
 
 def shrink(config, depth: int = 0, every_kind: bool = True) -> None:

@@ -30,7 +30,8 @@ class Adds(NamedTuple):
     (`branches`, each with its default: the fused steps run only while they have it), which sum the layer returns
     ("amx": (a + m) + x, "xam": (x + a) + m, "seq": h + m with h = x + a and the MLP on h) and how (`returns`: 0 the
     tensor, n a tuple of it and n - 1 times the attention's second output); the attention's output projection
-    (`out`, out_projection), or None."""
+    (`out`, out_projection), or None; whether the attention returns a pair (its output and another) or a tensor
+    (a linear attention's)."""
     attn: str
     attn_norm: str | None
     mlp: str
@@ -43,6 +44,7 @@ class Adds(NamedTuple):
     form: str
     returns: int
     out: str | None = None
+    pair: bool = True
 
 
 OUT_NAMES = ("o_proj", "out_proj", "c_proj", "dense")  # an attention's output projection, by its names
@@ -77,14 +79,21 @@ def residual_steps(layer: nn.Module, attn: str, mlp: str, down: str) -> Adds | N
     if lin.weight.is_meta:
         return None
     x = recognise.probe_input(lin.weight, 2, 3, recognise.features(lin)[1])
+    with steps.distinct_weights(layer, (attn, mlp)):  # which norm is which: not by values they share at init
+        return _residual_steps(layer, attn, mlp, down, x)
+
+
+def _residual_steps(layer: nn.Module, attn: str, mlp: str, down: str, x: torch.Tensor) -> Adds | None:
+    """residual_steps's probe calls on x, the layer's weights made distinct."""
     params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
     named, base = [q for q in params if q.kind in steps.NAMED], steps.required_args(layer)
-    ref = _probe(layer, attn, mlp, x, base)
-    if ref is None:
+    pair = next((p for p in (True, False) if _probe(layer, attn, mlp, x, base, p) is not None), None)
+    if pair is None:
         return None
+    ref = _probe(layer, attn, mlp, x, base, pair)
     attn_args, branches = dict(ref[0]), []
     for q in named:
-        got = _probe(layer, attn, mlp, x, base | {q.name: _Arg(q.name)})
+        got = _probe(layer, attn, mlp, x, base | {q.name: _Arg(q.name)}, pair)
         passed = [k for k, v in (got[0] if got else ()) if v == ("arg", q.name)]
         if got is None or got[2] != ref[2] or any(k not in attn_args for k in passed):
             if q.default is inspect.Parameter.empty:  # a required argument that changes the steps
@@ -94,18 +103,18 @@ def residual_steps(layer: nn.Module, attn: str, mlp: str, down: str) -> Adds | N
         attn_args.update(dict.fromkeys(passed, ("arg", q.name)))
     extras = any(q.kind == inspect.Parameter.VAR_KEYWORD for q in params)
     if extras:
-        got = _probe(layer, attn, mlp, x, base | {"hgemm_probe": _Arg("**")})
+        got = _probe(layer, attn, mlp, x, base | {"hgemm_probe": _Arg("**")}, pair)
         extras = got is not None and got[1] and got[2] == ref[2]
     attn_norm, mlp_norm, positional, form, returns = ref[2]
     return Adds(attn, attn_norm, mlp, mlp_norm, down, positional, tuple(attn_args.items()), extras, tuple(branches),
-                form, returns, out_projection(getattr(layer, attn), x.shape[-1]))
+                form, returns, out_projection(getattr(layer, attn), x.shape[-1]), pair)
 
 
-def _probe(layer, attn: str, mlp: str, x: torch.Tensor, given: dict):
-    """One probe call of residual_steps: (the attention's keyword arguments, each (name, ("arg", the layer's
-    argument) or ("const", value))); whether it got the layer's **kwargs; (attn_norm, mlp_norm, positional, form,
-    returns)), or None."""
-    stand_a, stand_m = steps._Stand(1.5, pair=True), steps._Stand(-0.75, pair=False)
+def _probe(layer, attn: str, mlp: str, x: torch.Tensor, given: dict, pair: bool = True):
+    """One probe call of residual_steps, the attention stood in for by one that returns a pair (`pair`) or a tensor:
+    (the attention's keyword arguments, each (name, ("arg", the layer's argument) or ("const", value))); whether it
+    got the layer's **kwargs; (attn_norm, mlp_norm, positional, form, returns)), or None."""
+    stand_a, stand_m = steps._Stand(1.5, pair=pair), steps._Stand(-0.75, pair=False)
     saved = layer._modules[attn], layer._modules[mlp]
     layer._modules[attn], layer._modules[mlp] = stand_a, stand_m
     try:
@@ -134,7 +143,8 @@ def _probe(layer, attn: str, mlp: str, x: torch.Tensor, given: dict):
         else:  # something the layer computed
             return None
     skip, m_in = (attn, mlp), m_args[0]
-    a, m = stand_a(a_in)[0], stand_m(m_in)
+    a, m = stand_a(a_in), stand_m(m_in)
+    a = a[0] if pair else a
     h = x + a
     attn_norm = _norm_of(layer, x, a_in, skip)
     mlp_norm = "same" if m_in is a_in else _norm_of(layer, x, m_in, skip)
@@ -201,16 +211,18 @@ def _adds_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     if p.out is not None:
         getattr(attn, p.out)._hgemm_residual = x
     out = attn(a_in, **given) if p.positional else attn(hidden_states=a_in, **given)
-    if not isinstance(out, tuple):
-        raise RuntimeError(f"hgemm: {type(attn).__name__} returns a {type(out).__name__}, not the pair its layer "
-                           "took when patched; patch this model with fuse=False")
+    if isinstance(out, tuple) != p.pair:
+        raise RuntimeError(f"hgemm: {type(attn).__name__} returns a {type(out).__name__}, not the "
+                           f"{'pair' if p.pair else 'tensor'} its layer took when patched; patch this model with "
+                           "fuse=False")
+    a = out[0] if p.pair else out
     down = getattr(mlp, p.down)
     if p.out is None and p.form == "amx":  # (a + m) + x
         m_in = a_in if p.mlp_norm == "same" else x if p.mlp_norm is None else getattr(self, p.mlp_norm)(x)
-        down._hgemm_residual = out[0]
+        down._hgemm_residual = a
         o = steps._summed(mlp, down, mlp(m_in)) + x
     else:  # (x + a) + m, x + a by the output projection where it has one; the MLP on a norm of x or of x + a ("seq")
-        h = x + out[0] if p.out is None else steps._summed(attn, getattr(attn, p.out), out[0])
+        h = x + a if p.out is None else steps._summed(attn, getattr(attn, p.out), a)
         base = h if p.form == "seq" else x
         m_in = a_in if p.mlp_norm == "same" else base if p.mlp_norm is None else getattr(self, p.mlp_norm)(base)
         down._hgemm_residual = h

@@ -1,7 +1,9 @@
 """Fusions of decoder layers: what a serving engine merges, patched into a Hugging Face model in place.
 
-Looked into: a decoder layer with an attention (`self_attn`, `attn`, `attention` or `self_attention`) and, usually,
-an MLP (`mlp`, or the layer's one other child); hgemm_recognise.py and hgemm_steps.py decide what in it is fused.
+Looked into: a decoder layer with an attention (`self_attn`, `attn`, `attention`, `self_attention`, or a hybrid
+model's `linear_attn`) and, usually, an MLP (`mlp`, or the layer's one other child); hgemm_recognise.py and
+hgemm_steps.py decide what in it is fused, by probe calls with the layer's other weights made distinct
+(hgemm_steps.distinct_weights: at init its norms all hold ones).
 Llama, Mistral, Qwen2 (q/k/v with biases), Phi-3 (q/k/v already one projection, gate and up one gate_up_proj) and
 any decoder built the same way fuse all of what follows; layers with norms after the attention and the MLP (Olmo2,
 Gemma2) their q/k/v, gate/up and the adds after the norms; MoE layers their q/k/v and o_proj's residual add;

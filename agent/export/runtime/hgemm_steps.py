@@ -8,6 +8,7 @@ hgemm_fuse.py, which loads it after hgemm_recognise.py; the forwards here run as
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 
@@ -40,8 +41,29 @@ def required_args(layer: nn.Module) -> dict:
             if q.default is inspect.Parameter.empty and q.kind in NAMED}
 
 
+@contextlib.contextmanager
+def distinct_weights(layer: nn.Module, skip: tuple):
+    """The layer's parameters but those of its children `skip` (the stood-in attention and MLP) given random values
+    of their own while the block runs, then put back bit for bit: at init a model's norms all hold ones (and zeros),
+    so a probe call could not tell which norm the layer applies where, nor see a scale of ones on a residual."""
+    params = [q for n, q in layer.named_parameters()
+              if n.split(".")[0] not in skip and q.is_floating_point() and not q.is_meta]
+    kept = [q.detach().clone() for q in params]
+    gen = torch.Generator().manual_seed(7)
+    try:
+        with torch.no_grad():
+            for q in params:
+                q.copy_(torch.rand(q.shape, generator=gen) + 0.5)
+        yield
+    finally:
+        with torch.no_grad():
+            for q, k in zip(params, kept, strict=True):
+                q.copy_(k)
+
+
 NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)  # arguments a call can name
-ATTENTIONS = ("self_attn", "attn", "attention", "self_attention")  # a decoder layer's attention, by its names
+# a decoder layer's attention (or linear attention: a hybrid model's other layers), by its names
+ATTENTIONS = ("self_attn", "attn", "attention", "self_attention", "linear_attn")
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
@@ -79,25 +101,31 @@ def layer_steps(layer: nn.Module, mlp: str = "mlp") -> tuple[str, bool, bool] | 
     saved = layer._modules["self_attn"], layer._modules[mlp]
     layer._modules["self_attn"] = attn
     try:
-        h = x + attn(hidden_states=layer.input_layernorm(x))[0]
-
-        def matches(pair: bool, flat: bool) -> bool:
-            layer._modules[mlp] = stand = _Stand(-0.75, pair, flat)
-            try:
-                out = type(layer).forward(layer, x, **required)
-            except Exception:  # a forward that needs more than its input, or takes the MLP's output otherwise
-                return False
-            y = stand(layer.post_attention_layernorm(h))
-            y = (y[0] if pair else y).view(h.shape)
-            return isinstance(out, torch.Tensor) and out.dtype == x.dtype and torch.equal(out, h + y)
-        for pair in (False, True):
-            shaped, flat = matches(pair, False), matches(pair, True)
-            if shaped or flat:
-                return "llama", pair, flat
+        with distinct_weights(layer, ("self_attn", mlp)):
+            return _llama_match(layer, mlp, x, attn, required)
     except Exception:  # a forward that needs more than its input, or other modules' outputs
         return None
     finally:
         layer._modules["self_attn"], layer._modules[mlp] = saved
+
+
+def _llama_match(layer: nn.Module, mlp: str, x: torch.Tensor, attn: _Stand, required: dict):
+    """layer_steps's comparisons, the attention stood in for by `attn` already."""
+    h = x + attn(hidden_states=layer.input_layernorm(x))[0]
+
+    def matches(pair: bool, flat: bool) -> bool:
+        layer._modules[mlp] = stand = _Stand(-0.75, pair, flat)
+        try:
+            out = type(layer).forward(layer, x, **required)
+        except Exception:  # a forward that needs more than its input, or takes the MLP's output otherwise
+            return False
+        y = stand(layer.post_attention_layernorm(h))
+        y = (y[0] if pair else y).view(h.shape)
+        return isinstance(out, torch.Tensor) and out.dtype == x.dtype and torch.equal(out, h + y)
+    for pair in (False, True):
+        shaped, flat = matches(pair, False), matches(pair, True)
+        if shaped or flat:
+            return "llama", pair, flat
     return None
 
 
@@ -117,8 +145,8 @@ def post_norm_roles(layer: nn.Module, mlp: str = "mlp") -> tuple[str | None, str
     post_attn, pre_mlp, post_mlp), a pre norm None where there is none (Gemma 2's and 3's names; GLM-4's, its
     post_attention_layernorm before the MLP; Olmo 2's without pre norms), which `_post_norm_forward` runs with each
     add in the norm before it; or None. Found by one probe call of the layer's forward with its attention and MLP
-    stood in for (_Stand) and each child with a weight of the hidden size given random values of its own for the
-    call (so that no two compute the same), compared bit for bit with every assignment of those children to the
+    stood in for (_Stand) and its other children's weights random (distinct_weights: no two norms compute the
+    same), compared bit for bit with every assignment of its children with a weight of the hidden size to the
     roles."""
     o_proj = _probe_parts(layer, mlp)
     if o_proj is None:
@@ -129,15 +157,10 @@ def post_norm_roles(layer: nn.Module, mlp: str = "mlp") -> tuple[str | None, str
     if not 2 <= len(names) <= 6:
         return None
     x = recognise.probe_input(o_proj.weight, 2, 3, hidden)
-    weights = {n: getattr(layer, n).weight for n in names}
-    kept = {n: w.detach().clone() for n, w in weights.items()}
     saved = layer._modules["self_attn"], layer._modules[mlp]
     attn, stand = _Stand(1.5, pair=True), _Stand(-0.75, pair=False)
-    gen = torch.Generator().manual_seed(7)
     try:
-        with torch.no_grad():
-            for w in weights.values():
-                w.copy_(torch.rand(w.shape, generator=gen) + 0.5)
+        with distinct_weights(layer, ("self_attn", mlp)), torch.no_grad():
             layer._modules["self_attn"], layer._modules[mlp] = attn, stand
             out = type(layer).forward(layer, x, **required_args(layer))
             if not isinstance(out, torch.Tensor) or out.dtype != x.dtype:
@@ -156,9 +179,6 @@ def post_norm_roles(layer: nn.Module, mlp: str = "mlp") -> tuple[str | None, str
         return None
     finally:
         layer._modules["self_attn"], layer._modules[mlp] = saved
-        with torch.no_grad():
-            for n, w in weights.items():
-                w.copy_(kept[n])
     return None
 
 
