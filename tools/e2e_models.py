@@ -31,6 +31,11 @@ CONFIGS = {
     "gemma2-9b": ("Gemma2Config", "Gemma2ForCausalLM",
                   dict(hidden_size=3584, intermediate_size=14336, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=256, vocab_size=256000, max_position_embeddings=8192)),
+    # GLM-4-9B: hidden 4096, intermediate 13696, 32 heads, 2 KV heads, q/k/v with biases, RMSNorms before and after
+    # the attention and the MLP (the adds after them in the norm kernel), rotary on half of each head
+    "glm4-9b": ("Glm4Config", "Glm4ForCausalLM",
+                dict(hidden_size=4096, intermediate_size=13696, num_attention_heads=32, num_key_value_heads=2,
+                     head_dim=128, vocab_size=151552, max_position_embeddings=32768, attention_bias=True)),
     # Phi-2: hidden 2560, intermediate 10240, 32 heads, biases, LayerNorm, the attention and a gateless MLP (fc1, tanh
     # GELU, fc2) both on the layer's normed input, rotary on 40% of each head
     "phi-2": ("PhiConfig", "PhiForCausalLM",
