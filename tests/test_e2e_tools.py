@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -210,6 +211,7 @@ def test_compile_diag_times_one_model_alone_with_only(tmp_path, capsys):
     assert diag.main([str(tmp_path / "none"), "--only", "stock", *common, "--timeline", str(tmp_path / "tl")]) == 0
     out = capsys.readouterr().out  # the export is never read
     assert "== decode 1 stock (default)" in out and "patched" not in out
+    assert re.search(r"guards \d+\.\d us a step", out)  # the guard tree's check alone
     assert "timeline (decode_1_stock.txt): span" in out  # no kernels on the CPU: an empty table
     assert (tmp_path / "tl" / "decode_1_stock.txt").read_text().startswith("# decode 1 stock (default): 0 kernels")
     assert diag.main([str(small_export(tmp_path / "export", [])), "--only", "patched", *common]) == 0

@@ -9,7 +9,8 @@ For each decode batch (a step over a 512-token static KV cache, as tools/e2e_lla
 export, compiled in --mode): the wall time of a step run back to back
 and run synchronised one at a time, the GPU's kernel time a step and the kernels a step (torch.profiler over a few
 steps), the kernels with the most GPU time (cuBLAS's names mark a fallback), the CPU ops with the most self time,
-and dynamo's counters (graphs, graph breaks, recompilations). A step whose wall time is well above its kernel time
+dynamo's guard evaluation a step (the guard tree's check alone, on the step's own arguments) and its counters
+(graphs, graph breaks, recompilations). A step whose wall time is well above its kernel time
 is host-bound; the CPU ops say on what. --timeline DIR writes one step's kernels in the order they ran (start, the
 GPU's idle time before each, duration, name) to DIR/<phase>_<model>.txt and prints the step's idle time, and the
 GPU's idle time from the step's last kernel to the next step's first: where a step's wall time exceeds its kernels'
@@ -101,6 +102,39 @@ def profiled(step, n: int, device: str) -> dict:
             "timeline": step_timeline(kernels, n)}
 
 
+def guard_us(eager, step, calls: int = 2000) -> float | None:
+    """Microseconds one evaluation of dynamo's guards on the compiled forward takes (its guard tree's check, called
+    `calls` times on the locals of one step's call of the model's forward, captured by a profile hook), or None
+    where no compiled frame of the model's forward is found or its guards do not pass on those locals."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    f, codes = type(eager).forward, []
+    while f is not None:  # the forward and what it wraps (transformers' decorators)
+        codes.append(f.__code__)
+        f = getattr(f, "__wrapped__", None)
+    code = next((c for c in codes if _debug_get_cache_entry_list(c)), None)
+    if code is None:
+        return None
+    check = _debug_get_cache_entry_list(code)[0].guard_manager.check
+    seen: dict = {}
+
+    def hook(frame, event, arg):
+        if event == "call" and not seen and (frame.f_code.co_name, frame.f_code.co_filename) == (code.co_name,
+                                                                                                 code.co_filename):
+            seen.update(frame.f_locals)
+    sys.setprofile(hook)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    if not seen or not check(seen):
+        return None
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        check(seen)
+    return (time.perf_counter() - t0) * 1e6 / calls
+
+
 def write_timeline(path: Path, title: str, timeline) -> str:
     """The step's timeline as a table in `path`; a line for the log: its span, idle time, largest gaps and the idle
     time before the next step."""
@@ -168,11 +202,12 @@ def main(argv=None) -> int:
                     step()
                 back, each = (wall_ms(step, args.steps, args.device, e) for e in (False, True))
                 prof = profiled(step, 5, args.device)
+                guards = guard_us(eager, step)
                 stats = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
                 print(f"\n== {phase.name} {name} ({mode}): compile {first:.0f} s; workers {workers}; wall a step "
                       f"{back:.3f} ms back to back, {each:.3f} ms synchronised; GPU kernels "
-                      f"{prof['gpu_ms_a_step']:.3f} ms a step in {prof['kernels_a_step']:.0f} kernels; dynamo {stats}",
-                      flush=True)
+                      f"{prof['gpu_ms_a_step']:.3f} ms a step in {prof['kernels_a_step']:.0f} kernels; guards "
+                      f"{'-' if guards is None else f'{guards:.1f} us'} a step; dynamo {stats}", flush=True)
                 for kname, n, us in prof["top_kernels"]:
                     print(f"   gpu {us:9.1f} us {n:5.1f}x  {kname}")
                 for op, n, us in prof["top_cpu"]:
