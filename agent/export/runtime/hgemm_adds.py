@@ -87,10 +87,11 @@ def _residual_steps(layer: nn.Module, attn: str, mlp: str, down: str, x: torch.T
     """residual_steps's probe calls on x, the layer's weights made distinct."""
     params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
     named, base = [q for q in params if q.kind in steps.NAMED], steps.required_args(layer)
-    pair = next((p for p in (True, False) if _probe(layer, attn, mlp, x, base, p) is not None), None)
-    if pair is None:
+    for pair in (True, False):  # the attention's output as a pair, else as a tensor (a linear attention's)
+        if (ref := _probe(layer, attn, mlp, x, base, pair)) is not None:
+            break
+    else:
         return None
-    ref = _probe(layer, attn, mlp, x, base, pair)
     attn_args, branches = dict(ref[0]), []
     for q in named:
         got = _probe(layer, attn, mlp, x, base | {q.name: _Arg(q.name)}, pair)
