@@ -206,16 +206,22 @@ def test_what_is_not_recognised_stays_as_it_is():
 
 
 class SandwichLayer(Layer):
-    """Gemma2's steps: a norm after the attention and around the MLP too, before each residual add."""
+    """Gemma2's steps: a norm after the attention and around the MLP too, before each residual add; ROLES names the
+    norms before and after the attention and before and after the MLP."""
+
+    ROLES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
     def __init__(self, hidden, inter, act, bias, norm):
         super().__init__(hidden, inter, act, bias, norm)
-        self.post_feedforward_layernorm, self.pre_feedforward_layernorm = norm(hidden), norm(hidden)
+        for name in self.ROLES:
+            if not hasattr(self, name):
+                self.add_module(name, norm(hidden))
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
-        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask)
-        h = hidden_states + self.post_attention_layernorm(h)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        pre_attn, post_attn, pre_mlp, post_mlp = (getattr(self, n) for n in self.ROLES)
+        h, _ = self.self_attn(hidden_states=pre_attn(hidden_states), attention_mask=attention_mask)
+        h = hidden_states + post_attn(h)
+        return h + post_mlp(self.mlp(pre_mlp(h)))
 
 
 class ScaledResidualLayer(Layer):
@@ -362,24 +368,14 @@ def test_a_layer_whose_steps_are_neither_llamas_nor_post_norm_keeps_its_residual
     hgemm_fuse.unfuse(model)
 
 
-class GlmLayer(Layer):
+class GlmLayer(SandwichLayer):
     """GLM-4's steps: Gemma 2's under other names, its post_attention_layernorm the norm before the MLP."""
 
-    def __init__(self, hidden, inter, act, bias, norm):
-        super().__init__(hidden, inter, act, bias, norm)
-        self.post_self_attn_layernorm, self.post_mlp_layernorm = norm(hidden), norm(hidden)
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
-        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask)
-        h = hidden_states + self.post_self_attn_layernorm(h)
-        return h + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(h)))
+    ROLES = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
 
 
-POST_NORM_ROLES = {"sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                                "post_feedforward_layernorm"),
-                   "post_norm": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
-                   "glm": ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm",
-                           "post_mlp_layernorm")}
+POST_NORM_ROLES = {"sandwich": SandwichLayer.ROLES, "glm": GlmLayer.ROLES,
+                   "post_norm": (None, "post_attention_layernorm", None, "post_feedforward_layernorm")}
 
 
 @pytest.mark.parametrize("norm", [RMSNorm, GemmaRMSNorm])

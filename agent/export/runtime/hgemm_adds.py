@@ -116,14 +116,11 @@ def _probe(layer, attn: str, mlp: str, x: torch.Tensor, given: dict, pair: bool 
     (the attention's keyword arguments, each (name, ("arg", the layer's argument) or ("const", value))); whether it
     got the layer's **kwargs; (attn_norm, mlp_norm, positional, form, returns)), or None."""
     stand_a, stand_m = steps._Stand(1.5, pair=pair), steps._Stand(-0.75, pair=False)
-    saved = layer._modules[attn], layer._modules[mlp]
-    layer._modules[attn], layer._modules[mlp] = stand_a, stand_m
     try:
-        out = type(layer).forward(layer, x, **given)
+        with steps.stood_in(layer, {attn: stand_a, mlp: stand_m}):
+            out = type(layer).forward(layer, x, **given)
     except Exception:  # a forward that uses an argument itself, or needs more than its input
         return None
-    finally:
-        layer._modules[attn], layer._modules[mlp] = saved
     if len(stand_a.calls) != 1 or len(stand_m.calls) != 1:
         return None
     (a_args, a_kwargs), (m_args, m_kwargs) = stand_a.calls[0], stand_m.calls[0]

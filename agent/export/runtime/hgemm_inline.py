@@ -46,10 +46,7 @@ def inline_activation(layer: nn.Module, epilogue) -> tuple[str, str, str] | None
     act_name, epi = acts[0]
     required = steps.required_args(layer)
     widths = {children[n].in_features for n in linears}
-    saved = dict(layer._modules)
-    try:
-        for n in attns:
-            layer._modules[n] = steps._Stand(1.5, pair=True)
+    with steps.stood_in(layer, {n: steps._Stand(1.5, pair=True) for n in attns}):
         for width in widths:
             x = recognise.probe_input(children[linears[0]].weight, 2, 3, width)
             ref = _call(layer, x, required)
@@ -67,8 +64,6 @@ def inline_activation(layer: nn.Module, epilogue) -> tuple[str, str, str] | None
             for name in linears:
                 if all(_folded_equal(layer, name, act_name, x, given, ref) for given, ref in calls):
                     return name, act_name, epi
-    finally:
-        layer._modules.update(saved)
     return None
 
 

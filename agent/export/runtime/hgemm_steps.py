@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import sys
 
 import torch
@@ -61,6 +62,18 @@ def distinct_weights(layer: nn.Module, skip: tuple):
                 q.copy_(k)
 
 
+@contextlib.contextmanager
+def stood_in(layer: nn.Module, stands: dict):
+    """The layer's children named in `stands` replaced by those modules (probe stand-ins) while the block runs, and
+    whatever the block puts under those names then replaced by the children again."""
+    saved = {n: layer._modules[n] for n in stands}
+    layer._modules.update(stands)
+    try:
+        yield
+    finally:
+        layer._modules.update(saved)
+
+
 NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)  # arguments a call can name
 # a decoder layer's attention (or linear attention: a hybrid model's other layers), by its names
 ATTENTIONS = ("self_attn", "attn", "attention", "self_attention", "linear_attn")
@@ -97,16 +110,12 @@ def layer_steps(layer: nn.Module, mlp: str = "mlp") -> tuple[str, bool, bool] | 
         return None
     x = recognise.probe_input(o_proj.weight, 2, 3, o_proj.out_features)
     required = required_args(layer)
-    attn = _Stand(1.5, pair=True)
-    saved = layer._modules["self_attn"], layer._modules[mlp]
-    layer._modules["self_attn"] = attn
+    attn, parts = _Stand(1.5, pair=True), ("self_attn", mlp)
     try:
-        with distinct_weights(layer, ("self_attn", mlp)):
+        with stood_in(layer, {"self_attn": attn, mlp: _Stand(-0.75, False)}), distinct_weights(layer, parts):
             return _llama_match(layer, mlp, x, attn, required)
     except Exception:  # a forward that needs more than its input, or other modules' outputs
         return None
-    finally:
-        layer._modules["self_attn"], layer._modules[mlp] = saved
 
 
 def _llama_match(layer: nn.Module, mlp: str, x: torch.Tensor, attn: _Stand, required: dict):
@@ -157,28 +166,24 @@ def post_norm_roles(layer: nn.Module, mlp: str = "mlp") -> tuple[str | None, str
     if not 2 <= len(names) <= 6:
         return None
     x = recognise.probe_input(o_proj.weight, 2, 3, hidden)
-    saved = layer._modules["self_attn"], layer._modules[mlp]
-    attn, stand = _Stand(1.5, pair=True), _Stand(-0.75, pair=False)
+    attn, stand, parts = _Stand(1.5, pair=True), _Stand(-0.75, pair=False), ("self_attn", mlp)
     try:
-        with distinct_weights(layer, ("self_attn", mlp)), torch.no_grad():
-            layer._modules["self_attn"], layer._modules[mlp] = attn, stand
+        with stood_in(layer, {"self_attn": attn, mlp: stand}), distinct_weights(layer, parts), torch.no_grad():
             out = type(layer).forward(layer, x, **required_args(layer))
             if not isinstance(out, torch.Tensor) or out.dtype != x.dtype:
                 return None
             run = {n: getattr(layer, n) for n in names} | {None: lambda t: t}
-            for pre_a in [None, *names]:
-                a = attn(hidden_states=run[pre_a](x))[0]
-                for post_a in (n for n in names if n != pre_a):
-                    h = x + run[post_a](a)
-                    for pre_m in (n for n in [None, *names] if n is None or n not in (pre_a, post_a)):
-                        m = stand(run[pre_m](h))
-                        for post_m in (n for n in names if n not in (pre_a, post_a, pre_m)):
-                            if torch.equal(out, h + run[post_m](m)):
-                                return pre_a, post_a, pre_m, post_m
+            for (post_a, post_m), (pre_a, pre_m) in itertools.product(itertools.permutations(names, 2),
+                                                                      itertools.product([None, *names], repeat=2)):
+                roles = (pre_a, post_a, pre_m, post_m)
+                used = [n for n in roles if n is not None]
+                if len(used) != len(set(used)):
+                    continue
+                h = x + run[post_a](attn(hidden_states=run[pre_a](x))[0])
+                if torch.equal(out, h + run[post_m](stand(run[pre_m](h)))):
+                    return roles
     except Exception:  # a forward that needs more than its input, or other modules' outputs
         return None
-    finally:
-        layer._modules["self_attn"], layer._modules[mlp] = saved
     return None
 
 
