@@ -226,7 +226,7 @@ def test_an_attention_that_changes_its_projections_output_is_an_error_at_its_fir
     assert hgemm_fuse.fuse(model, TorchOps)["o_residual"] == 2  # the probe stands in for the attention
     with torch.no_grad(), pytest.raises(RuntimeError, match="ScalingAttention returns something other than"):
         model(ids)
-    assert model.layers[0].self_attn.o_proj._hgemm_residual is None  # left clean
+    assert hgemm_fuse.steps.slot(model.layers[0].self_attn.o_proj).residual is None  # left clean
     hgemm_fuse.unfuse(model)
 
 
@@ -362,3 +362,20 @@ def test_a_linear_attention_that_returns_a_tensor_has_both_adds_fused():
     hgemm_fuse.unfuse(model)
     with torch.no_grad():
         assert torch.equal(model(ids), ref)
+
+
+@pytest.mark.parametrize("layer", [None, PlainCohereLayer, GPTJBlock])
+def test_fused_modules_below_a_layer_hold_only_plain_values(layer):
+    """A fused attention, MLP, projection or norm holds ints, floats, strings and tensors besides its own children;
+    what its forward changes as it runs lives outside it (steps.slot), so that torch.compile can skip the guards of
+    a whole attention or MLP while their dicts are unchanged (with a plain object among them, torch 2.11 checked
+    every guard of every layer's attention and MLP at every call)."""
+    model, ids = parallel_model(layer) if layer else (Model().eval(), torch.randint(50, (2, 9)))
+    hgemm_fuse.fuse(model, TorchOps)
+    with torch.no_grad():
+        model(ids)
+    held = {(name, k): type(v) for name, m in model.named_modules() if m not in hgemm_fuse._fused
+            for k, v in vars(m).items() if k.startswith("_hgemm_") and k != "_hgemm_signature"}
+    assert held and all(issubclass(t, (int, float, str, type(None), torch.Tensor)) for t in held.values()), held
+    assert any(k == "_hgemm_slot" for _, k in held)  # the projections' state is outside them
+    hgemm_fuse.unfuse(model)

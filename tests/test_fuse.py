@@ -588,13 +588,14 @@ def test_q_k_v_outside_decoder_layers_are_merged_and_q_runs_alone_once_a_product
         assert hgemm_fuse.fuse(tower, TorchOps)["qkv"] == 2
         TorchOps.calls = []
         assert torch.allclose(tower.self(x), ref_self, atol=1e-6) and rows(TorchOps.calls) == [192]  # v before k
+        slot = hgemm_fuse.steps.slot
         for merged in (True, False):  # the first call's product goes unused by k and v: q alone from the second
             TorchOps.calls = []
             assert torch.allclose(tower.attn(x, ctx), ref, atol=1e-6)
             assert rows(TorchOps.calls) == [192 if merged else 64, 64, 64]
-            assert tower.attn.q_proj._hgemm_qkv.x is None  # let go as soon as k read another input
-        assert tower.attn.q_proj._hgemm_qkv.alone and not tower.self.q_proj._hgemm_qkv.alone
-        assert tower.attn.q_proj._hgemm_qkv.x is None  # nothing held
+            assert slot(tower.attn.q_proj).x is None  # let go as soon as k read another input
+        assert slot(tower.attn.q_proj).alone and not slot(tower.self.q_proj).alone
+        assert slot(tower.attn.q_proj).x is None  # nothing held
     assert hgemm_fuse.unfuse(tower) == 2 and type(tower.attn.q_proj) is nn.Linear
 
 
@@ -683,7 +684,7 @@ def test_an_attention_that_changes_o_projs_output_is_an_error_not_a_wrong_answer
     assert hgemm_fuse.fuse(model, TorchOps)["o_residual"] == 2  # the layer's own steps are Llama's
     with torch.no_grad(), pytest.raises(RuntimeError, match="ScaledOutputAttention returns something other than"):
         model(ids)
-    assert model.layers[0].self_attn.o_proj._hgemm_residual is None  # nothing left over for the next call
+    assert hgemm_fuse.steps.slot(model.layers[0].self_attn.o_proj).residual is None  # nothing left for the next call
     hgemm_fuse.unfuse(model)
 
 

@@ -207,7 +207,7 @@ def _adds_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         given.update(extra)
     attn, mlp = getattr(self, p.attn), getattr(self, p.mlp)
     if p.out is not None:
-        getattr(attn, p.out)._hgemm_residual = x
+        steps.slot(getattr(attn, p.out)).residual = x
     out = attn(a_in, **given) if p.positional else attn(hidden_states=a_in, **given)
     if isinstance(out, tuple) != p.pair:
         raise RuntimeError(f"hgemm: {type(attn).__name__} returns a {type(out).__name__}, not the "
@@ -217,13 +217,13 @@ def _adds_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     down = getattr(mlp, p.down)
     if p.out is None and p.form == "amx":  # (a + m) + x
         m_in = a_in if p.mlp_norm == "same" else x if p.mlp_norm is None else getattr(self, p.mlp_norm)(x)
-        down._hgemm_residual = a
+        steps.slot(down).residual = a
         o = steps._summed(mlp, down, mlp(m_in)) + x
     else:  # (x + a) + m, x + a by the output projection where it has one; the MLP on a norm of x or of x + a ("seq")
         h = x + a if p.out is None else steps._summed(attn, getattr(attn, p.out), a)
         base = h if p.form == "seq" else x
         m_in = a_in if p.mlp_norm == "same" else base if p.mlp_norm is None else getattr(self, p.mlp_norm)(base)
-        down._hgemm_residual = h
+        steps.slot(down).residual = h
         o = steps._summed(mlp, down, mlp(m_in))
     return o if not p.returns else (o, *[out[1]] * (p.returns - 1))
 
@@ -236,7 +236,7 @@ def fuse_adds(layer, module: nn.Module, ops, found: Adds) -> None:
         projections.append(getattr(getattr(module, found.attn), found.out))
     for proj in projections:
         steps.as_nk(layer, proj)
-        layer.set_forward(proj, steps._residual_forward, ops=ops, residual=None, sum=None)
+        layer.set_forward(proj, steps._residual_forward, ops=ops, slot=steps.Pending())
     signature = inspect.signature(type(module).forward)
     params = list(signature.parameters.values())[2:]
     varkw = next((q.name for q in params if q.kind == inspect.Parameter.VAR_KEYWORD), None)

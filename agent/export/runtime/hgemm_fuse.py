@@ -60,8 +60,11 @@ PyTorch where none serves), the shape recorder an object that records the proble
 is not recognised stays as it is. Works eager, in CUDA graphs and under torch.compile(fullgraph=True).
 
 A fused module keeps its identity, parameters and place in the model; its class becomes a subclass of its own (same
-name) whose forward is one of this file's, reading what it needs from attributes `fuse` sets (`_hgemm_*`), so that
-torch.compile reaches every module by one path (closures over modules made dynamo guard each module a second time).
+name) whose forward is one of these files', reading what it needs from attributes `fuse` sets (`_hgemm_*`; below a
+decoder layer ints, floats, strings and tensors only), so that torch.compile reaches every module by one path
+(closures over modules made dynamo guard each module a second time); `ops` and what a forward changes as it runs are
+found by keys (hgemm_steps.ops, hgemm_steps.slot), outside the modules, so that dynamo can skip the guards of an
+attention or MLP whose dicts did not change (decision `fused-classes`).
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ KINDS = ("qkv", "gate_up", "mlp_act", "o_residual", "down_residual", "parallel_r
          "residual_norm", "rms_norm", "rotary")
 _fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder layer -> _Layer (what fuse changed)
 _forwards: weakref.WeakSet = weakref.WeakSet()  # every module whose forward a fused layer replaced
-_classes: dict = {}  # (a module's class, a forward of this file, id(ops)) -> the subclass that runs it (ops kept alive)
+_classes: dict = {}  # (a module's class, a forward of these files) -> the subclass that runs it
 
 
 def _epilogue_module(ops):
@@ -115,7 +118,7 @@ def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self._hgemm_ops.rms_norm(x, self.weight, self._hgemm_eps, self._hgemm_kind)
+    return steps.ops(self).rms_norm(x, self.weight, self._hgemm_eps, self._hgemm_kind)
 
 
 def _norm(layer: _Layer, m: nn.Module, found: tuple[float, int], ops) -> None:
@@ -130,16 +133,22 @@ class _Layer:
     def __init__(self, name: str):
         self.name, self.forwards, self.kinds, self.restore, self.epilogues = name, [], [], [], []
 
-    def set_forward(self, module: nn.Module, forward, ops=None, **state) -> None:
-        """`module` runs `forward(self, ...)`: its class becomes the subclass of its own that has it (one per class,
-        forward and `ops`, with the class's name; `ops` its class attribute `_hgemm_ops`), and each of `state`
-        becomes its attribute `_hgemm_<name>`."""
+    def set_forward(self, module: nn.Module, forward, ops=None, slot=None, **state) -> None:
+        """`module` runs `forward(self, ...)`: its class becomes the subclass of its own that has it (one per class
+        and forward, with the class's name), `ops` is what steps.ops(module) returns, `slot` (an object the forward
+        changes as it runs, or the key of one set before) what steps.slot(module) returns, and each of `state`
+        becomes its attribute `_hgemm_<name>`. The module itself holds only values its forward reads (ints, strings,
+        tensors): so torch.compile can skip its guards, and its parent's, while their dicts are unchanged."""
         base = type(module)
-        cls = _classes.get((base, forward, id(ops)))
+        cls = _classes.get((base, forward))
         if cls is None:
-            cls = _classes[(base, forward, id(ops))] = type(base.__name__, (base,), {
+            cls = _classes[(base, forward)] = type(base.__name__, (base,), {
                 "forward": forward, "__module__": base.__module__, "__qualname__": base.__qualname__,
-                "_hgemm_base": base, "_hgemm_ops": ops})
+                "_hgemm_base": base})
+        if ops is not None:
+            state["ops_key"] = steps.keep_ops(ops)
+        if slot is not None:
+            state["slot"] = slot if isinstance(slot, int) else steps.keep_slot(slot)
         for name, value in state.items():
             object.__setattr__(module, f"_hgemm_{name}", value)
         module.__class__ = cls
@@ -150,13 +159,15 @@ class _Layer:
     def put_back(module: nn.Module) -> None:
         """`module` as it was before set_forward: its own class, no `_hgemm_` attributes."""
         module.__class__ = type(module)._hgemm_base
+        if "_hgemm_slot" in module.__dict__:
+            steps.drop_slot(module.__dict__["_hgemm_slot"])
         for name in [n for n in module.__dict__ if n.startswith("_hgemm_")]:
             del module.__dict__[name]
         _forwards.discard(module)
 
 
 def _gate_up_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(self._hgemm_ops.fused_linear(x, self.hgemm_gate_up_weight, self.hgemm_gate_up_bias,
+    return self.down_proj(steps.ops(self).fused_linear(x, self.hgemm_gate_up_weight, self.hgemm_gate_up_bias,
                                                        self._hgemm_epilogue, None))
 
 
@@ -202,19 +213,19 @@ def _gate_up(layer: _Layer, mlp: nn.Module, ops, kind: str) -> None:
 
 
 def _act_mlp_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    chain = self._hgemm_chain
-    if self.training and (self._hgemm_dropout or chain.residual):  # dropouts that are no identities (a residual
-        return self._hgemm_base.forward(self, x, *args, **kwargs)  # MLP's may be a function call): its own forward
-    first = getattr(self, chain.first)
-    y = self._hgemm_ops.fused_linear(x, recognise.nk_weight(first), first.bias, chain.epilogue, None)
-    if chain.second is None:
+    adds = self._hgemm_adds
+    if self.training and (self._hgemm_dropout or adds):  # dropouts that are no identities (a residual MLP's may
+        return self._hgemm_base.forward(self, x, *args, **kwargs)  # be a function call): its own forward
+    first = getattr(self, self._hgemm_first)
+    y = steps.ops(self).fused_linear(x, recognise.nk_weight(first), first.bias, self._hgemm_epilogue, None)
+    if self._hgemm_second is None:
         return y
-    second = getattr(self, chain.second)
-    if not chain.residual:
+    second = getattr(self, self._hgemm_second)
+    if not adds:
         return second(y)
     r = args[0] if len(args) == 1 and not kwargs else list(  # positional, as BLOOM and MPT call it: no binding
         self._hgemm_signature.bind(self, x, *args, **kwargs).arguments.values())[2]
-    return self._hgemm_ops.fused_linear(y, recognise.nk_weight(second), second.bias, "residual", r)
+    return steps.ops(self).fused_linear(y, recognise.nk_weight(second), second.bias, "residual", r)
 
 
 def _residual_norm_forward(self, *args, **kwargs) -> torch.Tensor:
@@ -223,7 +234,7 @@ def _residual_norm_forward(self, *args, **kwargs) -> torch.Tensor:
     h, r = args if len(args) == 2 and not kwargs else list(  # positional, as BERT calls it: no binding
         self._hgemm_signature.bind(self, *args, **kwargs).arguments.values())[1:3]
     lin = getattr(self, self._hgemm_linear)
-    y = self._hgemm_ops.fused_linear(h, lin.weight, lin.bias, "residual", r)
+    y = steps.ops(self).fused_linear(h, lin.weight, lin.bias, "residual", r)
     return y if self._hgemm_norm is None else getattr(self, self._hgemm_norm)(y)
 
 
@@ -234,7 +245,8 @@ def _act_mlp(layer: _Layer, mlp: nn.Module, ops, found) -> None:
     if found.residual:
         steps.as_nk(layer, getattr(mlp, found.second))
     dropout = any(isinstance(c, nn.Dropout) and c.p > 0 for c in mlp.children())
-    layer.set_forward(mlp, _act_mlp_forward, ops=ops, chain=found, dropout=dropout,
+    layer.set_forward(mlp, _act_mlp_forward, ops=ops, first=found.first, second=found.second,
+                      epilogue=found.epilogue, adds=found.residual, dropout=dropout,
                       signature=inspect.signature(type(mlp).forward))
     layer.kinds += ["mlp_act"] + (["down_residual"] if found.residual else [])
     layer.epilogues.append(found.epilogue)

@@ -7,34 +7,36 @@ Shipped in an export beside hgemm_fuse.py, which loads it; the forward runs as t
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
+steps = sys.modules[__name__.replace("__hgemm_qkv", "__hgemm_steps")]  # hgemm_fuse loads it first
 
-class _Shared:
-    """What q, k and v's forwards share: the merged weight and bias, their columns, the last merged product and its
-    input, which of k (1) and v (2) have yet to take their columns of it (`left`), and whether q runs alone
-    (`alone`: a product went unused, as a cross-attention's does, whose k and v read another input or are
-    cached)."""
 
-    def __init__(self, weight, bias, bounds):
-        self.weight, self.bias, self.bounds = weight, bias, bounds
+class _Product:
+    """What q, k and v's forwards share as they run (their slot, steps.slot): the last merged product and its input,
+    which of k (1) and v (2) have yet to take their columns of it (`left`), and whether q runs alone (`alone`: a
+    product went unused, as a cross-attention's does, whose k and v read another input or are cached)."""
+
+    def __init__(self):
         self.x = self.y = None
         self.left, self.alone = 0, False
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
-    """q's forward runs the merged GEMM and keeps its product; k's and v's take their columns of it when their
-    input is the same tensor (the product is let go once both have), else run their own rows of the merged weight.
-    Where a product goes unused (k or v called on another input, or q again before both took theirs), it is let go
-    and q runs its own rows from then on."""
-    shared, index = self._hgemm_qkv, self._hgemm_index
-    lo, hi = shared.bounds[index]
+    """q's forward runs the merged GEMM (its `_hgemm_weight` and `_hgemm_bias`) and keeps its product; k's and v's
+    take their columns of it (`_hgemm_lo` to `_hgemm_hi`) when their input is the same tensor (the product is let go
+    once both have), else run their own rows (their parameters, views of the merged ones). Where a product goes
+    unused (k or v called on another input, or q again before both took theirs), it is let go and q runs its own
+    rows from then on."""
+    shared, index, lo, hi = steps.slot(self), self._hgemm_index, self._hgemm_lo, self._hgemm_hi
     if shared.x is not None and (index == 0 or shared.x is not x or not shared.left & index):
         shared.x = shared.y = None
         shared.alone = True
     if index == 0 and not shared.alone:
-        shared.x, shared.y, shared.left = x, self._hgemm_ops.linear(x, shared.weight, shared.bias), 3
+        shared.x, shared.y, shared.left = x, steps.ops(self).linear(x, self._hgemm_weight, self._hgemm_bias), 3
         return shared.y[..., lo:hi]
     if index and shared.x is x:  # k or v on q's input, its columns not taken yet
         y = shared.y
@@ -42,7 +44,7 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if not shared.left:
             shared.x = shared.y = None
         return y[..., lo:hi]
-    return self._hgemm_ops.linear(x, shared.weight[lo:hi], None if shared.bias is None else shared.bias[lo:hi])
+    return steps.ops(self).linear(x, self.weight, self.bias)
 
 
 def merge(layer, attn: nn.Module, ops, names: tuple[str, str, str]) -> None:
@@ -64,9 +66,12 @@ def merge(layer, attn: nn.Module, ops, names: tuple[str, str, str]) -> None:
         p.weight.data = weight[lo:hi]
         if p.bias is not None:
             p.bias.data = bias[lo:hi]
-    shared = _Shared(weight, bias, bounds)
-    for i, p in enumerate((q, k, v)):
-        layer.set_forward(p, _forward, ops=ops, qkv=shared, index=i)
+    key = None
+    for i, (p, (lo, hi)) in enumerate(zip((q, k, v), bounds, strict=True)):
+        merged = {"weight": weight, "bias": bias} if i == 0 else {}
+        layer.set_forward(p, _forward, ops=ops, slot=_Product() if key is None else key, index=i, lo=lo, hi=hi,
+                          **merged)
+        key = p._hgemm_slot
 
     def restore():
         for p in (q, k, v):  # their own storage again, the same values

@@ -213,15 +213,57 @@ def llama_parts(layer: nn.Module, mlp: str | None, down: str | None = "down_proj
     return all(recognise.plain_linear(p) for p in projections) and all(isinstance(n, nn.Module) for n in norms)
 
 
+_OPS: dict = {}  # id(ops) -> ops, for every `ops` a module was fused with (kept alive)
+_SLOTS: dict = {}  # key -> the state a fused module changes as it runs (Pending, hgemm_qkv's product)
+_slot_keys = itertools.count()
+
+
+def keep_ops(ops) -> int:
+    """The key by which a fused module finds `ops` (`ops(module)`), kept from now on."""
+    _OPS[id(ops)] = ops
+    return id(ops)
+
+
+def ops(module: nn.Module):
+    """The `ops` `module` was fused with, by the key it holds (`_hgemm_ops_key`)."""
+    return _OPS[module._hgemm_ops_key]
+
+
+def keep_slot(state) -> int:
+    """The key by which fused modules find `state`, an object they change as they run (`slot(module)`); dropped by
+    `drop_slot` when they are put back."""
+    key = next(_slot_keys)
+    _SLOTS[key] = state
+    return key
+
+
+def slot(module: nn.Module):
+    """The state `module` changes as it runs, by the key it holds (`_hgemm_slot`)."""
+    return _SLOTS[module._hgemm_slot]
+
+
+def drop_slot(key: int) -> None:
+    _SLOTS.pop(key, None)
+
+
+class Pending:
+    """A projection's residual, left by its layer for the projection's next call, and the sum that call computed
+    (which the layer checks)."""
+
+    def __init__(self):
+        self.residual = self.sum = None
+
+
 def _residual_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """A projection (an nn.Linear or a Conv1D) that adds the residual its layer left on it (once), in the GEMM's
-    epilogue; it keeps the sum for its layer to check that the sum is what the attention returns."""
-    r, w = self._hgemm_residual, recognise.nk_weight(self)
-    if r is None:
-        return self._hgemm_ops.linear(x, w, self.bias)
-    self._hgemm_residual = None
-    self._hgemm_sum = self._hgemm_ops.fused_linear(x, w, self.bias, "residual", r)
-    return self._hgemm_sum
+    """A projection (an nn.Linear or a Conv1D) that adds the residual its layer left for it (once, its slot's
+    Pending), in the GEMM's epilogue; it keeps the sum for its layer to check that the sum is what the attention
+    returns."""
+    pending, w = slot(self), recognise.nk_weight(self)
+    if pending.residual is None:
+        return ops(self).linear(x, w, self.bias)
+    r, pending.residual = pending.residual, None
+    pending.sum = ops(self).fused_linear(x, w, self.bias, "residual", r)
+    return pending.sum
 
 
 def as_nk(layer, m: nn.Module) -> None:
@@ -250,7 +292,7 @@ def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.
     """The decoder layer's steps with both residual adds left on o_proj and the MLP's last projection."""
     kwargs = _by_name(self, hidden_states, args, kwargs)
     attn, mlp = self.self_attn, getattr(self, self._hgemm_mlp)
-    attn.o_proj._hgemm_residual = hidden_states
+    slot(attn.o_proj).residual = hidden_states
     out = attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
     hidden = _summed(attn, attn.o_proj, out[0] if isinstance(out, tuple) else out)  # o_proj added the residual
     if self._hgemm_down is None:  # an MLP whose output is not its last projection's (an MoE block): its add as it was
@@ -262,7 +304,7 @@ def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.
                                "patch this model with fuse=False")
         return hidden + out.view(hidden.shape)
     down = getattr(mlp, self._hgemm_down)
-    down._hgemm_residual = hidden
+    slot(down).residual = hidden
     return _summed(mlp, down, mlp(self.post_attention_layernorm(hidden)))  # down added it
 
 
@@ -275,9 +317,9 @@ def _post_norm_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> to
     out = self.self_attn(hidden_states=hidden_states if pre_attn is None else getattr(self, pre_attn)(hidden_states),
                          **kwargs)
     out = out[0] if isinstance(out, tuple) else out
-    h = self._hgemm_ops.rms_norm(out, getattr(self, post_attn).weight, eps1, kind1, hidden_states)
+    h = ops(self).rms_norm(out, getattr(self, post_attn).weight, eps1, kind1, hidden_states)
     out = getattr(self, self._hgemm_mlp)(h if pre_mlp is None else getattr(self, pre_mlp)(h))
-    return self._hgemm_ops.rms_norm(out, getattr(self, post_mlp).weight, eps2, kind2, h)
+    return ops(self).rms_norm(out, getattr(self, post_mlp).weight, eps2, kind2, h)
 
 
 def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tensor:
@@ -285,13 +327,14 @@ def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tenso
     its projection's output, or does not call it, would have the residual added in the wrong place or not at all).
     Under torch.compile's tracing an op that returns its input in eager (dropout outside training) gives a new
     tensor, so there the check is that the projection added the residual and `out` has the sum's shape."""
-    summed = proj._hgemm_sum
+    pending = slot(proj)
+    summed = pending.sum
     if not (out is summed or (torch.compiler.is_compiling() and summed is not None
                               and isinstance(out, torch.Tensor) and out.shape == summed.shape)):
-        proj._hgemm_residual = None
+        pending.residual = None
         raise RuntimeError(f"hgemm: {type(block).__name__} returns something other than its {type(proj).__name__}'s "
                            "output with the residual fused into it; patch this model with fuse=False")
-    proj._hgemm_sum = None
+    pending.sum = None
     return out
 
 
@@ -301,7 +344,7 @@ def residuals(layer, module: nn.Module, ops, mlp: str, down: str | None, mlp_out
     pair, its rows flat: layer_steps) (`layer`: hgemm_fuse's _Layer, which records what changed)."""
     projections = [module.self_attn.o_proj] + ([] if down is None else [getattr(getattr(module, mlp), down)])
     for proj in projections:
-        layer.set_forward(proj, _residual_forward, ops=ops, residual=None, sum=None)
+        layer.set_forward(proj, _residual_forward, ops=ops, slot=Pending())
     layer.set_forward(module, _layer_forward, signature=inspect.signature(type(module).forward), mlp=mlp, down=down,
                       mlp_output=tuple(mlp_output))
     layer.kinds += ["o_residual", "down_residual"][:len(projections)]
