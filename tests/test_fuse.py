@@ -534,7 +534,7 @@ class ReshapingLayer(Layer):
 
 def test_a_layer_that_reshapes_its_mlps_output_fuses_both_adds():
     model, ids = model_and_ids(layer=ReshapingLayer)
-    assert hgemm_fuse.steps.layer_steps(model.layers[0], "mlp") == ("llama", False, True)
+    assert hgemm_fuse.steps.layer_steps(model.layers[0], "mlp") == ("llama", False, True, False)
     assert fused_as_before(model, ids) == (2, 2, 2, 2)
 
 
@@ -543,13 +543,30 @@ def test_a_layer_that_takes_its_moe_blocks_output_as_a_pair_fuses_o_projs_add(la
     model, ids = model_and_ids(layer=layer)
     assert hgemm_fuse.steps.mlp_name(model.layers[0]) == "feed_forward"
     # flat: the layer reshapes what the block returns (flat rows or not); else its probe with flat rows raises
-    assert hgemm_fuse.steps.layer_steps(model.layers[0], "feed_forward") == ("llama", True, flat)
+    assert hgemm_fuse.steps.layer_steps(model.layers[0], "feed_forward") == ("llama", True, flat, True)
     assert fused_as_before(model, ids) == (2, 4, 2, 0)
 
 
 class TupleExperts(Experts):
     def forward(self, x):
         return super().forward(x), None
+
+
+class EitherLayer(MoELayer):
+    """transformers 4's MoE layers: the block's output unpacked where it is a pair (output, router logits)."""
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), attention_mask)[0]
+        out = self.mlp(self.post_attention_layernorm(h))
+        return h + (out[0] if isinstance(out, tuple) else out)
+
+
+def test_a_layer_that_takes_its_moe_blocks_output_as_a_pair_or_a_tensor_fuses_o_projs_add():
+    model, ids = model_and_ids(layer=EitherLayer)
+    for layer in model.layers:
+        layer.mlp.__class__ = TupleExperts  # returns (output, None), as transformers 4's blocks return a pair
+    assert hgemm_fuse.steps.layer_steps(model.layers[0], "mlp") == ("llama", False, False, True)
+    assert fused_as_before(model, ids)[2] == 2  # o_proj's add fused in both layers, the logits as before
 
 
 def test_an_moe_block_that_returns_a_tuple_where_the_probe_saw_a_tensor_is_an_error():

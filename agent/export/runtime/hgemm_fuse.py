@@ -274,7 +274,7 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             down = down if returns_down else None  # None: only o_proj takes its residual add
             llama = steps.llama_parts(module, mlp_name, down)  # the parts of Llama's steps
             found = steps.layer_steps(module, mlp_name) if mlp is not None and llama else None
-            kind, *mlp_output = found or (None, False, False)
+            kind, *mlp_output = found or (None, False, False, False)
             # a layer that takes the MLP's output as a pair cannot take down's tensor; one that reshapes it can
             llama = llama and kind == "llama" and (down is None or not mlp_output[0])
             roles = steps.post_norm_roles(module, mlp_name) if norms and mlp is not None and kind is None else None

@@ -95,16 +95,18 @@ def mlp_name(layer: nn.Module) -> str | None:
     return rest[0] if len(rest) == 1 else None
 
 
-def layer_steps(layer: nn.Module, mlp: str = "mlp") -> tuple[str, bool, bool] | None:
-    """Whether the decoder layer's own forward runs Llama's steps, returning one tensor, with `mlp` the name of its
-    MLP: ("llama", pair, flat), x + attn(norm1(x)) and then h + mlp(norm2(h)) (input_layernorm,
+def layer_steps(layer: nn.Module, mlp: str = "mlp") -> tuple[str, bool, bool, bool] | None:
+    """Whether the decoder layer's own forward runs Llama's steps, returning one tensor, with `mlp` the name of its MLP:
+    ("llama", pair, flat, unpacks), x + attn(norm1(x)) and then h + mlp(norm2(h)) (input_layernorm,
     post_attention_layernorm), which `_layer_forward` runs with the adds in the epilogues of o_proj and of the MLP's
-    last projection; `pair` where the layer takes the MLP's output as a pair (output, router scores), `flat` where
-    it takes it with its rows flat too (an MoE block's, which the layer reshapes); or None. Its forward is called
-    with the attention and the MLP stood in for by fixed functions (_Stand; the MLP's output a tensor, then a pair,
-    each of the layer's shape and flat: `flat` where the layer takes it flat, so reshapes it) and compared with those
-    steps, bit for bit. Arguments the forward requires besides the hidden states (position embeddings, in some
-    transformers versions) are given as None: the layer passes them on to the stand-ins, which ignore them."""
+    last projection; `pair` where the layer takes the MLP's output only as a pair (output, router scores), `flat`
+    where it takes it with its rows flat too (an MoE block's, which the layer reshapes), `unpacks` where it takes a
+    pair, as well as a tensor or only (transformers 4's MoE layers unpack their block's pair if it is one); or None.
+    Its forward is called with the attention and the MLP stood in for by fixed functions (_Stand; the MLP's output a
+    tensor, then a pair, each of the layer's shape and flat: `flat` where the layer takes it flat, so reshapes it)
+    and compared with those steps, bit for bit. Arguments the forward requires besides the hidden states (position
+    embeddings, in some transformers versions) are given as None: the layer passes them on to the stand-ins, which
+    ignore them."""
     o_proj = _probe_parts(layer, mlp)
     if o_proj is None:
         return None
@@ -134,7 +136,7 @@ def _llama_match(layer: nn.Module, mlp: str, x: torch.Tensor, attn: _Stand, requ
     for pair in (False, True):
         shaped, flat = matches(pair, False), matches(pair, True)
         if shaped or flat:
-            return "llama", pair, flat
+            return "llama", pair, flat, pair or matches(True, flat)
     return None
 
 
@@ -297,8 +299,8 @@ def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.
     hidden = _summed(attn, attn.o_proj, out[0] if isinstance(out, tuple) else out)  # o_proj added the residual
     if self._hgemm_down is None:  # an MLP whose output is not its last projection's (an MoE block): its add as it was
         out = mlp(self.post_attention_layernorm(hidden))
-        pair, flat = self._hgemm_mlp_output
-        out = out[0] if pair and isinstance(out, tuple) else out
+        _, flat, unpacks = self._hgemm_mlp_output
+        out = out[0] if unpacks and isinstance(out, tuple) else out
         if not isinstance(out, torch.Tensor) or (out.shape != hidden.shape and not flat):  # flat: the layer reshapes
             raise RuntimeError(f"hgemm: {type(mlp).__name__}'s output is not what its layer took when patched; "
                                "patch this model with fuse=False")
@@ -338,7 +340,7 @@ def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tenso
     return out
 
 
-def residuals(layer, module: nn.Module, ops, mlp: str, down: str | None, mlp_output=(False, False)) -> None:
+def residuals(layer, module: nn.Module, ops, mlp: str, down: str | None, mlp_output=(False, False, False)) -> None:
     """The layer's residual adds in the epilogues of o_proj and of its MLP's (the child `mlp`'s) last projection
     `down`; with `down` None, the MLP's add stays as the layer runs it, its output taken as `mlp_output` says (a
     pair, its rows flat: layer_steps) (`layer`: hgemm_fuse's _Layer, which records what changed)."""
