@@ -5,7 +5,9 @@ problems."""
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -1045,3 +1047,16 @@ def test_a_residual_scaled_by_a_weight_that_is_ones_at_init_keeps_its_adds():
     model, ids = model_and_ids(layer=ResidualScaleLayer)
     assert fused_as_before(model, ids)[2:] == (0, 0)  # neither add fused
     assert torch.equal(model.layers[0].input_residual, torch.ones(64))  # put back after the probe
+
+
+def test_a_fused_model_deleted_without_unfuse_is_freed_with_what_its_modules_kept():
+    model, ids = model_and_ids()
+    slots = len(hgemm_fuse.steps._SLOTS)
+    hgemm_fuse.fuse(model, TorchOps)
+    with torch.no_grad():
+        model(ids)
+    layer = weakref.ref(model.layers[0])
+    assert len(hgemm_fuse.steps._SLOTS) > slots
+    del model
+    gc.collect()
+    assert layer() is None and len(hgemm_fuse.steps._SLOTS) == slots  # its weights and slots let go

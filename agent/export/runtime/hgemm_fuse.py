@@ -63,7 +63,7 @@ A fused module keeps its identity, parameters and place in the model; its class 
 name) whose forward is one of these files', reading what it needs from attributes `fuse` sets (`_hgemm_*`; below a
 decoder layer ints, floats, strings and tensors only), so that torch.compile reaches every module by one path
 (closures over modules made dynamo guard each module a second time); `ops` and what a forward changes as it runs are
-found by keys (hgemm_steps.ops, hgemm_steps.slot), outside the modules, so that dynamo can skip the guards of an
+found by keys (hgemm_steps.ops_of, hgemm_steps.slot), outside the modules, so that dynamo can skip the guards of an
 attention or MLP whose dicts did not change (decision `fused-classes`).
 """
 
@@ -98,7 +98,8 @@ adds = _beside("hgemm_adds")
 
 KINDS = ("qkv", "gate_up", "mlp_act", "o_residual", "down_residual", "parallel_residual", "norm_residual",
          "residual_norm", "rms_norm", "rotary")
-_fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder layer -> _Layer (what fuse changed)
+_FUSED = "_hgemm_fused"  # a fused decoder layer's _Layer (what fuse changed), in the layer's own dict: a dict of
+#                          layers would keep them alive through the _Layer's references to them
 _forwards: weakref.WeakSet = weakref.WeakSet()  # every module whose forward a fused layer replaced
 _classes: dict = {}  # (a module's class, a forward of these files) -> the subclass that runs it
 
@@ -118,7 +119,7 @@ def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return steps.ops(self).rms_norm(x, self.weight, self._hgemm_eps, self._hgemm_kind)
+    return steps.ops_of(self).rms_norm(x, self.weight, self._hgemm_eps, self._hgemm_kind)
 
 
 def _norm(layer: _Layer, m: nn.Module, found: tuple[float, int], ops) -> None:
@@ -135,7 +136,7 @@ class _Layer:
 
     def set_forward(self, module: nn.Module, forward, ops=None, slot=None, **state) -> None:
         """`module` runs `forward(self, ...)`: its class becomes the subclass of its own that has it (one per class
-        and forward, with the class's name), `ops` is what steps.ops(module) returns, `slot` (an object the forward
+        and forward, with the class's name), `ops` is what steps.ops_of(module) returns, `slot` (an object the forward
         changes as it runs, or the key of one set before) what steps.slot(module) returns, and each of `state`
         becomes its attribute `_hgemm_<name>`. The module itself holds only values its forward reads (ints, strings,
         tensors): so torch.compile can skip its guards, and its parent's, while their dicts are unchanged."""
@@ -147,8 +148,11 @@ class _Layer:
                 "_hgemm_base": base})
         if ops is not None:
             state["ops_key"] = steps.keep_ops(ops)
+        if slot is not None and not isinstance(slot, int):
+            slot = steps.keep_slot(slot)
+            weakref.finalize(module, steps.drop_slot, slot)  # a model deleted without unpatch lets it go too
         if slot is not None:
-            state["slot"] = slot if isinstance(slot, int) else steps.keep_slot(slot)
+            state["slot"] = slot
         for name, value in state.items():
             object.__setattr__(module, f"_hgemm_{name}", value)
         module.__class__ = cls
@@ -167,7 +171,7 @@ class _Layer:
 
 
 def _gate_up_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(steps.ops(self).fused_linear(x, self.hgemm_gate_up_weight, self.hgemm_gate_up_bias,
+    return self.down_proj(steps.ops_of(self).fused_linear(x, self.hgemm_gate_up_weight, self.hgemm_gate_up_bias,
                                                        self._hgemm_epilogue, None))
 
 
@@ -217,7 +221,7 @@ def _act_mlp_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if self.training and (self._hgemm_dropout or adds):  # dropouts that are no identities (a residual MLP's may
         return self._hgemm_base.forward(self, x, *args, **kwargs)  # be a function call): its own forward
     first = getattr(self, self._hgemm_first)
-    y = steps.ops(self).fused_linear(x, recognise.nk_weight(first), first.bias, self._hgemm_epilogue, None)
+    y = steps.ops_of(self).fused_linear(x, recognise.nk_weight(first), first.bias, self._hgemm_epilogue, None)
     if self._hgemm_second is None:
         return y
     second = getattr(self, self._hgemm_second)
@@ -225,7 +229,7 @@ def _act_mlp_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return second(y)
     r = args[0] if len(args) == 1 and not kwargs else list(  # positional, as BLOOM and MPT call it: no binding
         self._hgemm_signature.bind(self, x, *args, **kwargs).arguments.values())[2]
-    return steps.ops(self).fused_linear(y, recognise.nk_weight(second), second.bias, "residual", r)
+    return steps.ops_of(self).fused_linear(y, recognise.nk_weight(second), second.bias, "residual", r)
 
 
 def _residual_norm_forward(self, *args, **kwargs) -> torch.Tensor:
@@ -234,7 +238,7 @@ def _residual_norm_forward(self, *args, **kwargs) -> torch.Tensor:
     h, r = args if len(args) == 2 and not kwargs else list(  # positional, as BERT calls it: no binding
         self._hgemm_signature.bind(self, *args, **kwargs).arguments.values())[1:3]
     lin = getattr(self, self._hgemm_linear)
-    y = steps.ops(self).fused_linear(h, lin.weight, lin.bias, "residual", r)
+    y = steps.ops_of(self).fused_linear(h, lin.weight, lin.bias, "residual", r)
     return y if self._hgemm_norm is None else getattr(self, self._hgemm_norm)(y)
 
 
@@ -260,9 +264,9 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
     counts = dict.fromkeys(KINDS, 0)
     norms = norms and hasattr(ops, "rms_norm")
     for name, module, attn_name in list(steps.decoder_layers(model)):
-        if module in _fused:
+        if _FUSED in module.__dict__:
             continue
-        layer = _fused[module] = _Layer(name)
+        layer = module.__dict__[_FUSED] = _Layer(name)
         with torch.no_grad():
             # probes first, on the modules as they are
             mlp_name = steps.mlp_name(module)
@@ -302,17 +306,17 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
                 if found is not None:
                     _norm(layer, norm, found, ops)
         if not layer.kinds:  # nothing recognised: the layer stays as it was
-            del _fused[module]
+            del module.__dict__[_FUSED]
         for kind in layer.kinds:
             counts[kind] += 1
     for name, module in list(model.named_modules()):  # what decoder layers do not hold
-        if module in _fused or owns(module):
+        if _FUSED in module.__dict__ or owns(module):
             continue
-        layer = _fused[module] = _Layer(name)
+        layer = module.__dict__[_FUSED] = _Layer(name)
         with torch.no_grad():
             _fuse_alone(layer, module, ops, norms)
         if not layer.kinds:
-            del _fused[module]
+            del module.__dict__[_FUSED]
         for kind in layer.kinds:
             counts[kind] += 1
     return counts
@@ -353,7 +357,7 @@ def unfuse(model: nn.Module) -> int:
     as they were; returns how many layers were restored."""
     restored = 0
     for module in list(model.modules()):
-        layer = _fused.pop(module, None)
+        layer = module.__dict__.pop(_FUSED, None)
         if layer is None:
             continue
         for m in layer.forwards:
@@ -382,7 +386,7 @@ def describe(model: nn.Module) -> list[str]:
              "rotary": "rotary frequencies by broadcasting, no matmul"}
     lines = []
     for module in model.modules():
-        layer = _fused.get(module)
+        layer = module.__dict__.get(_FUSED)
         if layer is not None:
             extra = f" ({', '.join(layer.epilogues)})" if layer.epilogues else ""
             kinds = [k for k in KINDS if k in layer.kinds]

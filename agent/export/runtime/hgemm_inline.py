@@ -87,7 +87,7 @@ def _folded_equal(layer: nn.Module, name: str, act_name: str, x: torch.Tensor, g
 
 
 def _act_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return steps.ops(self).fused_linear(x, self.weight, self.bias, self._hgemm_epilogue, None)
+    return steps.ops_of(self).fused_linear(x, self.weight, self.bias, self._hgemm_epilogue, None)
 
 
 def fold(layer, module: nn.Module, ops, found: tuple[str, str, str]) -> None:

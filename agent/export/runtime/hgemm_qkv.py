@@ -36,7 +36,7 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
         shared.x = shared.y = None
         shared.alone = True
     if index == 0 and not shared.alone:
-        shared.x, shared.y, shared.left = x, steps.ops(self).linear(x, self._hgemm_weight, self._hgemm_bias), 3
+        shared.x, shared.y, shared.left = x, steps.ops_of(self).linear(x, self._hgemm_weight, self._hgemm_bias), 3
         return shared.y[..., lo:hi]
     if index and shared.x is x:  # k or v on q's input, its columns not taken yet
         y = shared.y
@@ -44,7 +44,7 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if not shared.left:
             shared.x = shared.y = None
         return y[..., lo:hi]
-    return steps.ops(self).linear(x, self.weight, self.bias)
+    return steps.ops_of(self).linear(x, self.weight, self.bias)
 
 
 def merge(layer, attn: nn.Module, ops, names: tuple[str, str, str]) -> None:

@@ -221,12 +221,12 @@ _slot_keys = itertools.count()
 
 
 def keep_ops(ops) -> int:
-    """The key by which a fused module finds `ops` (`ops(module)`), kept from now on."""
+    """The key by which a fused module finds `ops` (`ops_of(module)`), kept from now on."""
     _OPS[id(ops)] = ops
     return id(ops)
 
 
-def ops(module: nn.Module):
+def ops_of(module: nn.Module):
     """The `ops` `module` was fused with, by the key it holds (`_hgemm_ops_key`)."""
     return _OPS[module._hgemm_ops_key]
 
@@ -262,9 +262,9 @@ def _residual_forward(self, x: torch.Tensor) -> torch.Tensor:
     returns."""
     pending, w = slot(self), recognise.nk_weight(self)
     if pending.residual is None:
-        return ops(self).linear(x, w, self.bias)
+        return ops_of(self).linear(x, w, self.bias)
     r, pending.residual = pending.residual, None
-    pending.sum = ops(self).fused_linear(x, w, self.bias, "residual", r)
+    pending.sum = ops_of(self).fused_linear(x, w, self.bias, "residual", r)
     return pending.sum
 
 
@@ -319,9 +319,9 @@ def _post_norm_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> to
     out = self.self_attn(hidden_states=hidden_states if pre_attn is None else getattr(self, pre_attn)(hidden_states),
                          **kwargs)
     out = out[0] if isinstance(out, tuple) else out
-    h = ops(self).rms_norm(out, getattr(self, post_attn).weight, eps1, kind1, hidden_states)
+    h = ops_of(self).rms_norm(out, getattr(self, post_attn).weight, eps1, kind1, hidden_states)
     out = getattr(self, self._hgemm_mlp)(h if pre_mlp is None else getattr(self, pre_mlp)(h))
-    return ops(self).rms_norm(out, getattr(self, post_mlp).weight, eps2, kind2, h)
+    return ops_of(self).rms_norm(out, getattr(self, post_mlp).weight, eps2, kind2, h)
 
 
 def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tensor:
