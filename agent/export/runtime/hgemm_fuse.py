@@ -148,10 +148,10 @@ class _Layer:
                 "_hgemm_base": base})
         if ops is not None:
             state["ops_key"] = steps.keep_ops(ops)
-        if slot is not None and not isinstance(slot, int):
-            slot = steps.keep_slot(slot)
-            weakref.finalize(module, steps.drop_slot, slot)  # a model deleted without unpatch lets it go too
         if slot is not None:
+            if not isinstance(slot, int):
+                slot = steps.keep_slot(slot)
+                weakref.finalize(module, steps.drop_slot, slot)  # a model deleted without unpatch lets it go too
             state["slot"] = slot
         for name, value in state.items():
             object.__setattr__(module, f"_hgemm_{name}", value)
@@ -172,7 +172,7 @@ class _Layer:
 
 def _gate_up_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(steps.ops_of(self).fused_linear(x, self.hgemm_gate_up_weight, self.hgemm_gate_up_bias,
-                                                       self._hgemm_epilogue, None))
+                                                          self._hgemm_epilogue, None))
 
 
 def _gate_up(layer: _Layer, mlp: nn.Module, ops, kind: str) -> None:
