@@ -62,16 +62,14 @@ def merge(layer, attn: nn.Module, ops, names: tuple[str, str, str]) -> None:
     bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(3)]
     attn.register_buffer("hgemm_qkv_weight", weight, persistent=False)
     attn.register_buffer("hgemm_qkv_bias", bias, persistent=False)
-    for p, (lo, hi) in zip((q, k, v), bounds, strict=True):  # one copy: the parameters become views of the merge
-        p.weight.data = weight[lo:hi]
+    slot = _Product()  # q's; k and v share it by its key
+    for i, (p, (lo, hi)) in enumerate(zip((q, k, v), bounds, strict=True)):
+        p.weight.data = weight[lo:hi]  # one copy: the parameters become views of the merge
         if p.bias is not None:
             p.bias.data = bias[lo:hi]
-    key = None
-    for i, (p, (lo, hi)) in enumerate(zip((q, k, v), bounds, strict=True)):
-        merged = {"weight": weight, "bias": bias} if i == 0 else {}
-        layer.set_forward(p, _forward, ops=ops, slot=_Product() if key is None else key, index=i, lo=lo, hi=hi,
-                          **merged)
-        key = p._hgemm_slot
+        merged = {"weight": weight, "bias": bias} if i == 0 else {}  # q runs the merged GEMM
+        layer.set_forward(p, _forward, ops=ops, slot=slot, index=i, lo=lo, hi=hi, **merged)
+        slot = p._hgemm_slot
 
     def restore():
         for p in (q, k, v):  # their own storage again, the same values
