@@ -4,6 +4,9 @@ and torch.compile over a patched model."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,6 +142,17 @@ def test_matmul_mode_and_own_forwards(ops):
     assert ("mm", (2, 8, 8), False) in spy.calls and sum(c[0] == "mm" for c in spy.calls) == 1
     assert ops.unpatch(net) == 3  # the model's wrapper and two layers
     assert net.tuned.forward is own and "forward" not in net.__dict__ and "forward" not in net.custom.__dict__
+
+
+def test_a_patched_model_deleted_without_unpatch_is_freed(ops):
+    net = Net()
+    net.tuned.forward = net.tuned.forward  # a forward of its own, bound to the layer
+    net.forward = net.forward
+    assert ops.patch(net, matmul=True)["linear"] == 2
+    layer, model = weakref.ref(net.tuned), weakref.ref(net)
+    del net
+    gc.collect()
+    assert layer() is None and model() is None
 
 
 def test_gradients_through_a_patched_model(ops):

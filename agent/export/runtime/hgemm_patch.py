@@ -29,9 +29,9 @@ def _load_fuse() -> types.ModuleType:
 
 
 fuse = _load_fuse()
-_NO_FORWARD = object()  # the module had no forward of its own (the class's)
-_patched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Linear -> its own forward before patch()
-_wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its own forward before MatmulMode
+# each kind of patch: the modules it patched, and the key in a module's dict that keeps its own forward from before
+_patched = (weakref.WeakSet(), "_hgemm_own_forward")  # the nn.Linear / Conv1D layers routed through the op
+_wrapped = (weakref.WeakSet(), "_hgemm_own_model_forward")  # the models whose forward runs under MatmulMode
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm}
 ADDMMS = {torch.addmm, torch.Tensor.addmm}
 
@@ -73,6 +73,15 @@ class MatmulMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _save_forward(kind: tuple[weakref.WeakSet, str], module: nn.Module) -> None:
+    """Marks `module` as patched and keeps a forward of its own (hooks and wrappers set one) in its own dict: a
+    forward bound to the module, kept in a module-level dict, would keep the module alive."""
+    saved, key = kind
+    saved.add(module)
+    if "forward" in module.__dict__:
+        module.__dict__[key] = module.__dict__["forward"]
+
+
 def patch(ops, model: nn.Module, matmul: bool = False, fuse_layers: bool = True,
           norms: bool = True) -> dict[str, int]:
     """Fuse `model`'s decoder layers (hgemm_fuse: their projections call ops.linear / ops.fused_linear, which run
@@ -88,7 +97,7 @@ def patch(ops, model: nn.Module, matmul: bool = False, fuse_layers: bool = True,
     tuned = {"nk": _tuned(ops, "nk"), "kn": _tuned(ops, "kn")}
     routed = 0
     for module in model.modules():
-        if module in _patched or fuse.owns(module):  # patched already, or run by a fused layer
+        if module in _patched[0] or fuse.owns(module):  # patched already, or run by a fused layer
             continue
         if getattr(module, "weight", None) is None or module.weight.dim() != 2:  # a fused gate or up: no weight
             continue
@@ -101,13 +110,13 @@ def patch(ops, model: nn.Module, matmul: bool = False, fuse_layers: bool = True,
             continue
         if (n, k, module.weight.dtype, module.bias is not None) not in tuned[layout]:
             continue
-        _patched[module] = module.__dict__.get("forward", _NO_FORWARD)
+        _save_forward(_patched, module)
         module.forward = types.MethodType(
             lambda self, x, call=call: getattr(ops._eager, call)(x, self.weight, self.bias), module)
         routed += 1
-    if matmul and model not in _wrapped:
+    if matmul and model not in _wrapped[0]:
         inner = model.forward
-        _wrapped[model] = model.__dict__.get("forward", _NO_FORWARD)
+        _save_forward(_wrapped, model)
 
         def forward(*args, **kwargs):
             with MatmulMode(ops):
@@ -121,13 +130,12 @@ def unpatch(model: nn.Module) -> int:
     """Undo patch(model) (and any patch of its submodules): the MatmulMode wrapper, the routed layers, the fused
     layers; returns how many modules were restored."""
     restored = 0
-    for saved in (_wrapped, _patched):  # the MatmulMode wrapper first: it was put on last
+    for saved, key in (_wrapped, _patched):  # the MatmulMode wrapper first: it was put on last
         for module in model.modules():
             if module in saved:
-                own = saved.pop(module)
-                if own is _NO_FORWARD:
-                    del module.forward
-                else:
-                    module.forward = own
+                saved.discard(module)
+                del module.forward
+                if key in module.__dict__:
+                    module.forward = module.__dict__.pop(key)
                 restored += 1
     return restored + fuse.unfuse(model)
