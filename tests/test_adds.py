@@ -380,3 +380,57 @@ def test_fused_modules_below_a_layer_hold_only_plain_values(layer):
     assert held and all(issubclass(t, (int, float, str, type(None), torch.Tensor)) for t in held.values()), held
     assert any(k == "_hgemm_slot" for _, k in held)  # the projections' state is outside them
     hgemm_fuse.unfuse(model)
+
+
+class InlineMLPLayer(nn.Module):
+    """OPT's steps: the MLP's two Linear children and its activation called by the layer itself, on its tokens
+    flattened into rows."""
+
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__()
+        self.self_attn = Attention(hidden, 4, 2, bias)
+        self.self_attn_layer_norm, self.final_layer_norm = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.fc1, self.fc2, self.activation_fn = nn.Linear(hidden, inter), nn.Linear(inter, hidden), nn.ReLU()
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(hidden_states=self.self_attn_layer_norm(hidden_states),
+                                          attention_mask=attention_mask)
+        hidden_states = residual + hidden_states
+        shape = hidden_states.shape
+        hidden_states = residual = hidden_states.reshape(-1, hidden_states.size(-1))
+        hidden_states = self.fc2(self.activation_fn(self.fc1(self.final_layer_norm(hidden_states))))
+        return (residual + hidden_states).view(shape)
+
+
+class ScaledInlineMLPLayer(InlineMLPLayer):
+    """Something of the layer's own between the MLP's two projections: its add is not fc2's output plus h."""
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        h = hidden_states + self.self_attn(self.self_attn_layer_norm(hidden_states))[0]
+        return h + self.fc2(self.activation_fn(self.fc1(self.final_layer_norm(h))) * 0.5)
+
+
+@pytest.mark.parametrize("layer, adds_fused", [(InlineMLPLayer, 2), (ScaledInlineMLPLayer, 0)])
+def test_an_mlp_inline_in_the_layer_takes_the_add_in_its_last_linear(layer, adds_fused):
+    model, ids = parallel_model(layer)
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        ref, ref_layer = model(ids), model.layers[0](x)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    counts = hgemm_fuse.fuse(model, TorchOps)
+    assert (counts["o_residual"], counts["down_residual"], counts["mlp_act"]) == (adds_fused, adds_fused, 2)
+    TorchOps.calls = []
+    with torch.no_grad():
+        assert torch.equal(model.layers[0](x), ref_layer)  # the layer's adds in its own order: bit for bit
+        assert torch.allclose(model(ids), ref, atol=1e-5, rtol=1e-5)
+    if adds_fused:
+        found = model.layers[0]._hgemm_adds
+        assert (found.mlp, found.first, found.down, found.mlp_norm, found.form) == (
+            None, "fc1", "fc2", "final_layer_norm", "seq")
+        # per layer: q/k/v, o_proj with x, fc1 with its activation, fc2 with x + a
+        assert [c[0] for c in TorchOps.calls if c[0] != "rms_norm"][-4:] == ["none", "residual", "relu", "residual"]
+    assert hgemm_fuse.unfuse(model) >= 2 and type(model.layers[0]) is layer
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    if adds_fused:
+        compiles_whole(model, ids)

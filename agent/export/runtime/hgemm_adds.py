@@ -1,7 +1,8 @@
 """A decoder layer's residual adds in its projections' epilogues, for layers whose names or steps are not Llama's
 (hgemm_steps.py has those): a layer whose attention and MLP both read its input, x + attn(norm1(x)) +
 mlp(norm2(x)) (GPT-J's, Phi's, GPT-NeoX's, Falcon's, Cohere's), and one that runs them in turn under names of its
-own, h = x + attn(norm1(x)), h + mlp(norm2(h)) (GPT-2's, Persimmon's, GPT-NeoX's sequential layers). Found by probe
+own, h = x + attn(norm1(x)), h + mlp(norm2(h)) (GPT-2's, Persimmon's, GPT-NeoX's sequential layers), the MLP a child
+or two Linear children the layer calls in turn itself (OPT's, XGLM's, BioGPT's, BART's decoders'). Found by probe
 calls of the layer's own forward with its attention and MLP stood in for, which also show how the layer passes its
 arguments to the attention (`residual_steps`). x is added in the epilogue of the attention's output projection
 (`out_projection`) where it has one, and that sum (else the attention's output, or x + a) in the MLP's last
@@ -24,7 +25,8 @@ steps = sys.modules[__name__.replace("__hgemm_adds", "__hgemm_steps")]
 
 class Adds(NamedTuple):
     """How the layer runs (residual_steps): the children's names (`attn`, `mlp`; the norm before each, None for
-    none, `mlp_norm` "same" for the attention's normed input itself), the MLP's last projection `down`, how the
+    none, `mlp_norm` "same" for the attention's normed input itself), the MLP's last projection `down` (`mlp` None:
+    an MLP inline in the layer, `first` then `down` the layer's own Linear children, called in turn), how the
     attention is called (its input positional or as hidden_states=, each keyword argument from the layer's argument
     of a name or as a constant, the layer's **kwargs passed on or not), the layer's arguments that change its steps
     (`branches`, each with its default: the fused steps run only while they have it), which sum the layer returns
@@ -45,6 +47,7 @@ class Adds(NamedTuple):
     returns: int
     out: str | None = None
     pair: bool = True
+    first: str | None = None
 
 
 OUT_NAMES = ("o_proj", "out_proj", "c_proj", "dense")  # an attention's output projection, by its names
@@ -66,25 +69,48 @@ class _Arg:
         self.name = name
 
 
-def residual_steps(layer: nn.Module, attn: str, mlp: str, down: str) -> Adds | None:
+def inline_mlp(layer: nn.Module, attn: str) -> tuple[str, str] | None:
+    """(first, down): the layer's two Linear children (none in its attention) of in/out features (h, i) and (i, h),
+    down a linear_like one (first may run a fused activation already: hgemm_inline), one order only; or None."""
+    linears = {n: c for n, c in layer.named_children() if n != attn and isinstance(c, nn.Linear)
+               and c.weight.dim() == 2 and not c.weight.is_meta}
+    if len(linears) != 2:
+        return None
+    pairs = [(f, d) for f, d in (tuple(linears), tuple(linears)[::-1]) if recognise.linear_like(linears[d])
+             and recognise.features(linears[f]) == recognise.features(linears[d])[::-1]]
+    return pairs[0] if len(pairs) == 1 else None
+
+
+def _holder(layer: nn.Module, found) -> nn.Module:
+    """The module whose child the MLP's last projection is: the MLP, or the layer where the MLP is inline."""
+    return layer if found.mlp is None else getattr(layer, found.mlp)
+
+
+def residual_steps(layer: nn.Module, attn: str, mlp: str | None, down: str | None) -> Adds | None:
     """Whether the layer's own forward computes x + attn(norm1(x)) + mlp(norm2(x)), added as (a + m) + x or
-    (x + a) + m, or h + mlp(norm2(h)) with h = x + attn(norm1(x)), `down` the MLP's last projection: how (Adds),
-    or None. Its forward is called with the attention and the MLP stood in for (hgemm_steps._Stand): with its
-    arguments' defaults (required ones None), then once more for each argument with a value of its own in its place,
-    which shows under which name the attention gets it; an argument whose value changes the steps or is passed only
-    when given (a flag that adds the attention's weights to what the layer returns, an encoder's states that start
-    a cross-attention) is a branch: the fused steps run while it has its default, the layer's own forward otherwise.
+    (x + a) + m, or h + mlp(norm2(h)) with h = x + attn(norm1(x)), `down` the MLP's last projection (`mlp` None: the
+    layer's inline_mlp, down(first(.)), the layer's own children): how (Adds), or None. Its forward is called with
+    the attention and the MLP stood in for (hgemm_steps._Stand): with its arguments' defaults (required ones None),
+    then once more for each argument with a value of its own in its place, which shows under which name the
+    attention gets it; an argument whose value changes the steps or is passed only when given (a flag that adds the
+    attention's weights to what the layer returns, an encoder's states that start a cross-attention) is a branch:
+    the fused steps run while it has its default, the layer's own forward otherwise.
     """
-    lin = getattr(getattr(layer, mlp), down)
+    first = None
+    if mlp is None:
+        if (found := inline_mlp(layer, attn)) is None:
+            return None
+        first, down = found
+    lin = getattr(layer if mlp is None else getattr(layer, mlp), down)
     if lin.weight.is_meta:
         return None
     x = recognise.probe_input(lin.weight, 2, 3, recognise.features(lin)[1])
-    with steps.distinct_weights(layer, (attn, mlp)):  # which norm is which: not by values they share at init
-        return _residual_steps(layer, attn, mlp, down, x)
+    with steps.distinct_weights(layer, (attn, mlp, first, down)):  # which norm is which: not by values shared at init
+        return _residual_steps(layer, attn, (mlp, first, down), x)
 
 
-def _residual_steps(layer: nn.Module, attn: str, mlp: str, down: str, x: torch.Tensor) -> Adds | None:
-    """residual_steps's probe calls on x, the layer's weights made distinct."""
+def _residual_steps(layer: nn.Module, attn: str, mlp: tuple, x: torch.Tensor) -> Adds | None:
+    """residual_steps's probe calls on x, the layer's weights made distinct; `mlp` (its name, first, down)."""
     params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
     named, base = [q for q in params if q.kind in steps.NAMED], steps.required_args(layer)
     for pair in (True, False):  # the attention's output as a pair, else as a tensor (a linear attention's)
@@ -107,23 +133,31 @@ def _residual_steps(layer: nn.Module, attn: str, mlp: str, down: str, x: torch.T
         got = _probe(layer, attn, mlp, x, base | {"hgemm_probe": _Arg("**")}, pair)
         extras = got is not None and got[1] and got[2] == ref[2]
     attn_norm, mlp_norm, positional, form, returns = ref[2]
-    return Adds(attn, attn_norm, mlp, mlp_norm, down, positional, tuple(attn_args.items()), extras, tuple(branches),
-                form, returns, out_projection(getattr(layer, attn), x.shape[-1]), pair)
+    return Adds(attn, attn_norm, mlp[0], mlp_norm, mlp[2], positional, tuple(attn_args.items()), extras,
+                tuple(branches), form, returns, out_projection(getattr(layer, attn), x.shape[-1]), pair, mlp[1])
 
 
-def _probe(layer, attn: str, mlp: str, x: torch.Tensor, given: dict, pair: bool = True):
-    """One probe call of residual_steps, the attention stood in for by one that returns a pair (`pair`) or a tensor:
+def _probe(layer, attn: str, mlp: tuple, x: torch.Tensor, given: dict, pair: bool = True):
+    """One probe call of residual_steps, the attention stood in for by one that returns a pair (`pair`) or a tensor,
+    the MLP (`mlp`: its name, or None and the layer's first and last projections) by one that returns a tensor:
     (the attention's keyword arguments, each (name, ("arg", the layer's argument) or ("const", value))); whether it
     got the layer's **kwargs; (attn_norm, mlp_norm, positional, form, returns)), or None."""
-    stand_a, stand_m = steps._Stand(1.5, pair=pair), steps._Stand(-0.75, pair=False)
+    name, first, down = mlp
+    stand_a, stand_m, stand_f = steps._Stand(1.5, pair=pair), steps._Stand(-0.75, pair=False), None
+    stands = {attn: stand_a, name: stand_m} if first is None else {
+        attn: stand_a, first: (stand_f := steps._Stand(0.5, pair=False)), down: stand_m}
     try:
-        with steps.stood_in(layer, {attn: stand_a, mlp: stand_m}):
+        with steps.stood_in(layer, stands):
             out = type(layer).forward(layer, x, **given)
     except Exception:  # a forward that uses an argument itself, or needs more than its input
         return None
-    if len(stand_a.calls) != 1 or len(stand_m.calls) != 1:
+    if len(stand_a.calls) != 1 or len(stand_m.calls) != 1 or (stand_f and len(stand_f.calls) != 1):
         return None
-    (a_args, a_kwargs), (m_args, m_kwargs) = stand_a.calls[0], stand_m.calls[0]
+    if stand_f:  # down called right on first's output: nothing of the layer's between them
+        d_args, d_kwargs = stand_m.calls[0]
+        if d_kwargs or len(d_args) != 1 or not torch.equal(d_args[0], stand_f(stand_f.calls[0][0][0])):
+            return None
+    (a_args, a_kwargs), (m_args, m_kwargs) = stand_a.calls[0], (stand_f or stand_m).calls[0]
     positional = "hidden_states" not in a_kwargs
     a_in = a_args[0] if positional and len(a_args) == 1 else a_kwargs.get("hidden_states")
     if not isinstance(a_in, torch.Tensor) or (a_args and not positional) or m_kwargs or len(m_args) != 1:
@@ -140,15 +174,15 @@ def _probe(layer, attn: str, mlp: str, x: torch.Tensor, given: dict, pair: bool 
             attn_args.append((k, ("const", v)))
         else:  # something the layer computed
             return None
-    skip, m_in = (attn, mlp), m_args[0]
-    a, m = stand_a(a_in), stand_m(m_in)
-    a = a[0] if pair else a
+    skip, m_in = (attn, *stands), m_args[0]
+    a, m = stand_a(a_in), stand_m(stand_f(m_in) if stand_f else m_in)
+    a, m = a[0] if pair else a, m.reshape(x.shape) if m.numel() == x.numel() else m  # rows flattened: as x's
     h = x + a
     attn_norm = _norm_of(layer, x, a_in, skip)
     mlp_norm = "same" if m_in is a_in else _norm_of(layer, x, m_in, skip)
     sequential = mlp_norm is False
     if sequential:  # the MLP reads the attention's sum, or a norm of it
-        mlp_norm = None if torch.equal(m_in, h) else _norm_of(layer, h, m_in, skip)
+        mlp_norm = None if _same_rows(m_in, h) else _norm_of(layer, h, m_in, skip)
     if attn_norm is False or mlp_norm is False:
         return None
     o, rest = (out, ()) if isinstance(out, torch.Tensor) else (out[0], out[1:]) if isinstance(out, tuple) else (0, 0)
@@ -163,8 +197,15 @@ def _probe(layer, attn: str, mlp: str, x: torch.Tensor, given: dict, pair: bool 
     return tuple(attn_args), passed, (attn_norm, mlp_norm, positional, form, 0 if o is out else 1 + len(rest))
 
 
+def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same rows bit for bit, whatever their leading dimensions (OPT's layer flattens
+    its tokens before the MLP)."""
+    return a.shape[-1] == b.shape[-1] and a.numel() == b.numel() and torch.equal(a.reshape(b.shape), b)
+
+
 def _norm_of(layer: nn.Module, x: torch.Tensor, seen: torch.Tensor, skip: tuple) -> str | None | bool:
-    """Which child of the layer (none of `skip`) gave `seen` from x (bit for bit); None where `seen` is x; False."""
+    """Which child of the layer (none of `skip`) gave `seen` from x (bit for bit, any leading dimensions); None
+    where `seen` is x; False."""
     if seen is x:
         return None
     for n, c in layer.named_children():
@@ -173,7 +214,7 @@ def _norm_of(layer: nn.Module, x: torch.Tensor, seen: torch.Tensor, skip: tuple)
                 out = c(x)
             except Exception:  # a child that is no norm of the input
                 continue
-            if isinstance(out, torch.Tensor) and out.shape == seen.shape and torch.equal(out, seen):
+            if isinstance(out, torch.Tensor) and _same_rows(out, seen):
                 return n
     return False
 
@@ -205,7 +246,7 @@ def _adds_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     given = {k: values[v] if kind == "arg" else v for k, (kind, v) in p.attn_args}
     if p.extras:
         given.update(extra)
-    attn, mlp = getattr(self, p.attn), getattr(self, p.mlp)
+    attn, mlp = getattr(self, p.attn), _holder(self, p)
     if p.out is not None:
         steps.slot(getattr(attn, p.out)).residual = x
     out = attn(a_in, **given) if p.positional else attn(hidden_states=a_in, **given)
@@ -215,23 +256,24 @@ def _adds_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
                            "fuse=False")
     a = out[0] if p.pair else out
     down = getattr(mlp, p.down)
+    run_mlp = mlp if p.first is None else lambda v: down(getattr(self, p.first)(v))
     if p.out is None and p.form == "amx":  # (a + m) + x
         m_in = a_in if p.mlp_norm == "same" else x if p.mlp_norm is None else getattr(self, p.mlp_norm)(x)
         steps.slot(down).residual = a
-        o = steps._summed(mlp, down, mlp(m_in)) + x
+        o = steps._summed(mlp, down, run_mlp(m_in)) + x
     else:  # (x + a) + m, x + a by the output projection where it has one; the MLP on a norm of x or of x + a ("seq")
         h = x + a if p.out is None else steps._summed(attn, getattr(attn, p.out), a)
         base = h if p.form == "seq" else x
         m_in = a_in if p.mlp_norm == "same" else base if p.mlp_norm is None else getattr(self, p.mlp_norm)(base)
         steps.slot(down).residual = h
-        o = steps._summed(mlp, down, mlp(m_in))
+        o = steps._summed(mlp, down, run_mlp(m_in))
     return o if not p.returns else (o, *[out[1]] * (p.returns - 1))
 
 
 def fuse_adds(layer, module: nn.Module, ops, found: Adds) -> None:
     """The layer's steps as `found` (residual_steps) says, with its adds in its projections' epilogues (`layer`:
     hgemm_fuse's _Layer, which records what changed)."""
-    projections = [getattr(getattr(module, found.mlp), found.down)]
+    projections = [getattr(_holder(module, found), found.down)]
     if found.out is not None:
         projections.append(getattr(getattr(module, found.attn), found.out))
     for proj in projections:

@@ -297,7 +297,7 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
                 steps.residuals(layer, module, ops, mlp_name, down, mlp_output)
             elif post_norm:
                 steps.post_norms(layer, module, ops, mlp_name, post, roles)
-            elif down is not None and kind is None:
+            elif kind is None and (down is not None or mlp is None):  # mlp None: an MLP inline in the layer
                 found = adds.residual_steps(module, attn_name, mlp_name, down)
                 if found is not None:
                     adds.fuse_adds(layer, module, ops, found)
