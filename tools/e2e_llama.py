@@ -1,10 +1,9 @@
-"""End to end on models nobody here wrote: Hugging Face decoders with Llama-3-8B's, Qwen2-7B's, StarCoder2-7B's,
-Gemma-2-9B's, Phi-2's or Mixtral-8x7B's dimensions (tools/e2e_models.py), a few layers, random weights, fp16 or
-bf16, on the GPU.
+"""End to end on models nobody here wrote: Hugging Face decoders with the dimensions of public models (Llama-3-8B,
+Qwen2-7B, StarCoder2-7B, Gemma-2-9B, GLM-4-9B, Phi-2, Mixtral-8x7B, OPT-6.7B: tools/e2e_models.py), a few layers,
+random weights, fp16 or bf16, on the GPU.
 
-    python tools/e2e_llama.py [--model llama3-8b|qwen2-7b|starcoder2-7b|gemma2-9b|phi-2|mixtral-8x7b] [--dtype f16|bf16]
-        [--run RUN | --export DIR] [--budget-minutes 6] [--max-candidates 8]
-        [--modes eager,graphs,compile,max-autotune,overlap]
+    python tools/e2e_llama.py [--model MODEL] [--dtype f16|bf16] [--run RUN | --export DIR] [--budget-minutes 6]
+        [--max-candidates 8] [--modes eager,graphs,compile,max-autotune,overlap]
 
 1. Records the problems the patched model will run (agent.record_gemm_shapes with the model: q/k/v merged, gate/up
    as one gated GEMM, o_proj and down_proj with the residual add) for the prefills (1 x 2048 tokens; or several

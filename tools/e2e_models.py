@@ -46,6 +46,11 @@ CONFIGS = {
                      dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                           num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768,
                           rope_theta=1000000.0)),
+    # OPT-6.7B: hidden 4096, fc1/fc2 of 16384 with ReLU inline in the layer, 32 heads, biases, LayerNorm, learned
+    # positions
+    "opt-6.7b": ("OPTConfig", "OPTForCausalLM",
+                 dict(hidden_size=4096, ffn_dim=16384, num_attention_heads=32, word_embed_proj_dim=4096,
+                      vocab_size=50272, max_position_embeddings=2048)),
     "tiny": ("LlamaConfig", "LlamaForCausalLM",
              dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
                   vocab_size=1024, max_position_embeddings=4096)),
