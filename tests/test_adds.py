@@ -434,3 +434,27 @@ def test_an_mlp_inline_in_the_layer_takes_the_add_in_its_last_linear(layer, adds
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     if adds_fused:
         compiles_whole(model, ids)
+
+
+class WrappedAttention(nn.Module):
+    """GPT-Neo's attention: a module around the one with the projections, returning its output as it is."""
+
+    def __init__(self, hidden, heads, kv_heads, bias):
+        super().__init__()
+        self.attention = Attention(hidden, heads, kv_heads, bias)
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        return self.attention(hidden_states, attention_mask=attention_mask)
+
+
+class WrappedSequentialLayer(SequentialLayer):
+    def __init__(self, hidden, inter, act, bias, norm):
+        super().__init__(hidden, inter, act, bias, norm)
+        self.self_attn = WrappedAttention(hidden, 4, 2, bias)
+
+
+def test_an_attention_wrapping_the_one_with_the_output_projection_adds_x_there():
+    model, ids = parallel_model(WrappedSequentialLayer)
+    assert adds.out_projection(model.layers[0].self_attn, 64) == "attention.o_proj"
+    assert fused_as_before(model, ids) == (2, 2, 2, 2)
+    compiles_whole(model, ids)

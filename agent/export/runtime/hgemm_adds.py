@@ -55,10 +55,14 @@ OUT_NAMES = ("o_proj", "out_proj", "c_proj", "dense")  # an attention's output p
 
 def out_projection(attn: nn.Module, hidden: int) -> str | None:
     """The name of the attention's output projection: its one child of OUT_NAMES that is linear_like with `hidden`
-    output features, or None. Whether the attention returns that projection's output as it is shows at each call
-    (hgemm_steps._summed)."""
+    output features, or that of its one child module's where it has none of its own (GPT-Neo's attention wraps the
+    one that has it: "attention.out_proj"), or None. Whether the attention returns that projection's output as it
+    is shows at each call (hgemm_steps._summed)."""
     names = [n for n in OUT_NAMES if recognise.linear_like(m := getattr(attn, n, None)) and
              recognise.features(m)[1] == hidden]
+    inner = list(attn.named_children())
+    if not names and len(inner) == 1 and (name := out_projection(inner[0][1], hidden)):
+        return f"{inner[0][0]}.{name}"
     return names[0] if len(names) == 1 else None
 
 
@@ -248,7 +252,7 @@ def _adds_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         given.update(extra)
     attn, mlp = getattr(self, p.attn), _holder(self, p)
     if p.out is not None:
-        steps.slot(getattr(attn, p.out)).residual = x
+        steps.slot(attn.get_submodule(p.out)).residual = x
     out = attn(a_in, **given) if p.positional else attn(hidden_states=a_in, **given)
     if isinstance(out, tuple) != p.pair:
         raise RuntimeError(f"hgemm: {type(attn).__name__} returns a {type(out).__name__}, not the "
@@ -262,7 +266,7 @@ def _adds_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         steps.slot(down).residual = a
         o = steps._summed(mlp, down, run_mlp(m_in)) + x
     else:  # (x + a) + m, x + a by the output projection where it has one; the MLP on a norm of x or of x + a ("seq")
-        h = x + a if p.out is None else steps._summed(attn, getattr(attn, p.out), a)
+        h = x + a if p.out is None else steps._summed(attn, attn.get_submodule(p.out), a)
         base = h if p.form == "seq" else x
         m_in = a_in if p.mlp_norm == "same" else base if p.mlp_norm is None else getattr(self, p.mlp_norm)(base)
         steps.slot(down).residual = h
@@ -275,7 +279,7 @@ def fuse_adds(layer, module: nn.Module, ops, found: Adds) -> None:
     hgemm_fuse's _Layer, which records what changed)."""
     projections = [getattr(_holder(module, found), found.down)]
     if found.out is not None:
-        projections.append(getattr(getattr(module, found.attn), found.out))
+        projections.append(getattr(module, found.attn).get_submodule(found.out))
     for proj in projections:
         steps.as_nk(layer, proj)
         layer.set_forward(proj, steps._residual_forward, ops=ops, slot=steps.Pending())
