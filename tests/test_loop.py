@@ -237,7 +237,11 @@ def test_a_worker_that_dies_mid_run_costs_nothing(tmp_path, monkeypatch):
         assert len(store.results(p)) == 6 and store.failure_counts(p) == {"ok": 6}
 
 
-def test_resume_after_an_interrupt_with_several_in_flight(tmp_path):
+def test_resume_after_an_interrupt_with_several_in_flight(tmp_path, monkeypatch):
+    # each job takes a while, so that the loop has refilled the workers before the fourth result comes back (with
+    # instant jobs, a loaded machine could hand it the second to fourth results at once, nothing else in flight)
+    monkeypatch.setenv("FAKE_SLEEP", "0.1")
+
     def stop_at_the_fourth(event):
         if isinstance(event, CandidateDone) and len(store.results(P)) == 4:
             raise KeyboardInterrupt
