@@ -109,7 +109,8 @@ def residual_steps(layer: nn.Module, attn: str, mlp: str | None, down: str | Non
     if lin.weight.is_meta:
         return None
     x = recognise.probe_input(lin.weight, 2, 3, recognise.features(lin)[1])
-    with steps.distinct_weights(layer, (attn, mlp, first, down)):  # which norm is which: not by values shared at init
+    stood = (attn, mlp) if mlp is not None else (attn, first, down)  # the children the probes stand in for
+    with steps.distinct_weights(layer, stood):  # which norm is which: not by values they share at init
         return _residual_steps(layer, attn, (mlp, first, down), x)
 
 
@@ -178,7 +179,7 @@ def _probe(layer, attn: str, mlp: tuple, x: torch.Tensor, given: dict, pair: boo
             attn_args.append((k, ("const", v)))
         else:  # something the layer computed
             return None
-    skip, m_in = (attn, *stands), m_args[0]
+    skip, m_in = tuple(stands), m_args[0]
     a, m = stand_a(a_in), stand_m(stand_f(m_in) if stand_f else m_in)
     a, m = a[0] if pair else a, m.reshape(x.shape) if m.numel() == x.numel() else m  # rows flattened: as x's
     h = x + a
