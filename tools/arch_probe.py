@@ -291,6 +291,10 @@ def _child(model_type: str, tolerance: float, run: str, options: dict, conn) -> 
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
     warnings.simplefilter("ignore")  # a deprecated argument's warning on every call of a model
     try:
+        if isinstance(options.get("export"), Path):  # a spawned child (CUDA) loads the export itself
+            from sandbox.serve_bench import load_ops
+
+            options = {**options, "export": load_ops(options["export"])}
         conn.send(probe(model_type, tolerance, run, **options))
     except BaseException as e:  # MemoryError included: the parent reports it
         conn.send(_skipped(model_type, f"{type(e).__name__} outside the checks"))
@@ -298,10 +302,11 @@ def _child(model_type: str, tolerance: float, run: str, options: dict, conn) -> 
 
 def isolated(model_type: str, tolerance: float = TOLERANCE, timeout_s: float = TIMEOUT_S,
              run: str = "forward", **options) -> dict:
-    """probe() in a forked process of its own (`options`: probe's export, device and dtype), with a time limit and
-    on the CPU a memory limit: a model that hangs, runs out of memory or crashes the interpreter is skipped with why.
-    The parent must not have used CUDA (a forked child could not)."""
-    ctx = multiprocessing.get_context("fork")
+    """probe() in a process of its own (`options`: probe's export, as a module or, for a spawned child, its folder;
+    device and dtype), with a time limit and on the CPU a memory limit: a model that hangs, runs out of memory or
+    crashes the interpreter is skipped with why. Forked on the CPU; spawned for CUDA, which a forked child cannot
+    use once the parent has (loading the export's op does)."""
+    ctx = multiprocessing.get_context("spawn" if options.get("device") == "cuda" else "fork")
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(model_type, tolerance, run, options, send), daemon=True)
     proc.start()
@@ -372,12 +377,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"arch_probe: not a causal LM of this transformers: {', '.join(unknown)}", file=sys.stderr)
         return 2
     options = {"device": args.device, "dtype": args.dtype, "export": None}
-    if args.export is not None:  # loaded and its op built here, once; the children (forked) use it
+    if args.export is not None:  # loaded and its op built here, once; forked children use it, spawned ones load it
         from sandbox.serve_bench import load_ops
 
-        options["export"] = load_ops(args.export)
-        print(f"export {args.export}: launch path {'compiled' if options['export'].compiled() else 'python'}",
-              flush=True)
+        ops = load_ops(args.export)
+        print(f"export {args.export}: launch path {'compiled' if ops.compiled() else 'python'}", flush=True)
+        options["export"] = args.export.resolve() if args.device == "cuda" else ops
     records, t0 = [], time.time()
     for i, arch in enumerate(archs, 1):
         records.append(isolated(arch, args.tolerance, args.timeout, args.run, **options))
