@@ -91,15 +91,21 @@ def parallel_model(layer):
     return Model(layer=layer).eval(), torch.randint(50, (2, 9))
 
 
-@pytest.mark.parametrize("layer, form, epilogue", [(CohereLayer, "xam", "silu_mul"), (PlainCohereLayer, "xam", "relu"),
-                                                   (GPTJBlock, "amx", "gelu_tanh"), (FalconLayer, "amx", "gelu")])
-def test_a_parallel_layer_adds_its_mlps_output_in_the_mlps_last_gemm(layer, form, epilogue):
+def fused_beside_reference(layer):
+    """A model of `layer`s fused with PyTorch's ops, with what it gave before: (model, ids, x (a layer's input), the
+    model's logits on ids, its first layer's output on x, its parameters, fuse's counts)."""
     model, ids = parallel_model(layer)
     x = torch.randn(2, 5, 64)
     with torch.no_grad():
         ref, ref_layer = model(ids), model.layers[0](x)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    counts = hgemm_fuse.fuse(model, TorchOps)
+    return model, ids, x, ref, ref_layer, before, hgemm_fuse.fuse(model, TorchOps)
+
+
+@pytest.mark.parametrize("layer, form, epilogue", [(CohereLayer, "xam", "silu_mul"), (PlainCohereLayer, "xam", "relu"),
+                                                   (GPTJBlock, "amx", "gelu_tanh"), (FalconLayer, "amx", "gelu")])
+def test_a_parallel_layer_adds_its_mlps_output_in_the_mlps_last_gemm(layer, form, epilogue):
+    model, ids, x, ref, ref_layer, before, counts = fused_beside_reference(layer)
     assert counts["parallel_residual"] == counts["o_residual"] == 2 and counts["down_residual"] == 0
     found = model.layers[0]._hgemm_adds
     assert found.form == form and found.out == "o_proj"
@@ -413,12 +419,7 @@ class ScaledInlineMLPLayer(InlineMLPLayer):
 
 @pytest.mark.parametrize("layer, adds_fused", [(InlineMLPLayer, 2), (ScaledInlineMLPLayer, 0)])
 def test_an_mlp_inline_in_the_layer_takes_the_add_in_its_last_linear(layer, adds_fused):
-    model, ids = parallel_model(layer)
-    x = torch.randn(2, 5, 64)
-    with torch.no_grad():
-        ref, ref_layer = model(ids), model.layers[0](x)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    counts = hgemm_fuse.fuse(model, TorchOps)
+    model, ids, x, ref, ref_layer, before, counts = fused_beside_reference(layer)
     assert (counts["o_residual"], counts["down_residual"], counts["mlp_act"]) == (adds_fused, adds_fused, 2)
     TorchOps.calls = []
     with torch.no_grad():
