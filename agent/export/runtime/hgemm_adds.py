@@ -261,18 +261,22 @@ def _adds_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
                            "fuse=False")
     a = out[0] if p.pair else out
     down = getattr(mlp, p.down)
-    run_mlp = mlp if p.first is None else lambda v: down(getattr(self, p.first)(v))
     if p.out is None and p.form == "amx":  # (a + m) + x
         m_in = a_in if p.mlp_norm == "same" else x if p.mlp_norm is None else getattr(self, p.mlp_norm)(x)
         steps.slot(down).residual = a
-        o = steps._summed(mlp, down, run_mlp(m_in)) + x
+        o = steps._summed(mlp, down, _run_mlp(self, p, mlp, down, m_in)) + x
     else:  # (x + a) + m, x + a by the output projection where it has one; the MLP on a norm of x or of x + a ("seq")
         h = x + a if p.out is None else steps._summed(attn, attn.get_submodule(p.out), a)
         base = h if p.form == "seq" else x
         m_in = a_in if p.mlp_norm == "same" else base if p.mlp_norm is None else getattr(self, p.mlp_norm)(base)
         steps.slot(down).residual = h
-        o = steps._summed(mlp, down, run_mlp(m_in))
+        o = steps._summed(mlp, down, _run_mlp(self, p, mlp, down, m_in))
     return o if not p.returns else (o, *[out[1]] * (p.returns - 1))
+
+
+def _run_mlp(layer: nn.Module, p: Adds, mlp: nn.Module, down: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MLP on x: its child's forward, or down(first(x)) where the layer calls them itself."""
+    return mlp(x) if p.first is None else down(getattr(layer, p.first)(x))
 
 
 def fuse_adds(layer, module: nn.Module, ops, found: Adds) -> None:
