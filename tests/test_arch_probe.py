@@ -198,3 +198,27 @@ def test_a_tiny_model_has_no_parameter_that_init_left_constant():
     model = probe.tiny_model("llama")
     norms = [p for n, p in model.named_parameters() if "norm" in n]
     assert norms and all(not bool((p == p.flatten()[0]).all()) for p in norms)  # ones at init: random now
+
+
+def test_an_export_given_by_its_folder_is_loaded_in_a_spawned_child(tmp_path, op_build_dir):
+    """The path --device cuda takes (a forked child cannot use CUDA once the parent has), run on the CPU: the child
+    is spawned, loads the export from its folder and patches with its op."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.export_fixtures import small_export
+
+    folder = small_export(tmp_path / "out", ["18_64_96:nk:bf16"])
+    script = ("import json, multiprocessing as mp, sys; from pathlib import Path; sys.path.insert(0, 'tools'); "
+              "import arch_probe; used = []; get = mp.get_context; "
+              "mp.get_context = lambda method=None: used.append(method) or get(method); "
+              f"record = arch_probe.isolated('llama', timeout_s=300, export=Path({str(folder)!r}), device='cpu', "
+              "dtype='bf16'); print(json.dumps({**record, 'started': used}))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(probe.__file__).parents[1], capture_output=True,
+                          text=True, timeout=400)
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert record["started"] == ["spawn"], record
+    assert record["status"] == "ok" and record["restored"], record
+    assert {"qkv", "gate_up", "rms_norm"} <= set(record["fused"]), record

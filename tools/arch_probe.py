@@ -302,11 +302,11 @@ def _child(model_type: str, tolerance: float, run: str, options: dict, conn) -> 
 
 def isolated(model_type: str, tolerance: float = TOLERANCE, timeout_s: float = TIMEOUT_S,
              run: str = "forward", **options) -> dict:
-    """probe() in a process of its own (`options`: probe's export, as a module or, for a spawned child, its folder;
-    device and dtype), with a time limit and on the CPU a memory limit: a model that hangs, runs out of memory or
-    crashes the interpreter is skipped with why. Forked on the CPU; spawned for CUDA, which a forked child cannot
-    use once the parent has (loading the export's op does)."""
-    ctx = multiprocessing.get_context("spawn" if options.get("device") == "cuda" else "fork")
+    """probe() in a process of its own (`options`: probe's export, as a loaded module or as its folder; device and
+    dtype), with a time limit and on the CPU a memory limit: a model that hangs, runs out of memory or crashes the
+    interpreter is skipped with why. Forked where the export is a module (or none); spawned where it is a folder,
+    which the child loads itself (for CUDA, which a forked child cannot use once the parent has)."""
+    ctx = multiprocessing.get_context("spawn" if isinstance(options.get("export"), Path) else "fork")
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(model_type, tolerance, run, options, send), daemon=True)
     proc.start()
