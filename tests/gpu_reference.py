@@ -45,6 +45,19 @@ def _kernel(family: str, params: dict, problem: Problem):
     return Kernel.for_family(build.cubin, family, params, problem)
 
 
+def check_in_sandbox(family: str, params: dict, problem: Problem) -> None:
+    """The sandbox's own checks of the setting's kernel on `problem` (sandbox.check.Checker.check_all: a fused
+    epilogue against the model's composition, guard regions, poisoned outputs, scrubbed shared memory); raises
+    CheckFailed naming the first it fails. check_kernel is the plain GEMM's check; this one takes every epilogue."""
+    from sandbox.check import Checker
+    from sandbox.launch import SmemScrubber
+
+    kernel = _kernel(family, params, problem)
+    props = torch.cuda.get_device_properties(0)
+    scrub = SmemScrubber(props.shared_memory_per_block_optin, props.multi_processor_count)
+    Checker(kernel, problem, deterministic=get_family(family).deterministic, scrub=scrub, seed=7).check_all(problem)
+
+
 def _run_twice(kernel, problem: Problem, a, b, bias) -> torch.Tensor:
     outs = []
     for _ in range(2):

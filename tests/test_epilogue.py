@@ -24,6 +24,7 @@ from core.records import Problem
 from sandbox.build import compile_cuda
 from sandbox.check import Checker, CheckFailed
 from templates import get_family
+from tests.gpu_reference import check_in_sandbox
 from tests.test_check import replay
 
 
@@ -284,14 +285,7 @@ def gpu_cases() -> list:
 @pytest.mark.gpu
 @pytest.mark.parametrize("family, params, problem", gpu_cases())
 def test_every_store_path_fuses_every_epilogue_on_the_gpu(family, params, problem):
-    from sandbox.launch import Kernel, SmemScrubber
-
     arch = "sm_90a" if torch.cuda.get_device_capability() >= (9, 0) else "sm_80"
     if arch not in get_family(family).arches:
         pytest.skip(f"{family} does not run on {arch}")
-    build = compile_cuda(get_family(family).render(params, problem), arch)
-    assert build.ok, build.log[-2000:]
-    kernel = Kernel.for_family(build.cubin, family, params, problem)
-    props = torch.cuda.get_device_properties(0)
-    scrub = SmemScrubber(props.shared_memory_per_block_optin, props.multi_processor_count)
-    Checker(kernel, problem, deterministic=get_family(family).deterministic, scrub=scrub, seed=7).check_all(problem)
+    check_in_sandbox(family, params, problem)

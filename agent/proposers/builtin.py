@@ -69,7 +69,7 @@ class BuiltinProposer(Proposer):
         if peek and key in self._peeked:
             return self._peeked[key]
         settings = family.space(state.problem, state.device)
-        if self.model is not None:
+        if self.model is not None and settings:  # a family with nothing for the problem has nothing to order
             order = self.model.peek_order if peek else self.model.order
             settings = order(state.problem, family.name, settings, state.device.sms)
         space = [(c.id, c) for c in (Candidate(state.problem, family.name, p, origin=self.name) for p in settings)]

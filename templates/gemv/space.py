@@ -1,9 +1,8 @@
 """The gemv family: memory-bound problems with few rows of A and B given N x K (decode's projections, lm_head). Each
 warp streams whole weight rows along K; many small blocks, no tensor cores, no partial sums in memory.
 
-Not searched and not shown to the LLM yet: its kernels compile for both arches (CPU tests) and wait for their first
-checks and timings on a GPU (`pytest -m gpu tests/test_gemv_family.py`; `tools/sweep.py --family gemv` times them
-next to cuBLAS).
+Searched where M is at most SEARCH_M (docs/decisions.md `gemv`: on the H200 it beat cuBLAS by 1.14-1.63x at M = 1
+and 1.16x at M = 4, and lost at M = 8); not shown to the LLM yet.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from core.records import LaunchSpec, Problem
 from templates.family import Family, Params
 
 MAX_M_TILE = 8  # rows of A a block takes; more rows of A take more blocks along y, each streaming B again
+SEARCH_M = 4  # the most rows of A the search proposes it for (docs/decisions.md `gemv`)
 
 
 class GemvParams(Params):
@@ -36,8 +36,7 @@ class Gemv(Family):
     name = "gemv"
     arches = ("sm_90a", "sm_80")
     params_model = GemvParams
-    searched: ClassVar[bool] = False  # until its kernels have been checked and timed on a GPU
-    prompted: ClassVar[bool] = False
+    prompted: ClassVar[bool] = False  # the LLM's prompt does not show it yet
     description = ("a warp per few columns of C streaming their weight rows along K (B given N x K), fp32 sums "
                    "reduced by shuffles: for M up to a few rows, where the weight's bytes are the time")
 
@@ -58,8 +57,9 @@ class Gemv(Family):
         return LaunchSpec(grid, (32 * p.warps, 1, 1), 0, overlap=device.overlaps)
 
     def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
-        """Settings for M's rows in one block (up to MAX_M_TILE), most weight bytes in flight first; none for kn."""
-        if problem.b_layout != "nk":
+        """Settings for M's rows in one block, most weight bytes in flight first; none for kn or M over SEARCH_M
+        (a setting may still name an m_tile up to MAX_M_TILE)."""
+        if problem.b_layout != "nk" or problem.m > SEARCH_M:
             return []
         m_tile = min(MAX_M_TILE, 1 << (problem.m - 1).bit_length())
         out = []
