@@ -299,3 +299,13 @@ def test_compare_tool_reads_run_stores_and_a_db(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "NVIDIA H200" in out and out.count(":kn |") == 6
     assert compare_search.main(["--db", str(tmp_path / "t.sqlite"), "--min-space", "1000"]) == 2
+
+
+def test_gemv_settings_have_features_of_their_own():
+    from agent.cost_model import FEATURES, features
+    from templates import get_family
+
+    problem = Problem(1, 4096, 4096, "nk")
+    space = get_family("gemv").space(problem)
+    assert len({tuple(features(problem, "gemv", s, 132)) for s in space}) == len(space) > 1
+    assert features(problem, "gemv", space[0], 132)[FEATURES.index("family")] == 3

@@ -41,6 +41,17 @@ def test_the_table_is_the_rule_at_every_m(params):
     assert table["tensor_maps"][0]["m_dims"] == [1] and table["tensor_maps"][1]["m_dims"] == []  # A's rows; not B
 
 
+def test_a_gemv_bucket_launches_by_the_rule_at_each_m():
+    family = get_family("gemv")
+    problem = Problem(4, 28672, 4096, "nk", "f16", False, "silu_mul", m_range=(3, 4))
+    params = family.space(problem, H200)[0]
+    table = launch_table(family, params, problem, H200)
+    assert table["tensor_maps"] == [] and table["workspace_bytes"] == 0 and table["overlap"]
+    for m in (3, 4):
+        assert rebuilt(table, m) == (family.launch(params, Problem(m, 28672, 4096, "nk", "f16", False, "silu_mul"),
+                                                   H200).grid, [])
+
+
 def test_a_single_m_keeps_one_segment():
     table = launch_table(get_family("sm80_mma"), {}, Problem(100, 256, 512), H200)
     assert table["m_range"] == [100, 100] and len(table["segments"]) == 1 and table["tensor_maps"] == []
