@@ -1,7 +1,7 @@
 """The gemv family: memory-bound problems with few rows of A and B given N x K (decode's projections, lm_head). Each
 warp streams whole weight rows along K; many small blocks, no tensor cores, no partial sums in memory.
 
-Searched where M is at most SEARCH_M (docs/decisions.md `gemv`: on the H200 it beat cuBLAS by 1.14-1.63x at M = 1
+Searched where M is at most SEARCH_M (docs/decisions.md `gemv`: on the H200 it beat cuBLAS by 1.08-1.63x at M = 1
 and 1.16x at M = 4, and lost at M = 8); not shown to the LLM yet.
 """
 
