@@ -32,11 +32,18 @@ def test_a_block_takes_m_rounded_up_to_a_power_of_two(m, m_tile):
     p = Problem(m, 4608, 3584, "nk", "bf16", True)
     space = FAM.space(p)
     assert space and all(s["m_tile"] == m_tile for s in space)
-    for s in space + [{**space[0], "m_tile": 8}]:  # a setting may name more rows than M has
+    for s in space:
         spec = FAM.launch(s, p, H200)
-        columns, m_blocks = -(-p.n // (s["warps"] * s["rows"])), -(-m // m_tile)
+        columns, m_blocks = -(-p.n // (s["warps"] * s["rows"])), -(-m // s["m_tile"])
         assert spec.grid == (columns * m_blocks, 1, 1)  # a block per column group and m_tile rows of A
         assert spec.block == (32 * s["warps"], 1, 1) and spec.smem_bytes == 0 and spec.overlap
+
+
+@pytest.mark.parametrize("m,m_tile,m_blocks", [(1, 8, 1), (8, 8, 1), (64, 8, 8), (11, 4, 3)])
+def test_a_setting_may_name_its_rows_of_a_block_and_takes_more_blocks_beyond(m, m_tile, m_blocks):
+    p = Problem(m, 4608, 3584, "nk", "bf16", True)
+    s = {"warps": 4, "rows": 2, "unroll": 2, "m_tile": m_tile}
+    assert FAM.launch(s, p, H200).grid == (-(-4608 // 8) * m_blocks, 1, 1)
 
 
 def test_a_gated_problem_launches_over_its_output_columns_and_caps_the_registers():
