@@ -25,7 +25,7 @@ from agent.cost_model import (
     train,
     training_set,
 )
-from agent.proposers.base import SearchState
+from agent.proposers.base import SearchState, arm_of
 from agent.proposers.builtin import ROOFLINE_SD, ROOFLINE_SLACK, BuiltinProposer, roofline_priors
 from agent.tuning_db import TuningDB, TuningRow
 from core.device import H200
@@ -249,6 +249,27 @@ def test_the_roofline_prior_sends_a_large_problem_to_the_hopper_family_first():
     firsts = [BuiltinProposer().propose(SearchState(problem, "sm_90a", ThompsonBandit(seed=s), device=H200))[0]
               for s in range(40)]
     assert sum(c.family == "sm90_wgmma" for c in firsts) >= 36  # level priors: half each
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_family_level_by_the_roofline_gets_one_try_first_whatever_the_first_rewards(seed):
+    """M = 1 (memory-bound): the three families level, each tried within the first three whatever the draws and the
+    first rewards (high ones: the arm tried first would otherwise keep winning the draws); a family the roofline
+    puts well below (sm80_mma on 4096 cubed) gets no such try."""
+    for problem, want in ((Problem(1, 6144, 4096, b_layout="nk"), {"sm90_wgmma", "sm80_mma", "gemv"}),
+                          (Problem(4096, 4096, 4096), {"sm90_wgmma"})):
+        state, proposer, seen = SearchState(problem, "sm_90a", ThompsonBandit(seed=seed), device=H200), \
+            BuiltinProposer(), []
+        for _ in range(3):
+            c = proposer.propose(state)[0]
+            seen.append(c.family)
+            state.pending.add(c.id)
+            state.bandit.update(arm_of(c), 0.3)
+        assert set(seen) == want
+    # several at once (compiling ahead): the untried level families come first, once each
+    many = BuiltinProposer().propose(SearchState(Problem(1, 6144, 4096, b_layout="nk"), "sm_90a",
+                                                 ThompsonBandit(seed=seed), device=H200), n=3)
+    assert {c.family for c in many} == {"sm90_wgmma", "sm80_mma", "gemv"}
 
 
 def test_leave_one_shape_out_needs_fewer_candidates_than_todays_order_and_random():

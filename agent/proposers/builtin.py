@@ -27,6 +27,9 @@ LAUNCH_US = 0.5
 ROOFLINE_SD = 0.3
 # How far above its roofline the learned model may rate a family (docs/decisions.md `tensor-share`)
 ROOFLINE_SLACK = 0.1
+# Families whose priors lie this close to the best one's (log speed-up) each get one try before the bandit draws:
+# on memory-bound problems every roofline is level (docs/decisions.md `first-try`)
+LEVEL = 0.1
 
 
 def roofline_us(problem: Problem, family: Family, device: DeviceFacts) -> float | None:
@@ -97,13 +100,28 @@ class BuiltinProposer(Proposer):
         pending = self._untried(state)
         self._set_priors(state, pending)
         chosen: list[Candidate] = []
+        untouched = self._untouched(state)
         while pending and len(chosen) < n:
             arms = list(dict.fromkeys(arm_of(c) for c in pending))
-            arm = state.bandit.choose(arms)
+            arm = state.bandit.choose(self._level(state, [a for a in arms if a in untouched]) or arms)
+            untouched.discard(arm)
             pick = next(c for c in pending if arm_of(c) == arm)
             chosen.append(pick)
             pending.remove(pick)
         return chosen
+
+    def _untouched(self, state: SearchState) -> set[str]:
+        """The arms of the problem's families with no setting tried or in flight."""
+        tried = state.tried_ids
+        return {arm_of(space[0][1]) for family in families_for_arch(state.arch)
+                if (space := self._space(state, family)) and not any(cid in tried for cid, _ in space)}
+
+    @staticmethod
+    def _level(state: SearchState, arms: list[str]) -> list[str]:
+        """Of `arms`, those whose prior mean is within LEVEL of the best prior among all the bandit's priors."""
+        mean = {a: state.bandit.priors.get(a, (state.bandit.prior_mean, 0.0))[0] for a in arms}
+        best = max([m for m, _ in state.bandit.priors.values()] + list(mean.values()), default=None)
+        return [a for a in arms if best is not None and mean[a] >= best - LEVEL]
 
     def _set_priors(self, state: SearchState, pending: list[Candidate]) -> None:
         """Each arm's prior, once per arm and problem: the model's view of its first untried settings, no higher

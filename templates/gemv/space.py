@@ -36,6 +36,9 @@ class Gemv(Family):
     arches = ("sm_90a", "sm_80")
     params_model = GemvParams
     prompted: ClassVar[bool] = False  # the LLM's prompt does not show it yet
+    # CUDA cores, not tensor cores: fp32 FMAs plus a conversion an element, about half the fp32 rate, which is 1/15
+    # of the dense tensor rate on both arches (docs/decisions.md `gemv`); memory-bound wherever it is searched
+    tensor_share: ClassVar[dict[str, float]] = {"sm_90a": 0.03, "sm_80": 0.03}
     description = ("a warp per few columns of C streaming their weight rows along K (B given N x K), fp32 sums "
                    "reduced by shuffles: for M up to a few rows, where the weight's bytes are the time")
 
