@@ -9,9 +9,15 @@ from agent.store import RunStore
 from core.records import EvalJob, EvalResult, Problem, Status, Timing
 
 
+def tile(params: dict) -> tuple[int, int, int]:
+    """block_m, block_n and stages of a setting; a family without tiles (gemv) as a small one-stage tile."""
+    return params.get("block_m", 16), params.get("block_n", 64), params.get("stages", 1)
+
+
 def fake_evaluate(job: EvalJob) -> EvalResult:
     """Bigger tiles are faster here, and nothing beats cuBLAS (30 us) below M = 128."""
-    t = 100.0 / (job.params["block_m"] * job.params["block_n"] / 4096) + job.params["stages"]
+    block_m, block_n, stages = tile(job.params)
+    t = 100.0 / (block_m * block_n / 4096) + stages
     if job.problem.m < 128:
         t += 60.0
     if job.honest_only:  # a re-measurement: the honest timings alone, as the worker returns them
@@ -30,7 +36,8 @@ FAST_FROM_M = 20
 def m_dependent_evaluate(job: EvalJob) -> EvalResult:
     """Every kernel 1.5x of cuBLAS (30 us) or better from M = FAST_FROM_M up, 0.75x or worse below; within that,
     bigger tiles and fewer stages are faster (so leaders differ)."""
-    t = 20.0 - job.params["block_m"] * job.params["block_n"] / 2**14 + job.params["stages"] / 10
+    block_m, block_n, stages = tile(job.params)
+    t = 20.0 - block_m * block_n / 2**14 + stages / 10
     if job.problem.m < FAST_FROM_M:
         t += 20.0
     return EvalResult(job.candidate_id, Status.OK, warm=Timing(t, t * 0.99, t * 1.01, 100),
