@@ -270,6 +270,14 @@ GAP_SLACK_SHARE, GAP_SLACK_US = 0.10, 1.0
 FRESH_DROP = 1.25
 
 
+def not_reproducible(warm: Timing, fresh: Timing, cublas_warm: Timing, cublas_fresh: Timing) -> bool:
+    """The candidate's speed-up over cuBLAS falls by more than FRESH_DROP when every launch gets new inputs, and its
+    own time rises by that much over what cuBLAS's does, or over its warm time where cuBLAS got faster on fresh
+    inputs (docs/decisions.md `fresh-drop`: a kernel that reuses nothing keeps its own time)."""
+    own = fresh.median_us / warm.median_us
+    return own > FRESH_DROP * max(cublas_fresh.median_us / cublas_warm.median_us, 1.0)
+
+
 def suspect(warm: Timing, cold: Timing, cublas_warm: Timing, cublas_cold: Timing) -> bool:
     """Warm far faster than cold, beyond what the L2 explains for cuBLAS on the same problem (both read the same
     operands): the warm launches may be reusing work."""
@@ -324,7 +332,7 @@ def time_candidate(problem: Problem, kernel: Launch, checker: Checker, flush: L2
         result.update(fresh=fresh["candidate"], cublas_fresh=fresh["cublas"])
         warm_ratio = warm["cublas"].median_us / warm["candidate"].median_us
         fresh_ratio = fresh["cublas"].median_us / fresh["candidate"].median_us
-        if fresh_ratio * FRESH_DROP < warm_ratio:
+        if not_reproducible(warm["candidate"], fresh["candidate"], warm["cublas"], fresh["cublas"]):
             raise CheckFailed(f"warm time not reproducible on fresh inputs: {warm_ratio:.2f}x cuBLAS warm "
                               f"({warm['candidate'].median_us:.2f} us), {fresh_ratio:.2f}x when each launch gets new "
                               f"inputs ({fresh['candidate'].median_us:.2f} us); cold {cold['candidate'].median_us:.2f}"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from core.epilogue import split_gate_up
-from core.records import Problem
+from core.records import Problem, Timing
 from sandbox.check import Checker, CheckFailed
 
 
@@ -254,3 +254,24 @@ def test_the_gated_baseline_splits_each_buffers_own_operands(on_cpu):
     gate, up = (a.double() @ h.double() + hb.double()
                 for h, hb in zip(split_gate_up(b, -1), split_gate_up(bias, -1), strict=True))
     assert torch.allclose(c.double(), torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("case, rejected", [
+    # (warm, fresh) of the candidate, then of cuBLAS, in µs
+    (((10.0, 30.0), (20.0, 21.0)), True),  # a result kept across launches: three times slower on new inputs
+    (((10.0, 13.0), (20.0, 20.5)), True),  # 30% slower on new inputs where cuBLAS is not
+    (((10.0, 12.0), (20.0, 20.5)), False),  # 20%: within FRESH_DROP
+    (((10.0, 15.0), (20.0, 26.0)), False),  # both slower (the L2): the candidate by 50%, cuBLAS by 30%
+    # session 41's false rejection: 8 x 4096 x 4096 + residual, the candidate's own time not rising on new inputs
+    # while cuBLAS got faster (0.70x warm, 0.51x fresh)
+    (((25.17, 24.34), (17.6, 12.4)), False),
+    (((10.0, 13.0), (20.0, 14.0)), True),  # cuBLAS faster on new inputs, the candidate 30% slower: still rejected
+])
+def test_the_fresh_recheck_rejects_a_candidate_whose_own_time_rises_on_new_inputs(case, rejected):
+    from sandbox.timed import not_reproducible
+
+    def t(us):
+        return Timing(us, us, us, 1)
+
+    (warm, fresh), (cublas_warm, cublas_fresh) = case
+    assert not_reproducible(t(warm), t(fresh), t(cublas_warm), t(cublas_fresh)) is rejected
