@@ -219,6 +219,26 @@ def test_compile_diag_times_one_model_alone_with_only(tmp_path, capsys):
     assert "== decode 1 patched (default)" in out and "== decode 1 stock" not in out
 
 
+def test_compile_diag_times_both_models_before_profiling_either(tmp_path, capsys, monkeypatch):
+    """In one process every model's wall time comes before any profile, and each model's guards are its own
+    compiled entry's (both models' entries hang off the same forward)."""
+    pytest.importorskip("transformers")
+    from tests.export_fixtures import small_export
+
+    diag = load_tool("compile_diag")
+    order = []
+    wall, profiled = diag.wall_ms, diag.profiled
+    monkeypatch.setattr(diag, "wall_ms", lambda *a, **k: order.append("wall") or wall(*a, **k))
+    monkeypatch.setattr(diag, "profiled", lambda *a, **k: order.append("profile") or profiled(*a, **k))
+    common = ["--model", "tiny", "--device", "cpu", "--layers", "1", "--decode-batches", "1", "--context", "8",
+              "--steps", "1"]
+    assert diag.main([str(small_export(tmp_path / "export", [])), *common]) == 0
+    assert order == ["wall"] * 4 + ["profile"] * 2  # back to back and synchronised, for each model
+    out = capsys.readouterr().out
+    assert out.index("== decode 1 stock (default)") < out.index("== decode 1 patched (default)")
+    assert len(re.findall(r"guards \d+\.\d us a step", out)) == 2
+
+
 def test_compile_diag_timeline_takes_the_middle_step_and_sums_the_gpus_idle_time(tmp_path):
     from types import SimpleNamespace
 

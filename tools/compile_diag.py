@@ -16,7 +16,8 @@ GPU's idle time before each, duration, name) to DIR/<phase>_<model>.txt and prin
 GPU's idle time from the step's last kernel to the next step's first: where a step's wall time exceeds its kernels'
 sum, it says whether the GPU waited between kernels (after which ones) or between steps.
 --only times one of the models, so that each compilation can run in a process of its own (run it once for each
-model; between processes the host's speed varies, so host-bound steps compare in one process). Needs a GPU and
+model; between processes the host's speed varies, so host-bound steps compare in one process, where every model's
+wall time is taken before any model is profiled). Needs a GPU and
 `transformers`; --device cpu --model tiny: a quick look.
 """
 
@@ -115,7 +116,7 @@ def guard_us(eager, step, calls: int = 2000) -> float | None:
     code = next((c for c in codes if _debug_get_cache_entry_list(c)), None)
     if code is None:
         return None
-    check = _debug_get_cache_entry_list(code)[0].guard_manager.check
+    checks = [entry.guard_manager.check for entry in _debug_get_cache_entry_list(code)]
     seen: dict = {}
 
     def hook(frame, event, arg):
@@ -127,7 +128,8 @@ def guard_us(eager, step, calls: int = 2000) -> float | None:
         step()
     finally:
         sys.setprofile(None)
-    if not seen or not check(seen):
+    check = next((c for c in checks if seen and c(seen)), None)  # this model's entry: its guards pass
+    if check is None:
         return None
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -187,9 +189,10 @@ def main(argv=None) -> int:
 
     with torch.inference_mode():
         for phase in phases:
-            for name, eager in models.items():
-                torch._dynamo.reset()
-                counters.clear()
+            torch._dynamo.reset()
+            timed = {}
+            for name, eager in models.items():  # every model's wall time before any profile (a profile leaves the
+                counters.clear()                # CUPTI hooks that slow the launches after it: decisions `diag-order`)
                 mode = (args.stock_mode or args.mode) if name == "stock" else args.mode
                 compiled = torch.compile(eager, mode=None if mode == "default" else mode)
                 step = make_step(compiled, eager, config, phase, args.device)
@@ -198,12 +201,14 @@ def main(argv=None) -> int:
                 sync(args.device)
                 first = time.perf_counter() - t0
                 workers = settle()
+                stats = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
                 for _ in range(3):
                     step()
                 back, each = (wall_ms(step, args.steps, args.device, e) for e in (False, True))
+                timed[name] = (mode, step, first, workers, stats, back, each)
+            for name, (mode, step, first, workers, stats, back, each) in timed.items():
                 prof = profiled(step, 5, args.device)
-                guards = guard_us(eager, step)
-                stats = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
+                guards = guard_us(models[name], step)
                 print(f"\n== {phase.name} {name} ({mode}): compile {first:.0f} s; workers {workers}; wall a step "
                       f"{back:.3f} ms back to back, {each:.3f} ms synchronised; GPU kernels "
                       f"{prof['gpu_ms_a_step']:.3f} ms a step in {prof['kernels_a_step']:.0f} kernels; guards "
