@@ -66,7 +66,8 @@ class Gemv(Family):
             return []
         m_tile = 1 << (problem.m - 1).bit_length()
         out = []
-        for warps, rows, unroll in ((4, 2, 2), (4, 1, 4), (8, 2, 2), (4, 4, 1), (8, 1, 2), (2, 2, 4), (4, 2, 1)):
+        for warps, rows, unroll in ((4, 2, 2), (4, 1, 4), (8, 2, 2), (4, 4, 1), (8, 1, 2), (2, 2, 4), (4, 2, 1),
+                                    (4, 2, 4)):
             setting = {"warps": warps, "rows": rows, "unroll": unroll, "m_tile": m_tile}
             try:
                 self.parse(setting, problem)
