@@ -66,6 +66,9 @@ class Family(ABC):
     searched: ClassVar[bool] = True  # False: the built-in search skips it (reference and base families)
     prompted: ClassVar[bool] = True  # False: not shown to the LLM proposer either (not yet checked on a GPU)
     deterministic: ClassVar[bool] = True  # False only for families that reduce with atomics in any order
+    # True: the template normalises A's rows first (an RMSNorm) when compiled with -DHGEMM_NORM; the export builds
+    # that variant of a winner for hgemm::norm_linear (agent/export/writer.py)
+    norm_prologue: ClassVar[bool] = False
     # The share of a device's dense tensor rate the family's kernels reach on large problems, by the arch they run
     # as (the bandit's roofline prior, agent.proposers.builtin.roofline_priors); without one: no such prior.
     tensor_share: ClassVar[dict[str, float]] = {}

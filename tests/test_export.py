@@ -20,8 +20,9 @@ from tests.conftest import HAS_GPU
 from tests.export_fixtures import load_ops
 from tests.helpers import fake_evaluate, m_dependent_evaluate, populated_run
 
-RUNTIME_FILES = {"hgemm_ops.py", "hgemm_op.cpp", "hgemm_library.cpp", "hgemm_gated.cu", "hgemm_op.h",
-                 "hgemm_module.cpp", "hgemm_cuda.h", "hgemm_build.py", "hgemm_selfcheck.py", "hgemm_driver.py"}
+RUNTIME_FILES = {"hgemm_ops.py", "hgemm_op.cpp", "hgemm_library.cpp", "hgemm_norm_linear.cpp", "hgemm_gated.cu",
+                 "hgemm_op.h", "hgemm_module.cpp", "hgemm_cuda.h", "hgemm_build.py", "hgemm_selfcheck.py",
+                 "hgemm_driver.py"}
 
 
 def test_export_writes_kernels_and_fallbacks(tmp_path):
@@ -56,6 +57,9 @@ def test_export_uses_the_winner_and_the_runs_gpu(tmp_path, monkeypatch):
             seen.append((params, problem, device))
             return self.fam.launch(params, problem, device)
 
+        def __getattr__(self, name):
+            return getattr(self.fam, name)
+
     monkeypatch.setattr(writer, "get_family", lambda name: Spy(real(name)))
     export_run(store, tmp_path / "out")
     win = store.winner(Problem(1000, 3000, 2000))
@@ -64,6 +68,46 @@ def test_export_uses_the_winner_and_the_runs_gpu(tmp_path, monkeypatch):
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["device"] == "Half H200" and manifest["kernels"]["1000_3000_2000:kn:f16"]["candidate"] == \
         win.candidate.id
+
+
+def gemv_wins(job: EvalJob):
+    """Up to M = 4 only gemv beats cuBLAS (30 us); above it every kernel does."""
+    t = 10.0 if job.family == "gemv" or job.problem.m > 4 else 100.0
+    if job.honest_only:
+        return dataclasses.replace(fake_evaluate(job), honest=Timing(t, t, t, 100))
+    return dataclasses.replace(fake_evaluate(job), warm=Timing(t, t, t, 100), cold=Timing(t * 1.1, t, t * 1.2, 100))
+
+
+def test_a_gemv_winner_is_exported_with_its_norm_variant_and_a_tile_winner_without(tmp_path):
+    """With norm_variants, gemv's winners get the same source built with -DHGEMM_NORM (hgemm::norm_linear's kernel);
+    others do not, nor any without it."""
+    problems = (Problem(1, 64, 64, "nk"), Problem(1000, 3000, 2000))
+    store = populated_run(tmp_path / "r", problems=problems, n=12, evaluate=gemv_wins)
+    export_run(store, tmp_path / "plain")
+    assert not any("norm_cubin" in e for e in json.loads((tmp_path / "plain" / "manifest.json").read_text())[
+        "kernels"].values())  # only where asked
+    export_run(store, tmp_path / "out", norm_variants=True)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    gemv, tiled = manifest["kernels"]["1_64_64:nk:f16"], manifest["kernels"]["1000_3000_2000:kn:f16"]
+    assert gemv["norm_cubin"] == "hgemm_1_64_64_nk_f16_norm.cubin" and "norm_cubin" not in tiled
+    normed, plain = ((tmp_path / "out" / gemv[k]).read_bytes() for k in ("norm_cubin", "cubin"))
+    assert normed[:4] == b"\x7fELF" and normed != plain
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_a_norm_variant_computes_the_models_norm_then_the_call_on_the_gpu(tmp_path, op_build_dir, dtype):
+    """gemv's norm variants (three epilogues, M 1-4, each rounding kind of the norm, the compiled op and the Python
+    path) through the export's selfcheck: within twice cuBLAS's error on the model's norm output."""
+    problems = (Problem(1, 256, 512, "nk", dtype), Problem(4, 512, 512, "nk", dtype, False, "silu_mul"),
+                Problem(3, 256, 512, "nk", dtype, False, "residual"))
+    export_run(populated_run(tmp_path / "r", problems=problems, n=12, evaluate=gemv_wins), tmp_path / "out",
+               norm_variants=True)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert all("norm_cubin" in e for e in manifest["kernels"].values()) and len(manifest["kernels"]) == 3
+    lines = load_ops(tmp_path / "out").selfcheck()
+    normed = [ln for ln in lines if "the norm (kind" in ln]
+    assert len(normed) == 3 * 3 * 2 and all(": ok" in ln for ln in normed), "\n".join(normed)
 
 
 def test_export_records_the_workspace_a_k_groups_kernel_needs(tmp_path):

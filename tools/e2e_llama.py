@@ -291,6 +291,7 @@ def parse_args(argv=None):
     p.add_argument("--runs-dir", type=Path, default=ROOT / "runs")
     p.add_argument("--work", type=Path, help="shapes files and the export (default runs/e2e-<model>)")
     p.add_argument("--no-check", action="store_true", help="skip the export's self-check")
+    p.add_argument("--norm-variants", action="store_true", help="export with `agent export --norm-variants`")
     p.add_argument("--no-norms", action="store_true", help="patch without the RMSNorm kernel (patch(norms=False))")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--prefill-tokens", default="2048",
@@ -335,7 +336,7 @@ def main(argv=None) -> int:
         run = args.run or search(shapes, args, out_dir)
         export = work / f"export-{run}"
         agent_cli("export", run, "--out", str(export), "--runs-dir", str(args.runs_dir),
-                  *(["--no-check"] if args.no_check else []))
+                  *(["--no-check"] if args.no_check else []), *(["--norm-variants"] if args.norm_variants else []))
     else:
         run, export = "(given export)", args.export
     if args.tar_export and out_dir:

@@ -36,6 +36,7 @@ class Gemv(Family):
     arches = ("sm_90a", "sm_80")
     params_model = GemvParams
     prompted: ClassVar[bool] = False  # the LLM's prompt does not show it yet
+    norm_prologue: ClassVar[bool] = True
     # CUDA cores, not tensor cores: fp32 FMAs plus a conversion an element, about half the fp32 rate, which is 1/15
     # of the dense tensor rate on both arches (docs/decisions.md `gemv`); memory-bound wherever it is searched
     tensor_share: ClassVar[dict[str, float]] = {"sm_90a": 0.03, "sm_80": 0.03}
