@@ -372,3 +372,48 @@ def test_a_fallback_runs_rows_with_an_odd_size_one_stride_as_one_matrix(tmp_path
         ran = {e.key for e in prof.key_averages()}
         assert torch.equal(got, want) and got.shape == want.shape, name
         assert "aten::bmm" not in ran and ({"aten::mm", "aten::addmm"} & ran), (name, sorted(ran))
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2])
+def test_norm_linear_computes_the_norm_then_the_call_and_traces_as_the_op(tmp_path, op_build_dir, kind):
+    """norm_linear is fused_linear of the model's RMSNorm of x (each rounding kind), through the fast entry point,
+    the registered op and the Python path alike; meta tensors get its shape, torch.compile traces it as the op, a
+    wanted gradient goes through autograd, and a kind the norms do not have is refused."""
+    from core.epilogue import Epilogue, compose
+    from tests.export_fixtures import load_ops as load
+
+    ops = load(small_export(tmp_path / "out", SMALL + EPILOGUE_KEYS))
+    assert ops.compiled() is not None
+    norms = ops._patching.fuse.recognise.RMS_NORMS
+    gen = torch.Generator().manual_seed(kind)
+    x, nw = torch.randn(2, 8, 8, generator=gen).half() * 3, (1 + torch.randn(8, generator=gen) / 2).half()
+    w, r = torch.randn(32, 8, generator=gen).half(), torch.randn(2, 8, 24, generator=gen).half()
+    normed = norms[kind](x, nw, 1e-5)
+    for name in ("none", "silu_mul", "residual"):
+        res = r if name == "residual" else None
+        weight = w if Epilogue(name).gated else w[:24]
+        want = compose(F.linear(normed, weight), Epilogue(name), res)
+        for got in (ops.norm_linear(x, nw, 1e-5, kind, weight, None, name, res),
+                    torch.ops.hgemm.norm_linear(x, nw, 1e-5, kind, weight, None, ops.EPILOGUE_CODES[name], res),
+                    ops.PythonPath.norm_linear(x, nw, 1e-5, kind, weight, None, ops.EPILOGUE_CODES[name], res)):
+            assert torch.equal(got, want), name
+    meta = [torch.empty(5, 8, dtype=torch.half, device="meta") for _ in range(2)]
+    assert ops.norm_linear(meta[0], nw.to("meta"), 1e-5, kind, torch.empty(32, 8, dtype=torch.half, device="meta"),
+                           None, "silu_mul").shape == (5, 16)
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def f(x, nw, w):
+        return ops.norm_linear(x, nw, 1e-5, kind, w, None, "silu_mul")
+
+    with torch.no_grad():
+        assert torch.equal(torch.compile(f, fullgraph=True, backend=backend)(x, nw, w), f(x, nw, w))
+    assert "hgemm.norm_linear" in " ".join(targets)
+    wg = w[:24].float().clone().requires_grad_()
+    ops.norm_linear(x.float(), nw.float(), 1e-5, kind, wg, None, "silu").sum().backward()
+    assert wg.grad is not None
+    with pytest.raises(ValueError, match="0, 1 or 2"):
+        ops.norm_linear(x, nw, 1e-5, 3, w, None, "none")

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 PROCESS_KEY = "hgemm_ops_extension"  # sys.modules entry holding the loaded extension
-SOURCES = ("hgemm_op.cpp", "hgemm_library.cpp", "hgemm_table.cpp", "hgemm_module.cpp")
+SOURCES = ("hgemm_op.cpp", "hgemm_library.cpp", "hgemm_table.cpp", "hgemm_module.cpp", "hgemm_norm_linear.cpp")
 HEADERS = ("hgemm_op.h", "hgemm_cuda.h")
 
 
@@ -43,8 +43,8 @@ def _trace_as_ops(ext) -> None:
     points ext.mm / ext.linear / ext.fused_linear, which skip the dispatcher's Python argument parsing."""
     import torch
 
-    mm_op, linear_op, fused_op = (torch.ops.hgemm.mm.default, torch.ops.hgemm.linear.default,
-                                  torch.ops.hgemm.fused_linear.default)
+    mm_op, linear_op, fused_op, norm_op = (torch.ops.hgemm.mm.default, torch.ops.hgemm.linear.default,
+                                           torch.ops.hgemm.fused_linear.default, torch.ops.hgemm.norm_linear.default)
 
     @torch.compiler.substitute_in_graph(ext.mm, skip_signature_check=True)
     def mm(a, b, bias=None):
@@ -57,3 +57,7 @@ def _trace_as_ops(ext) -> None:
     @torch.compiler.substitute_in_graph(ext.fused_linear, skip_signature_check=True)
     def fused_linear(x, w, bias, epilogue, residual):
         return fused_op(x, w, bias, epilogue, residual)
+
+    @torch.compiler.substitute_in_graph(ext.norm_linear, skip_signature_check=True)
+    def norm_linear(x, norm_w, eps, kind, w, bias, epilogue, residual):
+        return norm_op(x, norm_w, eps, kind, w, bias, epilogue, residual)

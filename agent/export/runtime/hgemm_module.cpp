@@ -35,7 +35,7 @@ std::shared_ptr<hgemm::Kernel> kernel_record(const py::dict& entry, const char* 
 // add_kernel(entry: dict): key, n, k, nk, bf16, bias, epilogue (hgemm::Epilogue's number), serves (the [lo, hi] M
 // intervals it serves), arch, cubin (bytes), overlap (optional: it waits for the kernel ahead, so it may be launched
 // overlapped; core/overlap.py), segments (dicts: m, grid, boxes (one per tensor map)), block, smem_bytes,
-// workspace_bytes, counters, tensor_maps (dicts: operand 0-3 (A, B, C, R), dims, m_dims (the dims that are the call's
+// workspace_bytes, counters, norm_cubin (optional, bytes: the kernel with the norm ahead, for norm_linear), tensor_maps (dicts: operand 0-3 (A, B, C, R), dims, m_dims (the dims that are the call's
 // M), strides (bytes, all but the first), swizzle and l2 (the driver's enum values)). Replaces what served those
 // intervals of the series before.
 PyObject* py_add_kernel(PyObject*, PyObject* arg) {
@@ -48,6 +48,7 @@ PyObject* py_add_kernel(PyObject*, PyObject* arg) {
   TORCH_CHECK_VALUE(block.size() == 3, "add_kernel: grid and block take 3 values");
   fill(kern->block, block, "block");
   kern->smem = entry["smem_bytes"].cast<unsigned>();
+  if (entry.contains("norm_cubin")) kern->norm_cubin = entry["norm_cubin"].cast<py::bytes>();
   kern->workspace_bytes = entry["workspace_bytes"].cast<size_t>();
   kern->counters = entry["counters"].cast<size_t>();
   for (const auto& item : entry["tensor_maps"].cast<py::list>()) {
@@ -241,6 +242,32 @@ PyObject* py_fused_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// norm_linear(x, norm_w, eps: float, kind: int, w, bias, epilogue: int, residual): fused_linear of x's RMSNorm
+PyObject* py_norm_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  const char* usage = "norm_linear(x, norm_w, eps, kind, w, bias, epilogue, residual)";
+  TORCH_CHECK_TYPE(nargs == 8, usage, " takes its eight arguments positionally");
+  TORCH_CHECK_TYPE(THPVariable_Check(args[0]) && THPVariable_Check(args[1]) && THPVariable_Check(args[4]), usage,
+                   ": x, norm_w and w must be tensors");
+  PyObject* optional[2] = {args[5], args[7]};
+  for (PyObject* o : optional) TORCH_CHECK_TYPE(o == Py_None || THPVariable_Check(o), usage, ": bias and residual "
+                                                "must be tensors or None");
+  auto maybe = [](PyObject* o) {
+    return o == Py_None ? std::nullopt : std::optional<at::Tensor>(THPVariable_Unpack(o));
+  };
+  const double eps = PyFloat_AsDouble(args[2]);
+  const int64_t kind = PyLong_AsLongLong(args[3]), epilogue = PyLong_AsLongLong(args[6]);
+  if (PyErr_Occurred()) throw py::error_already_set();
+  at::Tensor c;
+  {
+    py::gil_scoped_release no_gil;
+    c = hgemm::norm_call(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), eps, kind,
+                         THPVariable_Unpack(args[4]), maybe(args[5]), epilogue, maybe(args[7]));
+  }
+  return THPVariable_Wrap(std::move(c));
+  END_HANDLE_TH_ERRORS
+}
+
 // explain(a, b, bias, nk[, epilogue, residual]) -> str
 PyObject* py_explain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
@@ -286,6 +313,8 @@ PyMethodDef methods[] = {
     {"linear", fastcall(py_linear), METH_FASTCALL, "linear(x, w, bias=None): F.linear(x, w, bias)"},
     {"fused_linear", fastcall(py_fused_linear), METH_FASTCALL,
      "fused_linear(x, w, bias, epilogue, residual): F.linear(x, w, bias), then the epilogue (its number)"},
+    {"norm_linear", fastcall(py_norm_linear), METH_FASTCALL,
+     "norm_linear(x, norm_w, eps, kind, w, bias, epilogue, residual): fused_linear of x's RMSNorm"},
     {"rms_norm", fastcall(py_rms_norm), METH_FASTCALL,
      "rms_norm(x, w, eps, kind=0, residual=None): an RMSNorm (+ residual) by the export's kernel, or None"},
     {"explain", fastcall(py_explain), METH_FASTCALL, "explain(a, b, bias, nk): the kernel a call runs, or why not"},

@@ -119,14 +119,16 @@ DeviceState& device_state(int index) {  // with the device's primary context cur
   return st;
 }
 
-CUfunction function_for(DeviceState& st, const Kernel& kern) {
-  auto it = st.functions.find(kern.id);
+// The kernel's function on this GPU (normed: its norm variant's), loaded once; nullptr where it does not fit.
+CUfunction function_for(DeviceState& st, const Kernel& kern, bool normed = false) {
+  const uint64_t id = normed ? ~kern.id : kern.id;  // registrations count up from 1: never another's id
+  auto it = st.functions.find(id);
   if (it != st.functions.end()) return it->second;
   CUfunction fn = nullptr;
   if (arch_fits(kern.arch, st.major, st.minor)) {
     RelaxedCapture relaxed;
     CUmodule module = nullptr;
-    check(driver().ModuleLoadData(&module, kern.cubin.data()), "cuModuleLoadData");
+    check(driver().ModuleLoadData(&module, (normed ? kern.norm_cubin : kern.cubin).data()), "cuModuleLoadData");
     check(driver().ModuleGetFunction(&fn, module, "hgemm"), "cuModuleGetFunction");
     check(driver().FuncSetAttribute(fn, kFuncMaxDynamicSharedBytes, static_cast<int>(kern.smem)),
           "cuFuncSetAttribute");
@@ -134,7 +136,7 @@ CUfunction function_for(DeviceState& st, const Kernel& kern) {
     TORCH_WARN_ONCE("hgemm: kernels built for ", kern.arch, " do not run on this GPU (sm_", st.major, st.minor,
                     "): cuBLAS serves them");
   }
-  st.functions.emplace(kern.id, fn);
+  st.functions.emplace(id, fn);
   return fn;
 }
 
@@ -189,7 +191,8 @@ CUstream current_stream(int device) {
 
 // Runs the kernel; nullopt where its cubin does not fit this GPU.
 std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const at::Tensor& b,
-                                 const at::Tensor* bias, const at::Tensor* residual) {
+                                 const at::Tensor* bias, const at::Tensor* residual,
+                                 const hgemm::NormArgs* norm = nullptr) {
   c10::DeviceGuard guard(a.device());
   const int device = a.get_device();
   const int64_t m = a.numel() / kern.k;
@@ -206,7 +209,7 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
   {
     std::lock_guard<std::mutex> lock(mutex);
     DeviceState& st = device_state(device);
-    fn = function_for(st, kern);
+    fn = function_for(st, kern, norm != nullptr);
     if (!fn) return std::nullopt;
     overlap = overlaps(st, kern);
     if (kern.workspace_bytes || kern.counters) {
@@ -222,7 +225,7 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
   }
   int32_t sizes[3] = {static_cast<int32_t>(m), static_cast<int32_t>(kern.n), static_cast<int32_t>(kern.k)};
   void* bias_ptr = bias ? const_cast<void*>(bias->const_data_ptr()) : nullptr;
-  std::array<void*, 14> params;
+  std::array<void*, 17> params;
   size_t np = 0;
   for (auto& p : ptrs) params[np++] = &p;
   for (auto& s : sizes) params[np++] = &s;
@@ -230,6 +233,10 @@ std::optional<at::Tensor> launch(const Kernel& kern, const at::Tensor& a, const 
   if (residual) params[np++] = &residual_ptr;
   for (size_t i = 0; i < kern.maps.size(); ++i) params[np++] = &maps[i];
   if (scratch) params[np++] = &scratch, params[np++] = &counters;
+  void* norm_ptr = norm ? const_cast<void*>(norm->w.const_data_ptr()) : nullptr;
+  float epsilon = norm ? static_cast<float>(norm->eps) : 0.0f;
+  int rounding = norm ? static_cast<int>(norm->kind) : 0;
+  if (norm) params[np++] = &norm_ptr, params[np++] = &epsilon, params[np++] = &rounding;
   launch_kernel(fn, at.grid, kern.block, kern.smem, current_stream(device), params.data(), overlap);
   return c;
 }
@@ -390,6 +397,12 @@ at::Tensor run(const at::Tensor& a, const at::Tensor& b, const std::optional<at:
     return compose(y, epilogue, residual);
   }
   return fallback(a, b, bias, nk, epilogue, residual);
+}
+
+std::optional<at::Tensor> launch_normed(const Kernel& kernel, const at::Tensor& x, const at::Tensor& w,
+                                        const at::Tensor* bias, const at::Tensor* residual, const NormArgs& norm) {
+  if (kernel.norm_cubin.empty()) return std::nullopt;
+  return launch(kernel, x, w, bias, residual, &norm);
 }
 
 bool overlap_enabled() { return overlap_switch().load(); }

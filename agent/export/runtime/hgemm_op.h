@@ -44,6 +44,7 @@ struct Kernel {
   std::vector<MapSpec> maps;
   size_t workspace_bytes = 0, counters = 0;  // enough for the largest M it serves
   bool overlap = false;  // it waits for the kernel ahead itself: launched overlapped where the GPU can (sm_90+)
+  std::string norm_cubin;  // where not empty: the same kernel with the norm ahead of it (hgemm::norm_linear)
 };
 
 // The launch of a kernel at one M: the grid and each tensor map's dims (M filled in) and box.
@@ -114,6 +115,32 @@ at::Tensor fallback(const at::Tensor& a, const at::Tensor& b, const std::optiona
 // wanted; otherwise the tuned kernel, or PyTorch where the call is not one it was tuned for.
 at::Tensor call(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
                 int64_t epilogue = kNone, const std::optional<at::Tensor>& residual = std::nullopt);
+
+// The RMSNorm ahead of a GEMM (norm_linear): its weight (K elements of x's dtype), epsilon and rounding kind (as
+// rms_norm's).
+struct NormArgs {
+  const at::Tensor& w;
+  double eps;
+  int64_t kind;
+};
+// The kernel with its norm variant launched on x (x's rows normalised inside it); nullopt where the kernel has no
+// norm variant or its cubin does not fit this GPU.
+std::optional<at::Tensor> launch_normed(const Kernel& kernel, const at::Tensor& x, const at::Tensor& w,
+                                        const at::Tensor* bias, const at::Tensor* residual, const NormArgs& norm);
+// norm_linear (hgemm_norm_linear.cpp): F.linear(rms_norm(x), w, bias), then the epilogue: in one kernel where the
+// call's kernel has a norm variant and the norm's weight is a plain tensor of x's dtype and K elements; otherwise the
+// norm (the export's kernel, or PyTorch's ops) and then run(). norm_fallback: what it means, by PyTorch's ops.
+at::Tensor norm_run(const at::Tensor& x, const at::Tensor& norm_w, double eps, int64_t kind, const at::Tensor& w,
+                    const std::optional<at::Tensor>& bias, int64_t epilogue,
+                    const std::optional<at::Tensor>& residual);
+at::Tensor norm_fallback(const at::Tensor& x, const at::Tensor& norm_w, double eps, int64_t kind, const at::Tensor& w,
+                         const std::optional<at::Tensor>& bias, int64_t epilogue,
+                         const std::optional<at::Tensor>& residual);
+// norm_linear as the fast entry point calls it (as call() does: the registered op where the dispatcher must see it,
+// PyTorch where a gradient is wanted, else norm_run)
+at::Tensor norm_call(const at::Tensor& x, const at::Tensor& norm_w, double eps, int64_t kind, const at::Tensor& w,
+                     const std::optional<at::Tensor>& bias, int64_t epilogue,
+                     const std::optional<at::Tensor>& residual);
 
 // Whether kernels registered with `overlap` are launched overlapped on sm_90 and newer: on unless HGEMM_OPS_OVERLAP=0
 // when first asked (a launch, or either call here); set_overlap changes it for the launches that follow (a CUDA graph

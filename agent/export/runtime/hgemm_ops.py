@@ -152,7 +152,8 @@ def _prepared(key: str, entry: dict) -> dict:
             "epilogue": EPILOGUE_CODES[epi], "serves": intervals.serves(key, entry), "arch": entry["arch"],
             "cubin": (HERE / entry["cubin"]).read_bytes(), "segments": segments, "block": entry["block"],
             "smem_bytes": entry["smem_bytes"], "workspace_bytes": entry.get("workspace_bytes", 0),
-            "counters": entry.get("counters", 0), "tensor_maps": maps, "overlap": entry.get("overlap", False)}
+            "counters": entry.get("counters", 0), "tensor_maps": maps, "overlap": entry.get("overlap", False),
+            **({"norm_cubin": (HERE / entry["norm_cubin"]).read_bytes()} if entry.get("norm_cubin") else {})}
 
 
 # ---- the Python launch path (where the compiled op is unavailable) ------------------------------------------------
@@ -246,6 +247,11 @@ class PythonPath:
     def fused_linear(x, w, bias, code: int, residual) -> torch.Tensor:
         return python_run(x, w, bias, "nk", epilogue.EPILOGUES[code], residual)
 
+    @staticmethod
+    def norm_linear(x, norm_w, eps, kind, w, bias, code, residual) -> torch.Tensor:
+        """The norm (the export's kernel, or the model's ops), then fused_linear: no norm variants on this path."""
+        return PythonPath.fused_linear(rms_norm(x, norm_w, eps, kind), w, bias, code, residual)
+
     rms_norm = staticmethod(_rms_norm)
 
 
@@ -265,6 +271,12 @@ class _Unresolved:
         if torch.compiler.is_compiling():
             return fallback(x, w, bias, "nk", epilogue.EPILOGUES[code], residual)
         return _resolve().fused_linear(x, w, bias, code, residual)
+
+    @staticmethod
+    def norm_linear(x, norm_w, eps, kind, w, bias, code, residual):
+        if torch.compiler.is_compiling():
+            return fallback(rms_norm(x, norm_w, eps, kind), w, bias, "nk", epilogue.EPILOGUES[code], residual)
+        return _resolve().norm_linear(x, norm_w, eps, kind, w, bias, code, residual)
 
     @staticmethod
     def rms_norm(x, w, eps, kind=0, residual=None):
@@ -312,6 +324,16 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ep
     for the call: an activation; silu_mul / gelu_mul with w's gate and up rows interleaved in blocks of 8
     (hgemm_epilogue.interleave_gate_up), N / 2 columns out; residual: + `residual` (x's rows by N)."""
     return _eager.fused_linear(x, w, bias, EPILOGUE_CODES[epilogue], residual)
+
+
+def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, kind: int, w: torch.Tensor,
+                bias: torch.Tensor | None, epilogue: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """fused_linear(rms_norm(x, norm_w, eps, kind), w, bias, epilogue, residual): in one kernel where the call's
+    kernel was exported with a norm variant (the gemv family's: it normalises x's rows as it reads them), otherwise
+    the norm's kernel and then fused_linear's."""
+    if not 0 <= kind < 3:
+        raise ValueError(f"norm_linear: the norm's kind is 0, 1 or 2, not {kind}")
+    return _eager.norm_linear(x, norm_w, eps, kind, w, bias, EPILOGUE_CODES[epilogue], residual)
 
 
 # ---- patching a model (hgemm_patch.py, hgemm_fuse.py) ---------------------------------------------------------------

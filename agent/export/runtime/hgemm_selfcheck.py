@@ -95,6 +95,26 @@ def helper_lines(ops: types.SimpleNamespace, paths: dict) -> list[str]:
     return lines
 
 
+def norm_lines(ops: types.SimpleNamespace, paths: dict, rng: random.Random, factor: float) -> list[str]:
+    """Each kernel exported with a norm variant (norm_linear's), at the M it serves, through each path and for each
+    rounding kind of the norm, against the reference of the model's norm output times B."""
+    lines = []
+    for key, entry in ops.MANIFEST["kernels"].items():
+        if not entry.get("norm_cubin"):
+            continue
+        for m in served_ms(ops, key, rng):
+            a, b, bias, layout, epi, r = operands(ops, key, m)
+            a = a * 3  # rows whose norm scales them
+            weight = (1 + 0.2 * torch.randn(a.shape[-1], device="cuda")).to(a.dtype)
+            for kind, norm in enumerate(ops.rms_norms):
+                for name, path in paths.items():
+                    out = path.norm_linear(a, weight, 1e-5, kind, b, bias, ops.EPILOGUE_CODES[epi], r)
+                    torch.cuda.synchronize()
+                    lines.append(verdict(ops, f"{key} at M={m} {name}, the norm (kind {kind}) inside", out,
+                                         norm(a, weight, 1e-5), b, bias, layout, epi, r, factor))
+    return lines
+
+
 def selfcheck(ops: types.SimpleNamespace, factor: float = 2.0) -> list[str]:
     ext = ops.compiled()
     kernels = list(ops.MANIFEST["kernels"])
@@ -119,7 +139,7 @@ def selfcheck(ops: types.SimpleNamespace, factor: float = 2.0) -> list[str]:
                     torch.cuda.synchronize()
                     lines.append(verdict(ops, f"{key} at M={m} {name}", out, *args, factor))
     with torch.no_grad():
-        lines += helper_lines(ops, paths)
+        lines += helper_lines(ops, paths) + norm_lines(ops, paths, rng, factor)
     if ext is None or not kernels:
         return lines + [f"{key}: cuBLAS (no kernel beat it)" for key in ops.MANIFEST.get("cublas", [])]
     a, b, bias, layout, epi, r = args = operands(ops, kernels[-1])
