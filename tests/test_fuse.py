@@ -157,7 +157,8 @@ def test_each_fusion_is_recognised_and_the_logits_match(bias, act, epilogue):
     before, size = {n: p.detach().clone() for n, p in params.items()}, storage_bytes(model)
     classes, text = {n: type(m) for n, m in model.named_modules()}, repr(model)
     assert hgemm_fuse.fuse(model, TorchOps) == dict.fromkeys(hgemm_fuse.KINDS, 0) | {
-        "qkv": 2, "gate_up": 2, "o_residual": 2, "down_residual": 2, "rms_norm": 5}  # 2 a layer, 1 final
+        "qkv": 2, "gate_up": 2, "o_residual": 2, "down_residual": 2, "rms_norm": 5,  # 2 a layer, 1 final
+        "norm_gate_up": 2}  # post_attention_layernorm and gate/up in one norm_linear call
     assert storage_bytes(model) == size  # merged buffers replace the parameters' storage: nothing held twice
     assert repr(model) == text and all(isinstance(m, classes[n]) for n, m in model.named_modules())
     assert type(model.layers[0]).forward is hgemm_fuse.steps._layer_forward  # the class's: one path to each module

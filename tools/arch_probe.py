@@ -55,7 +55,8 @@ MEMORY_BYTES = 6 << 30  # an architecture's address space (configs with large de
 
 class TorchOps:
     """What hgemm_ops computes where no exported kernel serves: PyTorch's linear, the epilogue's composition and
-    Llama's RMSNorm; `calls` lists each call's epilogue (or "rms_norm") and weight shape."""
+    Llama's RMSNorm (norm_linear: the norm, then fused_linear); `calls` lists each call's epilogue (or "rms_norm")
+    and weight shape."""
 
     calls: list = []
 
@@ -74,6 +75,10 @@ class TorchOps:
         cls.calls.append(("rms_norm", tuple(w.shape)))
         out = hgemm_fuse.recognise.RMS_NORMS[kind](x, w, eps)
         return out if residual is None else residual + out
+
+    @classmethod
+    def norm_linear(cls, x, norm_w, eps, kind, w, bias, epilogue, residual=None):
+        return cls.fused_linear(cls.rms_norm(x, norm_w, eps, kind), w, bias, epilogue, residual)
 
 
 @torch.library.custom_op("hgemm_probe::fused_linear", mutates_args=())

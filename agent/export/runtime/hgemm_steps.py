@@ -307,6 +307,11 @@ def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.
         return hidden + out.view(hidden.shape)
     down = getattr(mlp, self._hgemm_down)
     slot(down).residual = hidden
+    if self._hgemm_fold:  # the norm inside gate/up's GEMM: the gated MLP's steps (hgemm_fuse._gate_up), inline
+        norm = self.post_attention_layernorm
+        y = ops_of(self).norm_linear(hidden, norm.weight, norm._hgemm_eps, norm._hgemm_kind,
+                                     mlp.hgemm_gate_up_weight, mlp.hgemm_gate_up_bias, mlp._hgemm_epilogue, None)
+        return _summed(mlp, down, down(y))
     return _summed(mlp, down, mlp(self.post_attention_layernorm(hidden)))  # down added it
 
 
@@ -340,16 +345,19 @@ def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tenso
     return out
 
 
-def residuals(layer, module: nn.Module, ops, mlp: str, down: str | None, mlp_output=(False, False, False)) -> None:
+def residuals(layer, module: nn.Module, ops, mlp: str, down: str | None, mlp_output=(False, False, False),
+              fold: bool = False) -> None:
     """The layer's residual adds in the epilogues of o_proj and of its MLP's (the child `mlp`'s) last projection
     `down`; with `down` None, the MLP's add stays as the layer runs it, its output taken as `mlp_output` says (a
-    pair, its rows flat: layer_steps) (`layer`: hgemm_fuse's _Layer, which records what changed)."""
+    pair, its rows flat: layer_steps) (`layer`: hgemm_fuse's _Layer, which records what changed). `fold`: the MLP
+    is gate/up as one gated GEMM and post_attention_layernorm an RMSNorm ops.rms_norm runs, so the layer runs the
+    two as one ops.norm_linear call (the norm inside the GEMM where the export has that kernel)."""
     projections = [module.self_attn.o_proj] + ([] if down is None else [getattr(getattr(module, mlp), down)])
     for proj in projections:
         layer.set_forward(proj, _residual_forward, ops=ops, slot=Pending())
-    layer.set_forward(module, _layer_forward, signature=inspect.signature(type(module).forward), mlp=mlp, down=down,
-                      mlp_output=tuple(mlp_output))
-    layer.kinds += ["o_residual", "down_residual"][:len(projections)]
+    layer.set_forward(module, _layer_forward, ops=ops, signature=inspect.signature(type(module).forward), mlp=mlp,
+                      down=down, mlp_output=tuple(mlp_output), fold=int(fold and down is not None))
+    layer.kinds += ["o_residual", "down_residual"][:len(projections)] + (["norm_gate_up"] if fold and down else [])
 
 
 def post_norms(layer, module: nn.Module, ops, mlp: str, norms: list, roles: tuple) -> None:
