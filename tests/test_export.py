@@ -20,7 +20,7 @@ from tests.conftest import HAS_GPU
 from tests.export_fixtures import load_ops
 from tests.helpers import fake_evaluate, m_dependent_evaluate, populated_run
 
-RUNTIME_FILES = {"hgemm_ops.py", "hgemm_op.cpp", "hgemm_library.cpp", "hgemm_norm_linear.cpp", "hgemm_gated.cu",
+RUNTIME_FILES = {"hgemm_ops.py", "hgemm_op.cpp", "hgemm_library.cpp", "hgemm_route.cpp", "hgemm_gated.cu",
                  "hgemm_op.h", "hgemm_module.cpp", "hgemm_cuda.h", "hgemm_build.py", "hgemm_selfcheck.py",
                  "hgemm_driver.py"}
 

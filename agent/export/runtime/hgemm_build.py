@@ -1,6 +1,6 @@
-"""Build and load the compiled HGEMM op (hgemm_op.cpp, hgemm_library.cpp, hgemm_table.cpp, hgemm_module.cpp, their
-headers) with torch.utils.cpp_extension: ninja and the host C++ compiler, against the installed torch; no CUDA
-toolkit (the op opens the CUDA driver at run time).
+"""Build and load the compiled HGEMM op (hgemm_op.cpp, hgemm_route.cpp, hgemm_library.cpp, hgemm_table.cpp,
+hgemm_module.cpp, their headers) with torch.utils.cpp_extension: ninja and the host C++ compiler, against the
+installed torch; no CUDA toolkit (the op opens the CUDA driver at run time).
 
 Shipped in an hgemm-agent export next to hgemm_ops.py. A build is cached per source and torch version under the
 build folder (the first one takes a few tens of seconds). One extension per process: its TORCH_LIBRARY registers the
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 PROCESS_KEY = "hgemm_ops_extension"  # sys.modules entry holding the loaded extension
-SOURCES = ("hgemm_op.cpp", "hgemm_library.cpp", "hgemm_table.cpp", "hgemm_module.cpp", "hgemm_norm_linear.cpp")
+SOURCES = ("hgemm_op.cpp", "hgemm_library.cpp", "hgemm_table.cpp", "hgemm_module.cpp", "hgemm_route.cpp")
 HEADERS = ("hgemm_op.h", "hgemm_cuda.h")
 
 

@@ -1,6 +1,7 @@
 // The compiled HGEMM op of an hgemm-agent export (built by hgemm_build.py with torch.utils.cpp_extension and the
 // host compiler; no CUDA toolkit: hgemm_cuda.h opens the CUDA driver at run time): routing and launches.
-// hgemm_library.cpp registers the ops (hgemm::mm, hgemm::linear, hgemm::fused_linear) on top of what is here;
+// hgemm_library.cpp registers the ops (hgemm::mm, hgemm::linear, hgemm::fused_linear, hgemm::norm_linear) on top of
+// what is here; hgemm_route.cpp chooses the kernel for a call and computes what PyTorch does where none serves;
 // hgemm_table.cpp keeps the kernels by M interval; hgemm_module.cpp is the Python side.
 //
 // A call runs an exported kernel where its (N, K, layout, dtype, bias, epilogue) was tuned for an M interval holding
@@ -29,16 +30,8 @@
 #include <mutex>
 #include <unordered_map>
 
-#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/gelu.h>
-#include <ATen/ops/linear.h>
-#include <ATen/ops/matmul.h>
-#include <ATen/ops/mul.h>
-#include <ATen/ops/relu.h>
-#include <ATen/ops/silu.h>
-#include <ATen/ops/square.h>
 #include <c10/core/DeviceGuard.h>
 
 #include "hgemm_cuda.h"
@@ -289,101 +282,6 @@ std::optional<at::Tensor> gated_kernel(const at::Tensor& y, int64_t epilogue) {
 }  // namespace
 
 namespace hgemm {
-
-// ---- routing ------------------------------------------------------------------------------------------------------
-// The kernel for a @ B (B given K x N, or N x K when nk) + bias, then the epilogue (R the residual), or nullptr with
-// the reason in *why.
-std::shared_ptr<const Kernel> choose(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bias, bool nk,
-                                     int epilogue, const at::Tensor* residual, std::string* why) {
-  auto no = [&](auto&& reason) {
-    if (why) *why = reason;
-    return std::shared_ptr<const Kernel>();
-  };
-  if (b.dim() != 2 || a.dim() < 1) return no("B is not a matrix");
-  const int64_t k = a.size(-1), n = b.size(nk ? 0 : 1);
-  if (b.size(nk ? 1 : 0) != k || k == 0) return no("A's last dimension is not B's K");
-  const auto dtype = a.scalar_type();
-  if (dtype != at::kHalf && dtype != at::kBFloat16) return no("dtype is neither float16 nor bfloat16");
-  if (b.scalar_type() != dtype || (bias && bias->scalar_type() != dtype) ||
-      (residual && residual->scalar_type() != dtype))
-    return no("operands of mixed dtypes");
-  const int64_t m = a.numel() / k;
-  const ProblemKey series{n, k, nk, dtype == at::kBFloat16, bias != nullptr, epilogue};
-  int64_t lo = 0, hi = 0;
-  std::shared_ptr<const Kernel> kern = hgemm::find_kernel(series, m, &lo, &hi);
-  if (!kern) {
-    if (!why) return kern;
-    const auto tuned = hgemm::describe_series(series);
-    return no(tuned ? "M=" + std::to_string(m) + " not tuned (tuned M: " + *tuned + ")" : "shape not tuned");
-  }
-  auto tuned_but = [&](const char* reason) {
-    if (why) *why = std::string(reason) + " (tuned: " + kern->key + ")";
-    return std::shared_ptr<const Kernel>();
-  };
-  if (bias && (bias->dim() != 1 || bias->size(0) != n)) return tuned_but("bias is not a vector of N");
-  if (epilogue == hgemm::kResidual) {
-    std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end() - 1);
-    shape.push_back(n);
-    if (!residual || residual->sizes() != at::IntArrayRef(shape)) return tuned_but("the residual is not M x N");
-  }
-  const at::Tensor* operands[4] = {&a, &b, bias, residual};
-  for (const at::Tensor* t : operands)
-    if (t && !t->is_contiguous()) return tuned_but("an operand is not contiguous");
-  for (const at::Tensor* t : operands)
-    if (t && reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 != 0)
-      return tuned_but("an operand is not 16-byte aligned");
-  for (const at::Tensor* t : operands)
-    if (t && (!t->is_cuda() || t->device() != a.device())) return tuned_but("operands are not on one CUDA device");
-  if (why)
-    *why = "kernel " + kern->key + " (M=" + std::to_string(m) + " in " + std::to_string(lo) +
-           (hi != lo ? "-" + std::to_string(hi) : "") + ")";
-  return kern;
-}
-
-// The epilogue's ops on an unfused GEMM's output y, as a model runs them (core/epilogue.py's composition).
-at::Tensor compose(const at::Tensor& y, int64_t epilogue, const std::optional<at::Tensor>& residual) {
-  auto act = [](const at::Tensor& x, bool silu) { return silu ? at::silu(x) : at::gelu(x, "tanh"); };
-  switch (epilogue) {
-    case hgemm::kRelu:
-      return at::relu(y);
-    case hgemm::kSilu:
-    case hgemm::kGeluTanh:
-      return act(y, epilogue == hgemm::kSilu);
-    case hgemm::kGelu:
-      return at::gelu(y);
-    case hgemm::kRelu2:
-      return at::square(at::relu(y));
-    case hgemm::kSiluMul:
-    case hgemm::kGeluMul: {  // gate and up interleaved in blocks of 8 columns: strided views, no copies
-      const at::Tensor blocks = y.unflatten(-1, {y.size(-1) / 16, 2, 8});
-      return at::mul(act(blocks.select(-2, 0), epilogue == hgemm::kSiluMul), blocks.select(-2, 1)).flatten(-2);
-    }
-    case hgemm::kResidual:
-      TORCH_CHECK(residual && residual->defined(), "hgemm: a residual epilogue needs the residual");
-      return at::add(y, *residual);
-    default:
-      return y;
-  }
-}
-
-// What the call means, computed by PyTorch: F.linear, torch.matmul, or with a K x N B and a bias the fused addmm
-// (at::linear of B's transpose: torch.addmm(bias, a, b)); then the epilogue's ops (compose). A's rows are one matrix
-// first: at::matmul does not fold a (B, 1, K) operand whose middle stride is not K (as torch.compile lays out size-1
-// dimensions) and runs a batched GEMM that reads B once a row instead.
-at::Tensor fallback(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
-                    int64_t epilogue, const std::optional<at::Tensor>& residual) {
-  // symbolic sizes throughout: fake tensors of torch.compile's dynamic shapes come this way too
-  const at::Tensor a2 = a.dim() == 2 ? a : a.reshape_symint({c10::SymInt(-1), a.sym_size(-1)});
-  at::Tensor y = nk                          ? at::linear(a2, b, bias)
-                 : bias && bias->defined() ? at::linear(a2, b.t(), bias)
-                                           : at::matmul(a2, b);
-  if (a.dim() != 2) {
-    std::vector<c10::SymInt> shape(a.sym_sizes().begin(), a.sym_sizes().end() - 1);
-    shape.push_back(y.sym_size(-1));
-    y = y.view_symint(shape);
-  }
-  return epilogue == hgemm::kNone ? y : compose(y, epilogue, residual);
-}
 
 at::Tensor run(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
                int64_t epilogue, const std::optional<at::Tensor>& residual) {

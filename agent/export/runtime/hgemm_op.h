@@ -100,15 +100,17 @@ std::shared_ptr<const Kernel> find_kernel(const ProblemKey& series, int64_t m, i
 // The series' intervals ("1-16, 17-24, 33"), or nullopt where no kernel of the series is registered.
 std::optional<std::string> describe_series(const ProblemKey& series);
 
-// Routing (hgemm_op.cpp), for the registered ops (hgemm_library.cpp): the kernel for a call, or nullptr with the
-// reason in *why where given; the call by its kernel, or as fallback computes it; what the call means, computed by
-// PyTorch (at::linear / at::matmul, then the epilogue's ops as a model runs them).
+// Routing (hgemm_route.cpp; run in hgemm_op.cpp), for the registered ops (hgemm_library.cpp): the kernel for a call,
+// or nullptr with the reason in *why where given; the call by its kernel, or as fallback computes it; what the call
+// means, computed by PyTorch (at::linear / at::matmul, then the epilogue's ops as a model runs them: compose, on an
+// unfused GEMM's output y).
 std::shared_ptr<const Kernel> choose(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bias, bool nk,
                                      int epilogue, const at::Tensor* residual, std::string* why);
 at::Tensor run(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
                int64_t epilogue = kNone, const std::optional<at::Tensor>& residual = std::nullopt);
 at::Tensor fallback(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool nk,
                     int64_t epilogue = kNone, const std::optional<at::Tensor>& residual = std::nullopt);
+at::Tensor compose(const at::Tensor& y, int64_t epilogue, const std::optional<at::Tensor>& residual);
 // A call: a @ B (+ bias), B K x N or N x K (nk), then the epilogue (R the residual where it adds one), as the fast
 // entry points run it: through the dispatcher where tensor subclasses, fake tensors, functorch or dispatch modes
 // must see the op; as PyTorch computes it (at::matmul / at::linear, then the epilogue's ops) where a gradient is
@@ -127,7 +129,7 @@ struct NormArgs {
 // norm variant or its cubin does not fit this GPU.
 std::optional<at::Tensor> launch_normed(const Kernel& kernel, const at::Tensor& x, const at::Tensor& w,
                                         const at::Tensor* bias, const at::Tensor* residual, const NormArgs& norm);
-// norm_linear (hgemm_norm_linear.cpp): F.linear(rms_norm(x), w, bias), then the epilogue: in one kernel where the
+// norm_linear (hgemm_route.cpp): F.linear(rms_norm(x), w, bias), then the epilogue: in one kernel where the
 // call's kernel has a norm variant and the norm's weight is a plain tensor of x's dtype and K elements; otherwise the
 // norm (the export's kernel, or PyTorch's ops) and then run(). norm_fallback: what it means, by PyTorch's ops.
 at::Tensor norm_run(const at::Tensor& x, const at::Tensor& norm_w, double eps, int64_t kind, const at::Tensor& w,
