@@ -353,11 +353,12 @@ def residuals(layer, module: nn.Module, ops, mlp: str, down: str | None, mlp_out
     is gate/up as one gated GEMM and post_attention_layernorm an RMSNorm ops.rms_norm runs, so the layer runs the
     two as one ops.norm_linear call (the norm inside the GEMM where the export has that kernel)."""
     projections = [module.self_attn.o_proj] + ([] if down is None else [getattr(getattr(module, mlp), down)])
+    fold = fold and down is not None  # the fold runs down's step itself
     for proj in projections:
         layer.set_forward(proj, _residual_forward, ops=ops, slot=Pending())
     layer.set_forward(module, _layer_forward, ops=ops, signature=inspect.signature(type(module).forward), mlp=mlp,
-                      down=down, mlp_output=tuple(mlp_output), fold=int(fold and down is not None))
-    layer.kinds += ["o_residual", "down_residual"][:len(projections)] + (["norm_gate_up"] if fold and down else [])
+                      down=down, mlp_output=tuple(mlp_output), fold=int(fold))
+    layer.kinds += ["o_residual", "down_residual"][:len(projections)] + (["norm_gate_up"] if fold else [])
 
 
 def post_norms(layer, module: nn.Module, ops, mlp: str, norms: list, roles: tuple) -> None:
