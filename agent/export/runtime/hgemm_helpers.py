@@ -2,8 +2,9 @@
 kernels, the gated fallback's (hgemm_gated.cu: act(gate) * up of an unfused gated GEMM's output, read once) and the
 RMSNorm's (hgemm_norm.cu: an RMSNorm, plus a residual, in one kernel), their cubins listed in the manifest's "gated"
 and "norm" sections by key ('silu_mul:f16', 'rms_norm:bf16'). Shipped
-beside hgemm_ops.py, which makes one `Helpers` for its export and checks the operands (plain contiguous CUDA tensors
-of one dtype, no gradient wanted, not under torch.compile) before calling it.
+beside hgemm_ops.py, which makes one `Helpers` for its export. The helper kernels run only on `usable` operands
+(plain contiguous CUDA tensors of one dtype, no gradient wanted, not under torch.compile), as the Python launch
+path's GEMM kernels do.
 """
 
 from __future__ import annotations
@@ -11,8 +12,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 THREADS = 256  # both kernels' block
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Plain contiguous, 16-byte aligned CUDA tensors of one device and dtype, no gradient wanted of them, not under
+    torch.compile's tracing: what the exported kernels read (TMA and 16-byte loads)."""
+    device = tensors[0].device
+    return (device.type == "cuda" and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and all(type(t) in (torch.Tensor, nn.Parameter) and t.device == device and t.dtype == tensors[0].dtype
+                    and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors))
 
 
 class Helpers:
@@ -60,8 +72,8 @@ class Helpers:
 
     def gated(self, y: torch.Tensor, epi: str) -> torch.Tensor | None:
         """act(gate) * up of y (rows x 2n, gate and up interleaved in blocks of 8 columns), or None where no kernel
-        serves it."""
-        fn = self.function(epi, y) if y.dim() >= 1 and y.shape[-1] % 16 == 0 else None
+        serves it (or y is not `usable`)."""
+        fn = self.function(epi, y) if usable(y) and y.dim() >= 1 and y.shape[-1] % 16 == 0 else None
         if fn is None:
             return None
         import numpy
@@ -77,7 +89,9 @@ class Helpers:
                  residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """The RMSNorm of x (rows x h) with weight w, rounded as `kind` says (hgemm_recognise.RMS_NORMS: Llama's,
         Gemma's, Olmo 2's), plus `residual` (x's shape) where given, a block a row, or None where no kernel serves
-        it."""
+        it (or the operands are not `usable`)."""
+        if not (usable(x, w) if residual is None else usable(x, w, residual)):
+            return None
         h = x.shape[-1] if x.dim() else 0
         fits = kind in (0, 1, 2) and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
                                     and residual.is_contiguous() and residual.device == x.device))

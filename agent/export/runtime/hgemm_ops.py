@@ -163,36 +163,16 @@ def _arch(device=None) -> str:
     return "sm_90a" if major == 9 else f"sm_{major}{minor}"
 
 
-_helpers = _sibling("hgemm_helpers").Helpers(MANIFEST, HERE, _arch, DTYPE_NAMES)  # CuPy's modules, helper kernels
-
-
-def _gated(y: torch.Tensor, epi: str) -> torch.Tensor | None:
-    """act(gate) * up of an unfused gated GEMM's output y by the export's gated kernel (hgemm_gated.cu, y read once)
-    through CuPy, or None where the export has none for y's dtype and this GPU."""
-    return _helpers.gated(y, epi) if _usable(y) else None
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, kind: int = 0,
-              residual: torch.Tensor | None = None) -> torch.Tensor | None:
-    """An RMSNorm (+ residual) by the export's kernel (hgemm_norm.cu) through CuPy, or None where it does not
-    serve."""
-    usable = _usable(x, w) if residual is None else _usable(x, w, residual)
-    return _helpers.rms_norm(x, w, eps, kind, residual) if usable else None
-
-
-def _usable(*tensors: torch.Tensor) -> bool:
-    device = tensors[0].device
-    return (device.type == "cuda" and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-            and all(type(t) in (torch.Tensor, nn.Parameter) and t.device == device and t.dtype == tensors[0].dtype
-                    and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors))  # TMA, 16-byte loads
+helpers = _sibling("hgemm_helpers")
+_helpers = helpers.Helpers(MANIFEST, HERE, _arch, DTYPE_NAMES)  # CuPy's modules, the helper kernels
+_usable = helpers.usable
 
 
 def fallback(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout: str, epi: str = "none",
              residual: torch.Tensor | None = None) -> torch.Tensor:
     """What the call means, computed by PyTorch (cuBLAS): F.linear, torch.matmul, or with a K x N B and a bias the
     fused addmm (F.linear of B's transpose: torch.addmm(bias, a, b) for a 2-D a); then the epilogue's ops as a model
-    runs them (an unserved gated call on a GPU: the export's one gated kernel where it has one, `_gated`)."""
+    runs them (an unserved gated call on a GPU: the export's one gated kernel where it has one)."""
     a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])  # one matrix of rows (hgemm_op.cpp's fallback says why)
     if layout == "nk":
         y = F.linear(a2, b, bias)
@@ -203,7 +183,7 @@ def fallback(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layout
     if epi == "none":
         return y
     fused = epilogue.Epilogue(epi)
-    out = _gated(y, epi) if fused.gated else None  # None under torch.compile's tracing too (_usable)
+    out = _helpers.gated(y, epi) if fused.gated else None  # None under torch.compile's tracing too (usable)
     return out if out is not None else epilogue.compose(y, fused, residual)
 
 
@@ -252,7 +232,7 @@ class PythonPath:
         """The norm (the export's kernel, or the model's ops), then fused_linear: no norm variants on this path."""
         return PythonPath.fused_linear(rms_norm(x, norm_w, eps, kind), w, bias, code, residual)
 
-    rms_norm = staticmethod(_rms_norm)
+    rms_norm = _helpers.rms_norm  # the export's norm kernel through CuPy, or None where it does not serve
 
 
 class _Unresolved:
