@@ -77,9 +77,9 @@ def build_parser() -> Parser:
     e.add_argument("run")
     e.add_argument("--out", type=Path, help="default runs/<run>/export")
     e.add_argument("--no-check", action="store_true", help="skip re-checking the exported module on the GPU")
-    e.add_argument("--norm-variants", action="store_true",
-                   help="also build each gemv winner with the RMSNorm inside (norm_linear's one kernel at decode; "
-                        "off until measured on a GPU: docs/decisions.md `norm-variant`)")
+    e.add_argument("--no-norm-variants", action="store_true",
+                   help="do not build each gemv winner a second time with the RMSNorm inside (norm_linear's one "
+                        "kernel at decode: docs/decisions.md `norm-variant`)")
     bn = sub.add_parser("bench", help="re-time the best kernels of runs (or cuBLAS) against cuBLAS")
     bn.add_argument("runs", nargs="*", metavar="RUN")
     bn.add_argument("--shapes", type=Path, help="shapes to bench (default: the runs' shapes)")
@@ -236,7 +236,7 @@ def cmd_export(args) -> int:
         raise UsageError(f"run {store.run_id} is a compile-only run: nothing was checked or timed, so there is "
                          "nothing to export; run the shapes on a GPU")
     out = args.out or store.folder / "export"
-    for line in export_run(store, out, norm_variants=args.norm_variants):
+    for line in export_run(store, out, norm_variants=not args.no_norm_variants):
         console.print(f"{line.problem.key}: {line.kernel_file or 'cuBLAS'} - {line.note}")
     console.print(f"written to {out} (import hgemm_ops; hgemm_ops.mm(a, b, bias=None), hgemm_ops.linear(x, w, bias), "
                   "hgemm_ops.patch(model))")

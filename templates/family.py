@@ -66,9 +66,6 @@ class Family(ABC):
     searched: ClassVar[bool] = True  # False: the built-in search skips it (reference and base families)
     prompted: ClassVar[bool] = True  # False: not shown to the LLM proposer either (not yet checked on a GPU)
     deterministic: ClassVar[bool] = True  # False only for families that reduce with atomics in any order
-    # True: the template normalises A's rows first (an RMSNorm) when compiled with -DHGEMM_NORM; the export builds
-    # that variant of a winner for hgemm::norm_linear (agent/export/writer.py)
-    norm_prologue: ClassVar[bool] = False
     # The share of a device's dense tensor rate the family's kernels reach on large problems, by the arch they run
     # as (the bandit's roofline prior, agent.proposers.builtin.roofline_priors); without one: no such prior.
     tensor_share: ClassVar[dict[str, float]] = {}
@@ -129,6 +126,12 @@ class Family(ABC):
         return {"b_layout": problem.b_layout, "dtype": problem.dtype, "bias": problem.bias,
                 "activation": epi.activation, "gated": epi.gated, "residual": epi.residual,
                 "epilogue_code": cuda_code(epi, problem.dtype), "epilogue_formula": epi.formula(problem.bias)}
+
+    def norm_options(self, params: dict[str, Any], problem: Problem) -> tuple[str, ...] | None:
+        """The compiler options that build this setting's kernel with an RMSNorm of A's rows ahead of the GEMM (the
+        variant hgemm::norm_linear runs, agent/export/writer.py), or None where the family's template has none or not
+        for this problem."""
+        return None
 
     def derived(self, params: Params) -> dict[str, Any]:
         """Extra template variables computed from the parameters (threads, warp counts, ...)."""

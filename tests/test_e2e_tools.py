@@ -140,15 +140,24 @@ def test_calls_through_the_export_are_counted_by_whether_a_kernel_ran():
         def linear(x, w, bias=None):
             return x @ w.t()
 
+        @staticmethod
+        def norm_linear(x, norm_w, eps, kind, w, bias, epilogue, residual):
+            return (x * norm_w) @ w.t()
+
     class Ops:  # explain() as the export answers it: one shape tuned
         _eager = Path
 
+        class epilogue:
+            EPILOGUES = ("none", "silu_mul")
+
         @staticmethod
-        def explain(x, w, bias, layout):
+        def explain(x, w, bias, layout, *epilogue):
             return "kernel 2_16_8:nk:f16" if w.shape == (16, 8) else "shape not tuned"
 
     x, w1, w2 = torch.randn(2, 8), torch.randn(16, 8), torch.randn(4, 16)
     assert e2e.kernel_calls(Ops, lambda: Ops._eager.linear(Ops._eager.linear(x, w1), w2)) == (1, 2)
+    norm_w = torch.randn(8)
+    assert e2e.kernel_calls(Ops, lambda: Ops._eager.norm_linear(x, norm_w, 1e-5, 0, w1, None, 1, None)) == (1, 1)
     assert Ops._eager is Path  # put back
 
 

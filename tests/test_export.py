@@ -79,14 +79,14 @@ def gemv_wins(job: EvalJob):
 
 
 def test_a_gemv_winner_is_exported_with_its_norm_variant_and_a_tile_winner_without(tmp_path):
-    """With norm_variants, gemv's winners get the same source built with -DHGEMM_NORM (hgemm::norm_linear's kernel);
+    """By default gemv's winners get the same source built with -DHGEMM_NORM (hgemm::norm_linear's kernel);
     others do not, nor any without it."""
     problems = (Problem(1, 64, 64, "nk"), Problem(1000, 3000, 2000))
     store = populated_run(tmp_path / "r", problems=problems, n=12, evaluate=gemv_wins)
-    export_run(store, tmp_path / "plain")
+    export_run(store, tmp_path / "plain", norm_variants=False)
     assert not any("norm_cubin" in e for e in json.loads((tmp_path / "plain" / "manifest.json").read_text())[
         "kernels"].values())  # only where asked
-    export_run(store, tmp_path / "out", norm_variants=True)
+    export_run(store, tmp_path / "out")
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     gemv, tiled = manifest["kernels"]["1_64_64:nk:f16"], manifest["kernels"]["1000_3000_2000:kn:f16"]
     assert gemv["norm_cubin"] == "hgemm_1_64_64_nk_f16_norm.cubin" and "norm_cubin" not in tiled

@@ -9,7 +9,7 @@ from agent.proposers.context import families_for_prompt
 from core.device import H200
 from core.epilogue import EPILOGUES, Epilogue
 from core.records import Problem
-from sandbox.build import compile_cuda
+from sandbox.build import BASE_OPTIONS, compile_cuda
 from templates import families_for_arch, get_family
 from tests.gpu_reference import PAIRS, check_in_sandbox
 
@@ -57,13 +57,27 @@ def test_a_gated_problem_launches_over_its_output_columns_and_caps_the_registers
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize("dtype,bias", PAIRS, ids=lambda x: str(x))
-def test_every_epilogue_compiles_without_spills(arch, epilogue, dtype, bias, tmp_path):
-    p = Problem(5, 256, 520, "nk", dtype, bias, epilogue)
-    for params in FAM.space(p)[:3]:
-        source = FAM.render(params, p)
-        assert "griddepcontrol.wait" in source
-        build = compile_cuda(source, arch, cache_dir=tmp_path)
-        assert build.ok and build.spill_bytes == 0, build.log
+def test_every_epilogue_compiles_without_spills_with_its_norm_variant(arch, epilogue, dtype, bias, tmp_path):
+    for m in (1, 4):
+        p = Problem(m, 256, 1032, "nk", dtype, bias, epilogue)
+        settings = FAM.space(p)
+        assert len(settings) >= 3
+        for params in settings[:3]:
+            source = FAM.render(params, p)
+            assert "griddepcontrol.wait" in source
+            norm = FAM.norm_options(params, p)
+            assert norm == ("-DHGEMM_NORM", f"-DHGEMM_NORM_CHUNKS={params['m_tile'] * 1032 // 8}")
+            for options in ((), norm):
+                build = compile_cuda(source, arch, options=(*BASE_OPTIONS, *options), cache_dir=tmp_path)
+                assert build.ok and build.spill_bytes == 0, build.log
+                assert build.smem_static == (2 * (params["m_tile"] + 1) * 1032 + 4 * params["m_tile"] *
+                                             params["warps"] if options else 0)
+
+
+def test_a_norm_variant_holds_its_rows_of_a_only_where_they_fit_shared_memory():
+    small, large = Problem(1, 4096, 8192, "nk"), Problem(4, 4096, 8192, "nk")
+    assert FAM.norm_options({"m_tile": 1}, small) is not None  # 16 KB of A, 16 KB of the norm's weight
+    assert FAM.norm_options({"m_tile": 4}, large) is None  # 64 KB and 16 KB
 
 
 @pytest.mark.gpu

@@ -247,16 +247,20 @@ def kernel_calls(ops, step) -> tuple[int, int]:
 
     class Count:
         def __getattr__(self, name):
-            def call(a, b, bias=None, *rest):
+            def call(*args):
                 if name == "rms_norm":  # no GEMM: (x, weight, eps, kind, residual)
-                    return inner.rms_norm(a, b, bias, *rest)
+                    return inner.rms_norm(*args)
                 hits[1] += 1
-                if name == "fused_linear":
-                    epi, residual = ops.epilogue.EPILOGUES[rest[0]], rest[1]
-                    hits[0] += ops.explain(a, b, bias, "nk", epi, residual).startswith("kernel")
+                if name == "norm_linear":  # (x, norm_w, eps, kind, w, bias, epilogue, residual): the GEMM's x is x
+                    x, _, _, _, w, bias, epi, residual = args
+                    hits[0] += ops.explain(x, w, bias, "nk", ops.epilogue.EPILOGUES[epi], residual).startswith("kernel")
+                elif name == "fused_linear":
+                    a, b, bias, epi, residual = args
+                    hits[0] += ops.explain(a, b, bias, "nk", ops.epilogue.EPILOGUES[epi], residual).startswith("kernel")
                 else:
+                    a, b, bias = (*args, None)[:3]
                     hits[0] += ops.explain(a, b, bias, "nk" if name == "linear" else "kn").startswith("kernel")
-                return getattr(inner, name)(a, b, bias, *rest)
+                return getattr(inner, name)(*args)
             return call
 
     ops._eager = Count()
@@ -291,7 +295,7 @@ def parse_args(argv=None):
     p.add_argument("--runs-dir", type=Path, default=ROOT / "runs")
     p.add_argument("--work", type=Path, help="shapes files and the export (default runs/e2e-<model>)")
     p.add_argument("--no-check", action="store_true", help="skip the export's self-check")
-    p.add_argument("--norm-variants", action="store_true", help="export with `agent export --norm-variants`")
+    p.add_argument("--no-norm-variants", action="store_true", help="export with `agent export --no-norm-variants`")
     p.add_argument("--no-norms", action="store_true", help="patch without the RMSNorm kernel (patch(norms=False))")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--prefill-tokens", default="2048",
@@ -336,7 +340,8 @@ def main(argv=None) -> int:
         run = args.run or search(shapes, args, out_dir)
         export = work / f"export-{run}"
         agent_cli("export", run, "--out", str(export), "--runs-dir", str(args.runs_dir),
-                  *(["--no-check"] if args.no_check else []), *(["--norm-variants"] if args.norm_variants else []))
+                  *(["--no-check"] if args.no_check else []),
+                  *(["--no-norm-variants"] if args.no_norm_variants else []))
     else:
         run, export = "(given export)", args.export
     if args.tar_export and out_dir:

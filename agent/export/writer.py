@@ -38,10 +38,10 @@ class ExportLine:
     note: str
 
 
-def export_run(store: RunStore, out: Path, norm_variants: bool = False) -> list[ExportLine]:
+def export_run(store: RunStore, out: Path, norm_variants: bool = True) -> list[ExportLine]:
     """Per problem of the run, its winner (where it beat cuBLAS; for a bucket of M, the leader that was at least as
     fast as cuBLAS at its probe M, over the stretches where it was) with its family's launch rule for the run's GPU
-    at every M it serves (with `norm_variants`, a norm_prologue family's winner also built with the norm inside);
+    at every M it serves (with `norm_variants`, a winner whose family has a norm prologue also built with it);
     the gated fallback's kernels and the RMSNorm kernel."""
     out.mkdir(parents=True, exist_ok=True)
     device = DeviceFacts.from_dict(store.get_meta("device"))
@@ -75,8 +75,9 @@ def export_run(store: RunStore, out: Path, norm_variants: bool = False) -> list[
             "file": f"{stem}.cu", "cubin": f"{stem}.cubin", "arch": build.arch, "candidate": cand.id, **launch,
             "time_us": result.time_us, "cublas_us": result.ranked[1].median_us, "speedup": ratio,
         }
-        if norm_variants and get_family(cand.family).norm_prologue and cand.template_override is None:
-            manifest["kernels"][p.key].update(_norm_variant(out, stem, build, manifest["notes"], p.key))
+        norm = get_family(cand.family).norm_options(cand.params, p) if norm_variants else None
+        if norm is not None and cand.template_override is None:
+            manifest["kernels"][p.key].update(_norm_variant(out, stem, build, norm, manifest["notes"], p.key))
         manifest["notes"][p.key] = (f"vs cuBLAS {pick.note(p)}" if isinstance(pick, buckets.Served)
                                     else f"{ratio:.3f}x of cuBLAS ({cand.id})")
         lines.append(ExportLine(p, f"{stem}.cu", manifest["notes"][p.key]))
@@ -89,10 +90,11 @@ def export_run(store: RunStore, out: Path, norm_variants: bool = False) -> list[
     return lines
 
 
-def _norm_variant(out: Path, stem: str, build, notes: dict, key: str) -> dict:
-    """The winner's own source compiled with -DHGEMM_NORM (the norm ahead of the GEMM, as hgemm::norm_linear runs
-    it) into `out` as <stem>_norm.cubin: {"norm_cubin": its name}, or {} with why in `notes` under "norm KEY"."""
-    normed = compile_cuda(build.source, build.arch, options=(*BASE_OPTIONS, "-DHGEMM_NORM"))
+def _norm_variant(out: Path, stem: str, build, options: tuple[str, ...], notes: dict, key: str) -> dict:
+    """The winner's own source compiled with its family's norm `options` (the norm ahead of the GEMM, as
+    hgemm::norm_linear runs it) into `out` as <stem>_norm.cubin: {"norm_cubin": its name}, or {} with why in `notes`
+    under "norm KEY"."""
+    normed = compile_cuda(build.source, build.arch, options=(*BASE_OPTIONS, *options))
     if not normed.ok:
         notes[f"norm {key}"] = f"the norm variant did not build: {normed.error.strip()[:300]}"
         return {}

@@ -17,6 +17,7 @@ from core.records import LaunchSpec, Problem
 from templates.family import Family, Params
 
 SEARCH_M = 4  # the most rows of A the search proposes it for (docs/decisions.md `gemv`)
+NORM_SMEM = 32 * 1024  # the most bytes of normalised A a norm variant's block holds (docs/decisions.md `norm-variant`)
 
 
 class GemvParams(Params):
@@ -36,7 +37,6 @@ class Gemv(Family):
     arches = ("sm_90a", "sm_80")
     params_model = GemvParams
     prompted: ClassVar[bool] = False  # the LLM's prompt does not show it yet
-    norm_prologue: ClassVar[bool] = True
     # CUDA cores, not tensor cores: fp32 FMAs plus a conversion an element, about half the fp32 rate, which is 1/15
     # of the dense tensor rate on both arches (docs/decisions.md `gemv`); memory-bound wherever it is searched
     tensor_share: ClassVar[dict[str, float]] = {"sm_90a": 0.03, "sm_80": 0.03}
@@ -51,6 +51,15 @@ class Gemv(Family):
         if params.weight_registers * kinds + params.rows * kinds * params.m_tile > 128:
             raise ValueError(f"rows={params.rows} x unroll={params.unroll} weight chunks and rows x m_tile="
                              f"{params.m_tile} sums would not fit the registers (128 a thread for them)")
+
+    def norm_options(self, params: dict[str, Any], problem: Problem) -> tuple[str, ...] | None:
+        """-DHGEMM_NORM with the block's rows of A and the norm's weight in shared memory ((m_tile + 1) x K elements),
+        where they fit NORM_SMEM."""
+        p = self.parse(params, problem)
+        assert isinstance(p, GemvParams)
+        chunks = p.m_tile * problem.k // 8
+        fits = 2 * (p.m_tile + 1) * problem.k <= NORM_SMEM
+        return ("-DHGEMM_NORM", f"-DHGEMM_NORM_CHUNKS={chunks}") if fits else None
 
     def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
         p = self.parse(params, problem)
