@@ -33,8 +33,19 @@ def load_tool(name: str):
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU refusal")
 def test_tools_import_and_refuse_to_time_without_a_gpu(tmp_path, capsys):
     assert load_tool("host_overhead").main([str(tmp_path)]) == 2
+    assert load_tool("norm_bench").main([str(tmp_path)]) == 2
     assert load_tool("e2e_llama").main(["--model", "tiny", "--device", "cpu"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_norm_bench_times_the_kernels_with_a_norm_variant_at_their_lowest_m():
+    manifest = {"kernels": {"1_6144_4096:nk:f16": {"norm_cubin": "a"}, "2-4_4096_4096:nk:bf16:residual":
+                            {"norm_cubin": "b"}, "1_4096_14336:nk:f16:residual": {}, "1_64_64:nk:f16:bias:silu_mul":
+                            {"norm_cubin": "c"}}}
+    assert load_tool("norm_bench").problems(manifest) == [
+        ("1_6144_4096:nk:f16", 1, 6144, 4096, "f16", False, "none"),
+        ("2-4_4096_4096:nk:bf16:residual", 2, 4096, 4096, "bf16", False, "residual"),
+        ("1_64_64:nk:f16:bias:silu_mul", 1, 64, 64, "f16", True, "silu_mul")]
 
 
 def test_e2e_records_the_patched_models_problems_at_prefill_and_decode(tmp_path, monkeypatch):
