@@ -18,6 +18,7 @@ from templates.family import Family, Params
 
 SEARCH_M = 4  # the most rows of A the search proposes it for (docs/decisions.md `gemv`)
 NORM_SMEM = 32 * 1024  # the most bytes of normalised A a norm variant's block holds (docs/decisions.md `norm-variant`)
+NORM_M_TILE = 1  # the most rows of A a block with a norm variant has (docs/decisions.md `norm-variant`)
 
 
 class GemvParams(Params):
@@ -54,11 +55,11 @@ class Gemv(Family):
 
     def norm_options(self, params: dict[str, Any], problem: Problem) -> tuple[str, ...] | None:
         """-DHGEMM_NORM with the block's rows of A and the norm's weight in shared memory ((m_tile + 1) x K elements),
-        where they fit NORM_SMEM."""
+        for settings of one row of A a block (NORM_M_TILE) where they fit NORM_SMEM."""
         p = self.parse(params, problem)
         assert isinstance(p, GemvParams)
         chunks = p.m_tile * problem.k // 8
-        fits = 2 * (p.m_tile + 1) * problem.k <= NORM_SMEM
+        fits = p.m_tile <= NORM_M_TILE and 2 * (p.m_tile + 1) * problem.k <= NORM_SMEM
         return ("-DHGEMM_NORM", f"-DHGEMM_NORM_CHUNKS={chunks}") if fits else None
 
     def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
