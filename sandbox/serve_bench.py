@@ -34,6 +34,15 @@ def load_ops(folder: Path):
     return ops
 
 
+def gpu_ops(folder: Path):
+    """load_ops(folder) where a CUDA GPU is present; None where not, with a one-line error on stderr (a timing tool
+    then exits 2)."""
+    if not torch.cuda.is_available():
+        print("error: needs a CUDA GPU", file=sys.stderr)
+        return None
+    return load_ops(folder)
+
+
 def main(folder: str, qps: float, seconds: float) -> dict:
     ops = load_ops(Path(folder))
     keys = list(ops.MANIFEST["kernels"]) + list(ops.MANIFEST.get("cublas", []))

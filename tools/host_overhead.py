@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sandbox.serve_bench import load_ops  # noqa: E402
+from sandbox.serve_bench import gpu_ops  # noqa: E402
 
 
 def ways(ops, key: str) -> dict[str, callable]:
@@ -101,10 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-kernels", type=int, default=0, help="time at most this many of the export's kernels, "
                    "spread evenly over its manifest (default: all)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("error: needs a CUDA GPU", file=sys.stderr)
+    if (ops := gpu_ops(args.export)) is None:
         return 2
-    ops = load_ops(args.export)
     rows = {}
     with torch.inference_mode():
         for key in spread(list(ops.MANIFEST["kernels"]), args.max_kernels):

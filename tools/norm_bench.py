@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sandbox.serve_bench import load_ops  # noqa: E402
+from sandbox.serve_bench import gpu_ops  # noqa: E402
 from sandbox.timing import capture, replay_us  # noqa: E402
 
 
@@ -77,10 +77,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--kind", type=int, choices=(0, 1, 2), default=0, help="the norm's kind (hgemm_norm.cu's)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("error: needs a CUDA GPU", file=sys.stderr)
+    if (ops := gpu_ops(args.export)) is None:
         return 2
-    ops = load_ops(args.export)
     rows = {}
     print(f"{'problem':>34} {'plain':>8} {'two':>8} {'variant':>8} {'var/two':>8} {'max diff':>9}   (µs a call)")
     with torch.inference_mode():
