@@ -25,6 +25,13 @@ class ArchLimits:
     regs_per_sm: int
     threads_per_sm: int
 
+    def resident_threads(self, registers: int, threads: int, smem: int = 0) -> int:
+        """Threads of whole blocks of `threads` an SM holds at once by registers (`registers` a thread, allocated in
+        eights), shared memory (`smem` a block) and threads."""
+        by_regs = self.regs_per_sm // (-(-max(registers, 1) // 8) * 8 * threads)
+        by_smem = self.smem_per_sm // (smem + self.smem_reserved_per_block)
+        return min(by_regs, by_smem, self.threads_per_sm // threads) * threads
+
 
 ARCH_LIMITS = {"sm_90a": ArchLimits(227 * 1024, 228 * 1024, 1024, 65536, 2048),
                "sm_80": ArchLimits(163 * 1024, 164 * 1024, 1024, 65536, 2048)}

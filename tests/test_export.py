@@ -94,6 +94,16 @@ def test_a_gemv_winner_is_exported_with_its_norm_variant_and_a_tile_winner_witho
     assert normed[:4] == b"\x7fELF" and normed != plain
 
 
+def test_a_norm_variant_that_would_hold_fewer_warps_an_sm_is_left_out_with_why(tmp_path, monkeypatch):
+    store = populated_run(tmp_path / "r", problems=(Problem(1, 64, 64, "nk"),), n=12, evaluate=gemv_wins)
+    monkeypatch.setattr(writer, "NORM_OCCUPANCY", 100.0)  # no variant can keep that many
+    export_run(store, tmp_path / "out")
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert "norm_cubin" not in manifest["kernels"]["1_64_64:nk:f16"]
+    assert manifest["notes"]["norm 1_64_64:nk:f16"].startswith("no norm variant: ")
+    assert not (tmp_path / "out" / "hgemm_1_64_64_nk_f16_norm.cubin").exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_a_norm_variant_computes_the_models_norm_then_the_call_on_the_gpu(tmp_path, op_build_dir, dtype):

@@ -69,11 +69,11 @@ def test_every_epilogue_compiles_without_spills_with_its_norm_variant(arch, epil
             chunks = params["m_tile"] * 1032 // 8
             norm = ("-DHGEMM_NORM", f"-DHGEMM_NORM_CHUNKS={chunks}")
             assert FAM.norm_options(params, p) == (norm if m == 1 else None)
-            for options in ((), norm):
-                build = compile_cuda(source, arch, options=(*BASE_OPTIONS, *options), cache_dir=tmp_path)
-                assert build.ok and build.spill_bytes == 0, build.log
-                assert build.smem_static == (2 * (params["m_tile"] + 1) * 1032 + 4 * params["m_tile"] *
-                                             params["warps"] if options else 0)
+            builds = [compile_cuda(source, arch, options=(*BASE_OPTIONS, *options), cache_dir=tmp_path)
+                      for options in ((), norm)]
+            for build, smem in zip(builds, (0, 2 * (params["m_tile"] + 1) * 1032 + 4 * params["m_tile"] *
+                                            params["warps"]), strict=True):
+                assert build.ok and build.spill_bytes == 0 and build.smem_static == smem, build.log
 
 
 def test_a_norm_variant_is_built_for_one_row_of_a_a_block_where_it_fits_shared_memory():

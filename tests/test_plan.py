@@ -89,6 +89,14 @@ def test_limits_come_from_the_device_and_its_arch():
     assert plan.resident == 164 * 1024 // (81 * 1024) == 2
 
 
+def test_an_sm_holds_whole_blocks_by_registers_in_eights_shared_memory_and_threads():
+    limits = ARCH_LIMITS["sm_90a"]
+    assert limits.resident_threads(67, 128) == 7 * 128  # 72 a thread: 9216 a block
+    assert limits.resident_threads(92, 128) == 5 * 128  # 96: the m_tile 2 norm variant measured slow (20 of 28 warps)
+    assert limits.resident_threads(32, 128, smem=100 * 1024) == 2 * 128  # 101 KB a block with the driver's share
+    assert limits.resident_threads(16, 1024) == 2 * 1024  # 2048 threads an SM
+
+
 def test_device_limits_are_written_only_in_core_device():
     """Shared memory, registers and cluster placement: numbers of the GPU, not of a family."""
     pattern = re.compile(r"\b(22[78]|16[34]) \* 1024\b|\b65536\b|CLUSTERS_PER_SLOT|\{2: 66")

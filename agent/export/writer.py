@@ -19,7 +19,7 @@ from pathlib import Path
 from agent import buckets
 from agent.export.geometry import GeometryError, launch_table, resolve
 from agent.store import RunStore, Winner
-from core.device import DeviceFacts
+from core.device import ARCH_LIMITS, DeviceFacts
 from core.epilogue import GATED, element_code
 from core.overlap import OVERLAP_CUDA, waits
 from core.records import Problem
@@ -29,6 +29,8 @@ from templates import get_family
 RUNTIME = Path(__file__).with_name("runtime")  # every file in it is copied as it is
 DRIVER = Path(__file__).parents[2] / "sandbox" / "driver.py"  # tensor maps and launches; copied as hgemm_driver.py
 EPILOGUE = Path(__file__).parents[2] / "core" / "epilogue.py"  # the epilogues' math; copied as hgemm_epilogue.py
+# the least share of the winner's resident threads a norm variant may keep (docs/decisions.md `norm-variant`)
+NORM_OCCUPANCY = 0.75
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,8 @@ def export_run(store: RunStore, out: Path, norm_variants: bool = True) -> list[E
         }
         norm = get_family(cand.family).norm_options(cand.params, p) if norm_variants else None
         if norm is not None and cand.template_override is None:
-            manifest["kernels"][p.key].update(_norm_variant(out, stem, build, norm, manifest["notes"], p.key))
+            manifest["kernels"][p.key].update(_norm_variant(out, stem, build, norm, launch["block"][0],
+                                                            manifest["notes"], p.key))
         manifest["notes"][p.key] = (f"vs cuBLAS {pick.note(p)}" if isinstance(pick, buckets.Served)
                                     else f"{ratio:.3f}x of cuBLAS ({cand.id})")
         lines.append(ExportLine(p, f"{stem}.cu", manifest["notes"][p.key]))
@@ -90,13 +93,21 @@ def export_run(store: RunStore, out: Path, norm_variants: bool = True) -> list[E
     return lines
 
 
-def _norm_variant(out: Path, stem: str, build, options: tuple[str, ...], notes: dict, key: str) -> dict:
+def _norm_variant(out: Path, stem: str, build, options: tuple[str, ...], threads: int, notes: dict,
+                  key: str) -> dict:
     """The winner's own source compiled with its family's norm `options` (the norm ahead of the GEMM, as
     hgemm::norm_linear runs it) into `out` as <stem>_norm.cubin: {"norm_cubin": its name}, or {} with why in `notes`
-    under "norm KEY"."""
+    under "norm KEY" (it did not build, or an SM would hold under NORM_OCCUPANCY of the winner's resident threads
+    of `threads` a block)."""
     normed = compile_cuda(build.source, build.arch, options=(*BASE_OPTIONS, *options))
     if not normed.ok:
         notes[f"norm {key}"] = f"the norm variant did not build: {normed.error.strip()[:300]}"
+        return {}
+    limits = ARCH_LIMITS[build.arch]
+    plain, fused = (limits.resident_threads(b.registers or 0, threads, b.smem_static or 0) for b in (build, normed))
+    if fused < NORM_OCCUPANCY * plain:
+        notes[f"norm {key}"] = (f"no norm variant: {fused // 32} warps resident an SM against the kernel's "
+                                f"{plain // 32} ({normed.registers} registers a thread against {build.registers})")
         return {}
     (out / f"{stem}_norm.cubin").write_bytes(normed.cubin)
     return {"norm_cubin": f"{stem}_norm.cubin"}
