@@ -17,7 +17,8 @@ from core.records import LaunchSpec, Problem
 from templates.family import Family, Params
 
 SEARCH_M = 4  # the most rows of A the search proposes it for (docs/decisions.md `gemv`)
-NORM_SMEM = 32 * 1024  # the most bytes of normalised A a norm variant's block holds (docs/decisions.md `norm-variant`)
+# the most bytes of A's rows and the norm's weight a norm variant's block holds (docs/decisions.md `norm-variant`)
+NORM_SMEM = 32 * 1024
 NORM_M_TILE = 1  # the most rows of A a block with a norm variant has (docs/decisions.md `norm-variant`)
 
 
