@@ -97,15 +97,16 @@ def _norm_variant(out: Path, stem: str, build, options: tuple[str, ...], threads
                   key: str) -> dict:
     """The winner's own source compiled with its family's norm `options` (the norm ahead of the GEMM, as
     hgemm::norm_linear runs it) into `out` as <stem>_norm.cubin: {"norm_cubin": its name}, or {} with why in `notes`
-    under "norm KEY" (it did not build, or an SM would hold under NORM_OCCUPANCY of the winner's resident threads
-    of `threads` a block)."""
+    under "norm KEY" (it did not build, or by ptxas's register counts an SM would hold under NORM_OCCUPANCY of the
+    winner's resident threads of `threads` a block)."""
     normed = compile_cuda(build.source, build.arch, options=(*BASE_OPTIONS, *options))
     if not normed.ok:
         notes[f"norm {key}"] = f"the norm variant did not build: {normed.error.strip()[:300]}"
         return {}
     limits = ARCH_LIMITS[build.arch]
+    known = build.registers is not None and normed.registers is not None  # ptxas's counts, from the build logs
     plain, fused = (limits.resident_threads(b.registers or 0, threads, b.smem_static or 0) for b in (build, normed))
-    if fused < NORM_OCCUPANCY * plain:
+    if known and fused < NORM_OCCUPANCY * plain:
         notes[f"norm {key}"] = (f"no norm variant: {fused // 32} warps resident an SM against the kernel's "
                                 f"{plain // 32} ({normed.registers} registers a thread against {build.registers})")
         return {}
