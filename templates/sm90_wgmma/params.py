@@ -33,7 +33,7 @@ SWAP_C_CHUNK = 16
 
 # Fields added after settings were first stored, each with its default: a setting names them only where it differs.
 LATER_FIELDS = {"ping_pong": False, "raster_along": "m", "raster_snake": False, "c_panels": False,
-                "tail_split": False, "b_panels": False}
+                "tail_split": False, "b_panels": False, "mixed_tail": False}
 
 
 class Sm90WgmmaParams(Params):
@@ -106,6 +106,10 @@ class Sm90WgmmaParams(Params):
         False, description="persistent: each tile of a part-filled last round is cut along K into the ranges (2-8, "
         "of 4+ k-tiles) that end it soonest, dealt out like tiles and summed through a workspace by the last to "
         "arrive; no clusters or ping-pong")
+
+    mixed_tail: bool = Field(
+        False, description="persistent 128 x 256: the last tile-rows in 192-column tiles, as many as end a "
+        "part-filled last round soonest (TMA stores; no clusters, ping_pong, tail_split or gated epilogue)")
 
     b_panels: bool = Field(
         False, description="B in kn layout with block_n not a multiple of 64 (176, 240, ...): B's stage holds whole "
@@ -266,6 +270,12 @@ class Sm90WgmmaParams(Params):
         if self.tail_split and (not self.persistent or self.ping_pong or self.cluster_m * self.cluster_n > 1):
             raise ValueError("tail_split cuts the last round of a persistent grid's tiles: it needs persistent=True, "
                              "no ping_pong and no clusters (cluster_m = cluster_n = 1)")
+        if self.mixed_tail and (not self.persistent or self.block_n != 256 or self.epilogue != "tma" or self.c_panels
+                                or self.swap_ab or self.ping_pong or self.tail_split or self.loader != "tma"
+                                or self.cluster_m * self.cluster_n > 1):
+            raise ValueError("mixed_tail cuts a persistent grid's last tile-rows into 192-column tiles of a 256-column "
+                             "tiling: it needs persistent=True, block_n 256, loader and epilogue tma (whole-tile "
+                             "stores), and no c_panels, swap_ab, ping_pong, tail_split or clusters")
         if self.reduces and self.persistent:
             raise ValueError(f"split_k={self.split_k}, k_groups={self.k_groups}: split-K needs one tile per CTA, so "
                              "persistent blocks are not supported with it")
@@ -321,6 +331,32 @@ def tail_cut(tiles: int, grid: int, k_tiles: int) -> tuple[int, float]:
         if cost < best[1]:
             best = (p, cost)
     return best[0], best[1] / k_tiles
+
+
+# Mixed tail (rendered into the kernel, whose mixed_rows this restates): a narrow tile (3/4 of block_n) takes
+# NARROW_COST of a wide one's time, and narrow rows are cut only where the busiest CTA ends MIXED_GAIN of a wide tile
+# sooner, and at least NARROW_ROWS_MIN rows, so that each B slab serves as many narrow tiles (one row read B from DRAM a
+# tile: 2048 x 28672 x 4096 4.5% slower) (docs/decisions.md `mixed-tail`).
+NARROW_COST, MIXED_GAIN, NARROW_ROWS_MIN = 0.85, 0.1, 4
+
+
+def mixed_rows(tiles_m: int, tiles_n: int, tiles_nn: int, grid: int) -> tuple[int, float]:
+    """How many of the last of tiles_m tile-rows the kernel puts in narrow tiles (tiles_nn a row, against tiles_n
+    wide ones) on a grid of `grid` CTAs, each dealt every grid-th unit of the wide tiles and then the narrow ones;
+    and the busiest CTA's work in wide tiles. The fewest rows (NARROW_ROWS_MIN or more) whose busiest CTA ends
+    soonest, where that is MIXED_GAIN sooner than with none; (0, whole rounds) otherwise."""
+    def busiest(rows: int) -> float:
+        wide, narrow = (tiles_m - rows) * tiles_n, rows * tiles_nn
+        full, rest = divmod(wide, grid)
+        t = full + NARROW_COST * ceil_div(narrow, grid)  # a CTA past the wide remainder: its narrow tiles come first
+        if rest:  # one with a wide tile more takes the narrow ones dealt after the first grid - rest
+            t = max(t, full + 1 + NARROW_COST * ceil_div(max(0, narrow - (grid - rest)), grid))
+        return t
+    best, best_t = 0, ceil_div(tiles_m * tiles_n, grid) - MIXED_GAIN
+    for rows in range(NARROW_ROWS_MIN, tiles_m + 1):
+        if (t := busiest(rows)) < best_t:
+            best, best_t = rows, t
+    return best, (best_t if best else float(ceil_div(tiles_m * tiles_n, grid)))
 
 
 def launch_plan(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -> LaunchPlan:

@@ -38,7 +38,7 @@ from templates.sm90_wgmma.kinds import (
     swapped_shapes,
     tall_settings,
 )
-from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, launch_plan, tail_cut, with_update
+from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, launch_plan, mixed_rows, tail_cut, with_update
 from templates.sm90_wgmma.splits import (
     cluster_n_settings,
     group_settings,
@@ -189,6 +189,28 @@ def _tail_split(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaPara
     return [best] if work <= TAIL_SLACK * least else []
 
 
+MIXED_SAVE = 0.985  # the busiest CTA's work with the kernel's narrow rows, as a share of whole rounds of wide tiles
+
+
+def _mixed_tail(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
+    """The persistent 128 x 256 TMA-store setting with a mixed tail, where its tiles take more than one round, the
+    narrow rows the kernel would cut end the busiest CTA's work in at most MIXED_SAVE of the whole rounds, and that
+    work (in tile areas) is at most TAIL_SLACK times the least of the first four settings that do not split K (not
+    for a gated epilogue)."""
+    v = deepest({"block_m": 128, "block_n": 256, "consumers": 2, "persistent": True, "epilogue": "tma",
+                 "mixed_tail": True}, top=4)
+    if v is None or s.problem.fused.gated:
+        return []
+    ctas = launch_plan(v, s.problem, s.device).ctas
+    tiles_m, tiles_n = ceil_div(s.problem.m, 128), ceil_div(s.problem.n, 256)
+    rows, busiest = mixed_rows(tiles_m, tiles_n, ceil_div(s.problem.n, 192), ctas)
+    if tiles_m * tiles_n <= ctas or not rows or busiest > MIXED_SAVE * ceil_div(tiles_m * tiles_n, ctas):
+        return []
+    work = busiest * v.block_m * v.block_n
+    least = min((_rounds_work(p, s) for p in ordered[:4] if not p.reduces), default=work)
+    return [v] if work <= TAIL_SLACK * least else []
+
+
 FEW_TILES_LONG_K = "32+ k-tiles and K >= 8 max(M, N), or M > 64 and 64 x 64 tiles fill at most half the SMs"
 RULES: tuple[Rule, ...] = (
     # the base list, appended in this order
@@ -230,6 +252,9 @@ RULES: tuple[Rule, ...] = (
          lambda s, _: cluster_n_settings(s.problem, s.device, s.tile_fields)[:1], after=3),
     Rule("tail-split", "tail-split", "a persistent tile whose part-filled last round, cut along K, takes 1% less work "
          "than the same tile uncut, within 5% of the first four's least", _tail_split, after=1),
+    Rule("mixed-tail", "mixed-tail", "beyond a round of 128 x 256 tiles, the kernel's narrow last tile-rows end the "
+         "busiest block's work in at most 98.5% of the whole rounds, within 5% of the first four's least",
+         _mixed_tail, after=6),
     Rule("multicast-late", "multicast-late", "two one-tile-a-block guesses of 128-column multiples",
          lambda s, _: [v for p in s.wide if (v := with_update(p, {"cluster_m": 2})) is not None], after=12),
 )

@@ -13,6 +13,9 @@ from core.plan import ceil_div
 from core.records import LaunchSpec, Problem, TensorMapSpec
 from templates.family import Family, Params
 from templates.sm90_wgmma.params import (
+    MIXED_GAIN,
+    NARROW_COST,
+    NARROW_ROWS_MIN,
     SWAP_C_CHUNK,
     TAIL_FILL,
     TAIL_MIN_K,
@@ -51,7 +54,8 @@ class Sm90Wgmma(Family):
                 "producer_regs": params.producer_regs, "consumer_regs": params.consumer_regs,
                 "wgmma_n": params.wgmma_n, "c_chunk": SWAP_C_CHUNK,
                 "residual_panels": params.residual_panels, "tail_parts_max": TAIL_PARTS, "tail_min_k": TAIL_MIN_K,
-                "tail_fill": TAIL_FILL, "tail_sum": TAIL_SUM}
+                "tail_fill": TAIL_FILL, "tail_sum": TAIL_SUM, "narrow_cost": NARROW_COST, "mixed_gain": MIXED_GAIN,
+                "narrow_rows_min": NARROW_ROWS_MIN}
 
     def check_for_problem(self, params: Params, problem: Problem) -> None:
         assert isinstance(params, Sm90WgmmaParams)
@@ -95,6 +99,11 @@ class Sm90Wgmma(Family):
             # where M fits one tile, the A box is only M rounded up to 8 rows (the kernel's a_box_rows); with
             # multicast along N each CTA's share of the tile's rows
             a_rows = p.block_m // p.cluster_n if p.cluster_n > 1 else min(p.block_m, ceil_div(problem.m, 8) * 8)
+            if p.mixed_tail:  # a narrow tile's B: its block_n * 3/4 rows (nk) or panels (kn; one copy a panel: tm_b)
+                narrow = p.block_n * 3 // 4
+                b_maps = ((TensorMapSpec("B", (k, n), (p.block_k, narrow)),) if problem.b_layout == "nk" else
+                          (TensorMapSpec("B", (64, k, n // 64), (64, p.block_k, narrow // 64), strides=(n * 2, 128)),)
+                          if n % 64 == 0 else (b_map,))
             maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, a_rows)), b_map, *b_maps)
         if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels (swapped: 16-row chunks)
             c_rows = SWAP_C_CHUNK if p.swap_ab else p.block_m // p.row_owners
@@ -128,6 +137,8 @@ def gated_problem(p: Sm90WgmmaParams) -> str | None:
     a whole tile), or None."""
     if p.reduces:
         return f"split_k={p.split_k}, k_groups={p.k_groups}: the tile's sums must be whole in one CTA (no split-K)"
+    if p.mixed_tail:
+        return "mixed_tail's 192-column tiles would store 96 gated columns, not whole 64-column panels"
     if p.epilogue == "tma" and (p.swap_ab or p.block_n % 128):
         return ("epilogue=tma stores 64-column panels of C, which has block_n / 2 columns a tile: block_n a multiple "
                 "of 128, and not swapped (swapped tiles store gated C through the smem epilogue)")
@@ -135,9 +146,11 @@ def gated_problem(p: Sm90WgmmaParams) -> str | None:
 
 
 def gated_update(p: Sm90WgmmaParams) -> dict[str, Any]:
-    """The change that makes a setting fit a gated epilogue: no split-K, and the smem epilogue where TMA stores
-    cannot take the half-width tile."""
+    """The change that makes a setting fit a gated epilogue: no split-K or mixed tail, and the smem epilogue where TMA
+    stores cannot take the half-width tile."""
     update: dict[str, Any] = {"split_k": 1, "k_groups": 1} if p.reduces else {}
+    if p.mixed_tail:
+        update["mixed_tail"] = False
     if p.epilogue == "tma" and (p.swap_ab or p.block_n % 128):
         update["epilogue"] = "smem"
     return update
