@@ -27,6 +27,7 @@ def rebuilt(table: dict, m: int) -> tuple:
     {"block_m": 16, "block_n": 128, "consumers": 2, "swap_ab": True, "stages": 6},
     {"block_m": 128, "block_n": 128, "persistent": True, "epilogue": "tma", "stages": 4},
     {"block_m": 64, "block_n": 128, "consumers": 1, "k_groups": 4, "stages": 6},
+    {"block_m": 128, "block_n": 256, "persistent": True, "epilogue": "tma", "stages": 3, "mixed_tail": True},
 ])
 def test_the_table_is_the_rule_at_every_m(params):
     family = get_family("sm90_wgmma")
