@@ -47,6 +47,34 @@ def test_the_kernel_cuts_the_rows_that_end_the_busiest_cta_soonest(m, n, rows, b
     assert busiest <= whole and (rows == 0 or busiest <= whole - MIXED_GAIN)
 
 
+def test_the_closed_form_is_the_busiest_cta_of_round_robin_dealing():
+    import random
+
+    from templates.sm90_wgmma import params as P
+
+    def dealt(tiles_m, tiles_n, tiles_nn, grid, rows):  # every unit to CTA unit % grid: wide ones, then narrow
+        load = [0.0] * grid
+        units = [1.0] * ((tiles_m - rows) * tiles_n) + [NARROW_COST] * (rows * tiles_nn)
+        for u, cost in enumerate(units):
+            load[u % grid] += cost
+        return max(load)
+
+    rng = random.Random(7)
+    for _ in range(300):
+        tiles_m, tiles_n, grid = rng.randint(1, 60), rng.randint(1, 40), rng.choice([8, 66, 114, 132])
+        tiles_nn = ceil_div(tiles_n * 256 - rng.randint(0, 255), 192)
+        rows, busiest = mixed_rows(tiles_m, tiles_n, tiles_nn, grid)
+        whole = ceil_div(tiles_m * tiles_n, grid)
+        times = {r: dealt(tiles_m, tiles_n, tiles_nn, grid, r) for r in range(P.NARROW_ROWS_MIN, tiles_m + 1)}
+        better = [r for r, t in times.items() if t < whole - MIXED_GAIN - 1e-9]
+        if not better:
+            assert (rows, busiest) == (0, whole)
+        else:
+            least = min(times[r] for r in better)
+            assert rows == min(r for r in better if abs(times[r] - least) < 1e-9)
+            assert busiest == pytest.approx(least)
+
+
 def test_the_render_has_the_narrow_wgmma_only_with_a_mixed_tail():
     problem = Problem(4981, 4096, 11008, "kn")
     source = FAMILY.render(MIXED, problem)
