@@ -1,4 +1,5 @@
-"""Shared test helpers: a fake evaluator whose timings follow the parameters, and a populated run."""
+"""Shared test helpers: a fake evaluator whose timings follow the parameters, a populated run, and a family's kernel
+compiled without spills."""
 
 from __future__ import annotations
 
@@ -6,7 +7,17 @@ from agent.config import RunConfig
 from agent.loop import SearchLoop
 from agent.proposers.builtin import BuiltinProposer
 from agent.store import RunStore
-from core.records import EvalJob, EvalResult, Problem, Status, Timing
+from core.records import BuildResult, EvalJob, EvalResult, Problem, Status, Timing
+from sandbox.build import compile_cuda
+from templates import get_family
+
+
+def clean_build(family: str, params: dict, problem: Problem, arch: str = "sm_90a") -> BuildResult:
+    """The family's kernel for the problem, compiled: asserts it built and spills nothing."""
+    build = compile_cuda(get_family(family).render(params, problem), arch)
+    assert build.ok, build.log[-2000:]
+    assert build.spill_bytes == 0, (problem.key, build.spill_bytes)
+    return build
 
 
 def tile(params: dict) -> tuple[int, int, int]:

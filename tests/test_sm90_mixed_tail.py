@@ -8,11 +8,11 @@ import pytest
 from core.device import H200
 from core.plan import ceil_div
 from core.records import Problem
-from sandbox.build import compile_cuda
 from templates import get_family
 from templates.sm90_wgmma.params import MIXED_GAIN, NARROW_COST, Sm90WgmmaParams, mixed_rows
 from templates.sm90_wgmma.search import traced
 from tests.gpu_reference import cases, check_in_sandbox, check_kernel
+from tests.helpers import clean_build
 
 FAMILY = get_family("sm90_wgmma")
 P3 = {"block_m": 128, "block_n": 256, "stages": 3, "persistent": True, "epilogue": "tma"}
@@ -125,10 +125,7 @@ def test_every_kind_cuts_narrow_rows():
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("epilogue", ["none", "residual"])
 def test_every_kind_compiles_without_spills(layout, epilogue):
-    problem = Problem(2700, 4040, 3096, layout, "bf16", True, epilogue)
-    build = compile_cuda(FAMILY.render(MIXED, problem), "sm_90a")
-    assert build.ok, build.log[-2000:]
-    assert build.spill_bytes == 0, (layout, epilogue, build.spill_bytes)
+    clean_build("sm90_wgmma", MIXED, Problem(2700, 4040, 3096, layout, "bf16", True, epilogue))
 
 
 @pytest.mark.gpu

@@ -150,6 +150,11 @@ class Sm90WgmmaParams(Params):
         return self.block_m if self.swap_ab else self.block_n
 
     @property
+    def narrow_n(self) -> int:
+        """mixed_tail: the columns of a narrow tile (3/4 of block_n)."""
+        return self.block_n * 3 // 4
+
+    @property
     def threads(self) -> int:
         return 128 * (self.consumers + 1)
 

@@ -202,9 +202,12 @@ def _mixed_tail(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaPara
     if v is None or s.problem.fused.gated:
         return []
     ctas = launch_plan(v, s.problem, s.device).ctas
-    tiles_m, tiles_n = ceil_div(s.problem.m, 128), ceil_div(s.problem.n, 256)
-    rows, busiest = mixed_rows(tiles_m, tiles_n, ceil_div(s.problem.n, 192), ctas)
-    if tiles_m * tiles_n <= ctas or not rows or busiest > MIXED_SAVE * ceil_div(tiles_m * tiles_n, ctas):
+    tiles_m, tiles_n = ceil_div(s.problem.m, v.block_m), ceil_div(s.problem.n, v.block_n)
+    rounds = ceil_div(tiles_m * tiles_n, ctas)
+    if rounds == 1:
+        return []
+    rows, busiest = mixed_rows(tiles_m, tiles_n, ceil_div(s.problem.n, v.narrow_n), ctas)
+    if not rows or busiest > MIXED_SAVE * rounds:
         return []
     work = busiest * v.block_m * v.block_n
     least = min((_rounds_work(p, s) for p in ordered[:4] if not p.reduces), default=work)

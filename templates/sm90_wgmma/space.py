@@ -55,7 +55,7 @@ class Sm90Wgmma(Family):
                 "wgmma_n": params.wgmma_n, "c_chunk": SWAP_C_CHUNK,
                 "residual_panels": params.residual_panels, "tail_parts_max": TAIL_PARTS, "tail_min_k": TAIL_MIN_K,
                 "tail_fill": TAIL_FILL, "tail_sum": TAIL_SUM, "narrow_cost": NARROW_COST, "mixed_gain": MIXED_GAIN,
-                "narrow_rows_min": NARROW_ROWS_MIN}
+                "narrow_rows_min": NARROW_ROWS_MIN, "narrow_n": params.narrow_n}
 
     def check_for_problem(self, params: Params, problem: Problem) -> None:
         assert isinstance(params, Sm90WgmmaParams)
@@ -99,10 +99,10 @@ class Sm90Wgmma(Family):
             # where M fits one tile, the A box is only M rounded up to 8 rows (the kernel's a_box_rows); with
             # multicast along N each CTA's share of the tile's rows
             a_rows = p.block_m // p.cluster_n if p.cluster_n > 1 else min(p.block_m, ceil_div(problem.m, 8) * 8)
-            if p.mixed_tail:  # a narrow tile's B: its block_n * 3/4 rows (nk) or panels (kn; one copy a panel: tm_b)
-                narrow = p.block_n * 3 // 4
-                b_maps = ((TensorMapSpec("B", (k, n), (p.block_k, narrow)),) if problem.b_layout == "nk" else
-                          (TensorMapSpec("B", (64, k, n // 64), (64, p.block_k, narrow // 64), strides=(n * 2, 128)),)
+            if p.mixed_tail:  # a narrow tile's B: its narrow_n rows (nk) or panels (kn; one copy a panel: tm_b)
+                b_maps = ((TensorMapSpec("B", (k, n), (p.block_k, p.narrow_n)),) if problem.b_layout == "nk" else
+                          (TensorMapSpec("B", (64, k, n // 64), (64, p.block_k, p.narrow_n // 64),
+                                         strides=(n * 2, 128)),)
                           if n % 64 == 0 else (b_map,))
             maps = (TensorMapSpec("A", (k, problem.m), (p.block_k, a_rows)), b_map, *b_maps)
         if p.epilogue == "tma":  # each consumer warpgroup stores its rows as 64-column panels (swapped: 16-row chunks)
