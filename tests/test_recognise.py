@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from agent.export.runtime import hgemm_fuse
-from tests.test_fuse import TorchOps, compiles_whole
+from tests.test_fuse import MLP, MatmulRotary, RMSNorm, TorchOps, compiles_whole
 
 recognise = hgemm_fuse.recognise
 
@@ -249,3 +249,50 @@ class TwiceResidualMLP(ResidualMLP):
 
 def test_an_mlp_that_adds_its_residual_otherwise_is_not_a_chain():
     assert recognise.plain_mlp(TwiceResidualMLP().eval(), hgemm_fuse._epilogue_module(TorchOps)) is None
+
+
+class GatedRMSNorm(RMSNorm):
+    """A Mamba-2 mixer's norm (Bamba's, Granite 4.0-H's): an RMSNorm where its caller gives no gate."""
+
+    def forward(self, hidden_states, gate=None):
+        if gate is not None:
+            hidden_states = hidden_states * nn.functional.silu(gate.float())
+        return super().forward(hidden_states)
+
+
+class LayerTypeRotary(MatmulRotary):
+    """A rotary embedding with frequencies per layer type (Gemma 3's): Llama's where it is given none."""
+
+    def forward(self, x, position_ids, layer_type=None):
+        return super().forward(x, position_ids)
+
+
+class RoutedMLP(MLP):
+    """A gated MLP whose forward takes another argument, as some MoE blocks' experts do: Llama's without it."""
+
+    def forward(self, x, scale=None):
+        out = super().forward(x)
+        return out if scale is None else out * scale
+
+
+def test_a_norm_rotary_or_mlp_whose_forward_takes_more_than_the_fused_one_stays_its_own():
+    assert recognise.probe_mlp(MLP(16, 32, nn.SiLU()))[0] == "pair"
+    assert recognise.probe_mlp(RoutedMLP(16, 32, nn.SiLU()))[0] is None
+    plain, gated = RMSNorm(16), GatedRMSNorm(16)
+    assert recognise.rms_norm_of(plain) == (1e-6, 0)
+    assert recognise.rms_norm_of(gated) is None  # computes an RMSNorm without a gate; called with one, it is not
+    assert recognise.is_rotary(MatmulRotary()) and not recognise.is_rotary(LayerTypeRotary())
+
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.proj = GatedRMSNorm(16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.norm(x, self.proj(x))
+
+    mixer = Mixer()
+    x = torch.randn(2, 3, 16)
+    want = mixer(x)
+    hgemm_fuse.fuse(mixer, TorchOps)
+    assert torch.equal(mixer(x), want)  # the gated call still reaches the norm's own forward
