@@ -96,32 +96,6 @@ def test_hugging_face_llama_and_gemma2_tiny():
     assert gemma2["status"] == "ok" and "o_residual" not in gemma2["fused"] and gemma2["fused"]["qkv"] == 2, gemma2
 
 
-class FakeConfig:
-    """A config as transformers writes them: dimensions as attributes, a derived one as a read-only property, a
-    nested config (a multimodal model's text config)."""
-
-    model_type = "fake"
-
-    def __init__(self, nested: bool = True):
-        self.hidden_size, self.num_attention_heads, self.eos_token_id, self.name = 4096, 32, 50000, "kept"
-        self.text_config = FakeConfig(nested=False) if nested else None
-
-    @property
-    def head_dim(self):
-        return self.hidden_size // self.num_attention_heads
-
-    def to_dict(self):
-        return dict(vars(self))
-
-
-def test_shrink_sets_the_tiny_dimensions_inside_nested_configs_and_skips_read_only_ones():
-    config = FakeConfig()
-    probe.shrink(config)
-    for c in (config, config.text_config):
-        assert (c.hidden_size, c.num_attention_heads, c.head_dim, c.name) == (64, 4, 16, "kept")
-        assert c.eos_token_id == 2  # inside the tiny vocabulary
-
-
 def test_cached_logits_run_a_prefill_then_one_step_for_each_of_the_last_two_tokens():
     calls = []
 
@@ -179,27 +153,6 @@ def test_cli_refuses_a_folder_that_is_not_an_export_and_a_missing_gpu(capsys, tm
         assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_shrink_keeps_one_layer_of_each_type_of_a_hybrid_model():
-    config = FakeConfig(nested=False)
-    config.num_hidden_layers = 48
-    config.layer_types = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 44
-    probe.shrink(config)
-    assert (config.num_hidden_layers, config.layer_types) == (2, ["linear_attention", "full_attention"])
-    config.layer_types, config.num_hidden_layers = ["a", "b", "c", "a"], 4  # three kinds: three layers
-    probe.shrink(config)
-    assert (config.num_hidden_layers, config.layer_types) == (3, ["a", "b", "c"])
-    config.layer_types = ["full_attention"] * 48  # one kind: TINY's depth
-    probe.shrink(config)
-    assert (config.num_hidden_layers, config.layer_types) == (2, ["full_attention"] * 2)
-
-
-def test_a_tiny_model_has_no_parameter_that_init_left_constant():
-    pytest.importorskip("transformers")
-    model = probe.tiny_model("llama")
-    norms = [p for n, p in model.named_parameters() if "norm" in n]
-    assert norms and all(not bool((p == p.flatten()[0]).all()) for p in norms)  # ones at init: random now
-
-
 def test_an_export_given_by_its_folder_is_loaded_in_a_spawned_child(tmp_path, op_build_dir):
     """The path --device cuda takes (a forked child cannot use CUDA once the parent has), run on the CPU: the child
     is spawned, loads the export from its folder and patches with its op."""
@@ -223,3 +176,37 @@ def test_an_export_given_by_its_folder_is_loaded_in_a_spawned_child(tmp_path, op
     assert record["started"] == ["spawn"], record
     assert record["status"] == "ok" and record["restored"], record
     assert {"qkv", "gate_up", "rms_norm"} <= set(record["fused"]), record
+
+
+def test_cached_logits_pass_the_cache_under_the_name_the_forward_takes():
+    calls = []
+
+    class Cached(torch.nn.Module):  # transformers 5's later name: `cache`, in and out
+        def forward(self, input_ids, cache=None, use_cache=False):
+            calls.append(cache)
+            return types.SimpleNamespace(logits=input_ids[..., None].float(), cache=len(calls))
+
+    probe.cached_logits(Cached(), torch.arange(5)[None])
+    assert calls == [None, 1, 2]
+
+
+def test_gemma4_and_deepseek_v3_build_tiny_and_fuse_correctly():
+    pytest.importorskip("transformers")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    for model_type in ("gemma4_text", "deepseek_v3"):
+        if model_type not in CONFIG_MAPPING:
+            continue
+        record = probe.probe(model_type)
+        assert record["status"] == "ok" and record["restored"], record
+    if "gemma4_text" not in CONFIG_MAPPING:
+        return
+    ids = torch.randint(200, (1, 9), generator=torch.Generator().manual_seed(1))
+    variants = [{"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
+                {"attention_k_eq_v": True}, {"use_double_wide_mlp": True}, {"hidden_size_per_layer_input": 0}]
+    for overrides in variants:  # Gemma 4's other models: an MoE block beside the MLP, k = v, no per-layer inputs
+        model = probe.tiny_model("gemma4_text", overrides=overrides)
+        for run in (probe.logits, probe.cached_logits):
+            record = probe.check(model, lambda m, run=run: run(m, ids))
+            assert record["status"] == "ok" and record["restored"], (overrides, record)
+            assert record["fused"]["gate_up"] == 2, (overrides, record)

@@ -37,17 +37,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e_models import forward_arguments  # noqa: E402
+from tiny_configs import causal_lms, tiny_model  # noqa: E402
 
 from agent.export.runtime import hgemm_fuse  # noqa: E402
 from core.epilogue import Epilogue, compose  # noqa: E402
 
-# a tiny model's dimensions under the names configs use for them (set only where the config has the name)
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "max_position_embeddings": 256,
-        "n_embd": 64, "n_layer": 2, "n_head": 4, "d_model": 64, "num_layers": 2, "ffn_dim": 128,
-        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4, "n_routed_experts": 4,
-        "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 64, "first_k_dense_replace": 1, "rotary_dim": 8}
 TOLERANCE = 1e-5
 TIMEOUT_S = 60  # an architecture's build, runs and checks; one that takes longer is skipped
 MEMORY_BYTES = 6 << 30  # an architecture's address space (configs with large defaults the tiny names miss)
@@ -121,64 +118,6 @@ class OpaqueOps(TorchOps):
         return _opaque_rms_norm(x, w, eps, kind, residual)
 
 
-def causal_lms() -> list[str]:
-    """Every model type transformers builds as a causal LM."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-def tiny_model(model_type: str, every_kind: bool = True) -> torch.nn.Module:
-    """The architecture as a tiny fp32 model with random weights (seeded; those init leaves constant too), in eval
-    mode (shrink; `every_kind`: one layer of each of its layer types)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    config = CONFIG_MAPPING[model_type]()
-    shrink(config, every_kind=every_kind)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():  # what init leaves constant (norms' ones and zeros, zero biases) made random, as training
-        for p in model.parameters():  # would: a fusion that takes one norm for another shows in the logits
-            if p.is_floating_point() and p.numel() > 1 and bool((p == p.flatten()[0]).all()):
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
-
-
-def shrink(config, depth: int = 0, every_kind: bool = True) -> None:
-    """TINY's dimensions set on `config` where it has the name as a plain integer (not a property without a
-    setter), and on the configs inside it (a multimodal model's text and vision configs); token ids moved into the
-    tiny vocabulary; where it lists `layer_types` (hybrid models: linear and full attention, sliding windows), one
-    layer of each type (at least TINY's depth), so that every kind of layer is fused and checked."""
-    for name, value in TINY.items():
-        prop = getattr(type(config), name, None)
-        if isinstance(prop, property) and prop.fset is None:
-            continue
-        if hasattr(config, name) and isinstance(getattr(config, name), int | type(None)):
-            try:
-                setattr(config, name, value)
-            except (AttributeError, ValueError, TypeError):  # a validated or derived field
-                pass
-    kinds = getattr(config, "layer_types", None) if every_kind else None  # hybrid models: every kind of layer
-    if isinstance(kinds, (list, tuple)) and kinds and all(isinstance(k, str) for k in kinds):
-        kinds = list(dict.fromkeys(kinds))
-        depth_name = next((n for n in ("num_hidden_layers", "n_layer", "num_layers")
-                           if isinstance(getattr(config, n, None), int)), None)
-        layers = max(len(kinds), TINY["num_hidden_layers"])
-        try:
-            if depth_name is not None:
-                setattr(config, depth_name, layers)
-            config.layer_types = (kinds * layers)[:layers]
-        except (AttributeError, ValueError, TypeError):  # a validated or derived field
-            pass
-    for i, name in enumerate(("pad_token_id", "bos_token_id", "eos_token_id")):  # inside the tiny vocabulary
-        if isinstance(getattr(config, name, None), int) and getattr(config, name) >= TINY["vocab_size"]:
-            setattr(config, name, i)
-    for sub in list(vars(config).values()) if depth < 2 else []:
-        if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):  # a nested config
-            shrink(sub, depth + 1, every_kind)
-
-
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=ids, use_cache=False).logits.float()
@@ -186,12 +125,14 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def cached_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The logits of a prefill of all but the last two tokens, then of one decode step for each of those two with
-    the model's KV cache (`past_key_values`), in order: the fused layers' arguments (the cache among them) in use."""
+    the model's KV cache (under the name this transformers gives it), in order: the fused layers' arguments (the
+    cache among them) in use."""
+    cache, _ = forward_arguments(model)
     with torch.no_grad():
         out = model(input_ids=ids[:, :-2], use_cache=True)
         logits = [out.logits]
         for t in (-2, -1):
-            out = model(input_ids=ids[:, t:t + 1 or None], past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=ids[:, t:t + 1 or None], **{cache: getattr(out, cache)}, use_cache=True)
             logits.append(out.logits)
     return torch.cat(logits, 1).float()
 
