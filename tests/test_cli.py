@@ -279,13 +279,20 @@ def test_ctrl_c_mid_run_says_how_to_resume_with_the_runs_dir(tmp_path, capsys, m
     assert RunStore(folder).get_meta("state") == "interrupted"
 
 
+def _as_from_a_shell() -> None:
+    """In the child before it runs Python: SIGINT as a shell leaves it, not ignored (a pytest-xdist worker's children
+    inherit its ignored SIGINT, and Python then never raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("after", ["rich.console", "agent.cli"])
 def test_ctrl_c_while_starting_up_is_exit_130_without_a_traceback(tmp_path, after):
     """A real SIGINT to `python -m agent` once Python has imported `after` (inside the command line's imports, or
     just past them), told by -X importtime's lines."""
     proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "agent", "run", "--mnk", "64_64_64",
                              "--compile-only", "--runs-dir", str(tmp_path / "runs")], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_from_a_shell)
     lines = []
     for line in proc.stderr:
         lines.append(line)
