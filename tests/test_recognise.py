@@ -275,24 +275,27 @@ class RoutedMLP(MLP):
         return out if scale is None else out * scale
 
 
-def test_a_norm_rotary_or_mlp_whose_forward_takes_more_than_the_fused_one_stays_its_own():
-    assert recognise.probe_mlp(MLP(16, 32, nn.SiLU()))[0] == "pair"
-    assert recognise.probe_mlp(RoutedMLP(16, 32, nn.SiLU()))[0] is None
-    plain, gated = RMSNorm(16), GatedRMSNorm(16)
-    assert recognise.rms_norm_of(plain) == (1e-6, 0)
-    assert recognise.rms_norm_of(gated) is None  # computes an RMSNorm without a gate; called with one, it is not
-    assert recognise.is_rotary(MatmulRotary()) and not recognise.is_rotary(LayerTypeRotary())
+def test_a_norm_or_rotary_called_with_more_than_the_probe_gave_it_runs_its_own_forward():
+    gated, rotary = GatedRMSNorm(16), LayerTypeRotary()
+    assert recognise.rms_norm_of(gated) == (1e-6, 0) and recognise.is_rotary(rotary)  # without the extras, Llama's
 
     class Mixer(nn.Module):
         def __init__(self):
             super().__init__()
-            self.norm, self.proj = GatedRMSNorm(16), nn.Linear(16, 16)
+            self.norm, self.proj, self.rotary = GatedRMSNorm(16), nn.Linear(16, 16), LayerTypeRotary()
 
-        def forward(self, x):
-            return self.norm(x, self.proj(x))
+        def forward(self, x, pos):
+            cos, sin = self.rotary(x, pos, "sliding_attention")
+            return self.norm(x, self.proj(x)) + self.norm(x) + cos.sum() + sin.sum()
 
     mixer = Mixer()
-    x = torch.randn(2, 3, 16)
-    want = mixer(x)
-    hgemm_fuse.fuse(mixer, TorchOps)
-    assert torch.equal(mixer(x), want)  # the gated call still reaches the norm's own forward
+    x, pos = torch.randn(2, 3, 16), torch.randint(0, 64, (2, 3))
+    want = mixer(x, pos)
+    counts = hgemm_fuse.fuse(mixer, TorchOps)
+    assert counts["rms_norm"] == 1 and counts["rotary"] == 1
+    assert torch.equal(mixer(x, pos), want)  # the gated and typed calls reach the modules' own forwards
+
+
+def test_a_gated_mlp_whose_forward_takes_more_than_x_stays_its_own():
+    assert recognise.probe_mlp(MLP(16, 32, nn.SiLU()))[0] == "pair"
+    assert recognise.probe_mlp(RoutedMLP(16, 32, nn.SiLU()))[0] is None  # its gate/up weights could not be merged

@@ -112,13 +112,17 @@ def _epilogue_module(ops):
     return epilogue
 
 
-def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if position_ids.dim() != 2:  # not (batch, positions), as the probe called it (Qwen3.5's 3 rows for mrope)
-        return self._hgemm_base.forward(self, x, position_ids)
+def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor,
+                                                                                            torch.Tensor]:
+    # not as the probe called it (Qwen3.5's 3 rows of positions for mrope; a layer type): the module's own forward
+    if position_ids.dim() != 2 or args or kwargs:
+        return self._hgemm_base.forward(self, x, position_ids, *args, **kwargs)
     return recognise.rotary_cos_sin(x, position_ids, self.inv_freq, self.attention_scaling)
 
 
-def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+def _norm_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    if args or kwargs:  # more than the probe gave it (a Mamba-2 mixer's gated norm, with its gate): its own forward
+        return self._hgemm_base.forward(self, x, *args, **kwargs)
     return steps.ops_of(self).rms_norm(x, self.weight, self._hgemm_eps, self._hgemm_kind)
 
 

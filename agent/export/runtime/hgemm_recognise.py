@@ -77,8 +77,7 @@ def probe_input(like: torch.Tensor, *shape: int, scale: float = 2.0) -> torch.Te
 
 def takes_only(m: nn.Module, n: int) -> bool:
     """Whether the forward of m's class takes exactly n arguments besides self, with no optional extras: a fused
-    forward of those n then serves every call the module gets (a gated norm's gate, a rotary's layer type, would not
-    reach it)."""
+    forward of those n then serves every call the module gets (an MLP's extra argument would not reach it)."""
     try:
         params = list(inspect.signature(type(m).forward).parameters.values())[1:]
     except (TypeError, ValueError):
@@ -90,12 +89,12 @@ def rms_norm_of(m: nn.Module) -> tuple[float, int] | None:
     """(epsilon, kind) of a module that computes one of RMS_NORMS (kind: its index; Llama's first, where two agree,
     as in fp32) with its one parameter `weight` (checked by a probe call, with a random weight in place of its own
     for the call, since a weight of ones or zeros, as models are initialised, makes several kinds agree: the same
-    values bit for bit), and whose forward takes the input alone, or None."""
+    values bit for bit), or None. Its forward may take more (a gated norm's gate): the probe calls it with x alone,
+    and the fused forward runs the module's own where a call gives more."""
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     w = getattr(m, "weight", None)
     if (not isinstance(eps, float) or not isinstance(w, nn.Parameter) or w.dim() != 1 or w.numel() == 0
-            or w.is_meta or "forward" in m.__dict__ or list(m.children()) or len(list(m.parameters())) != 1
-            or not takes_only(m, 1)):
+            or w.is_meta or "forward" in m.__dict__ or list(m.children()) or len(list(m.parameters())) != 1):
         return None
     x, weight, own = probe_input(w, 3, w.numel(), scale=3.0), 1 + probe_input(w, w.numel(), scale=0.5), w.data
     try:
@@ -123,14 +122,13 @@ def rotary_cos_sin(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.
 
 
 def is_rotary(m: nn.Module) -> bool:
-    """Whether `m` is a rotary embedding whose forward(x, position_ids), taking nothing else, gives rotary_cos_sin's
-    (cos, sin) bit for bit (a probe call on its device), with fixed frequencies (`inv_freq`, in fp32 or the model's
-    dtype) and `attention_scaling`."""
+    """Whether `m` is a rotary embedding whose forward(x, position_ids) gives rotary_cos_sin's (cos, sin) bit for
+    bit (a probe call on its device), with fixed frequencies (`inv_freq`, in fp32 or the model's dtype) and
+    `attention_scaling`."""
     inv, scaling = getattr(m, "inv_freq", None), getattr(m, "attention_scaling", None)
     if (not isinstance(inv, torch.Tensor) or inv.dim() != 1 or not inv.is_floating_point() or inv.is_meta
             or isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or "forward" in m.__dict__
-            or list(m.children()) or any(k in str(getattr(m, "rope_type", "")) for k in ("dynamic", "longrope"))
-            or not takes_only(m, 2)):
+            or list(m.children()) or any(k in str(getattr(m, "rope_type", "")) for k in ("dynamic", "longrope"))):
         return False
     gen = torch.Generator(device="cpu").manual_seed(0)
     pos = torch.randint(0, 8192, (2, 5), generator=gen).to(inv.device)
