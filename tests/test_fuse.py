@@ -993,9 +993,9 @@ def test_a_rotary_embedding_computes_its_frequencies_by_broadcasting_bit_for_bit
     assert recognise.is_rotary(model.rotary) and recognise.is_rotary(UnscaledRotary())  # scaling 1: the same
     assert recognise.is_rotary(MatmulRotary().half())  # frequencies in the model's dtype (model.to(float16))
     counts = hgemm_fuse.fuse(model, TorchOps)
-    assert counts["rotary"] == 1 and type(model.rotary).forward is hgemm_fuse._rotary_forward
+    assert counts["rotary"] == 1 and type(model.rotary).forward is hgemm_fuse.steps._rotary_forward
     assert type(model.rotary).__name__ == "MatmulRotary" and isinstance(model.rotary, MatmulRotary)
-    assert all(type(m).forward is not hgemm_fuse._rotary_forward for m in model.others)  # dynamic; unscaled
+    assert all(type(m).forward is not hgemm_fuse.steps._rotary_forward for m in model.others)  # dynamic; unscaled
     got = model.rotary(x, pos)
     assert all(torch.equal(g, w) and g.dtype == w.dtype for g, w in zip(got, want, strict=True))
     assert "rotary: rotary frequencies by broadcasting, no matmul" in hgemm_fuse.describe(model)

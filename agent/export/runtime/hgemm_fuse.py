@@ -112,23 +112,9 @@ def _epilogue_module(ops):
     return epilogue
 
 
-def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor,
-                                                                                            torch.Tensor]:
-    # not as the probe called it (Qwen3.5's 3 rows of positions for mrope; a layer type): the module's own forward
-    if position_ids.dim() != 2 or args or kwargs:
-        return self._hgemm_base.forward(self, x, position_ids, *args, **kwargs)
-    return recognise.rotary_cos_sin(x, position_ids, self.inv_freq, self.attention_scaling)
-
-
-def _norm_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    if args or kwargs:  # more than the probe gave it (a Mamba-2 mixer's gated norm, with its gate): its own forward
-        return self._hgemm_base.forward(self, x, *args, **kwargs)
-    return steps.ops_of(self).rms_norm(x, self.weight, self._hgemm_eps, self._hgemm_kind)
-
-
 def _norm(layer: _Layer, m: nn.Module, found: tuple[float, int], ops) -> None:
     """An RMSNorm (recognise.rms_norm_of's `found`: its epsilon and rounding kind) as ops.rms_norm."""
-    layer.set_forward(m, _norm_forward, ops=ops, eps=found[0], kind=found[1])
+    layer.set_forward(m, steps._norm_forward, ops=ops, eps=found[0], kind=found[1])
     layer.kinds.append("rms_norm")
 
 
@@ -350,7 +336,7 @@ def _fuse_alone(layer: _Layer, module: nn.Module, ops, norms: bool) -> None:
     elif gated is not None:
         _gate_up(layer, module, ops, gated)
     elif recognise.is_rotary(module):
-        layer.set_forward(module, _rotary_forward)
+        layer.set_forward(module, steps._rotary_forward)
         layer.kinds.append("rotary")
     elif (added := recognise.residual_norm(module)) is not None:
         dropout = any(isinstance(c, nn.Dropout) and c.p > 0 for c in module.children())

@@ -329,6 +329,19 @@ def _post_norm_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> to
     return ops_of(self).rms_norm(out, getattr(self, post_mlp).weight, eps2, kind2, h)
 
 
+def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs) -> tuple:
+    # not as the probe called it (Qwen3.5's 3 rows of positions for mrope; a layer type): the module's own forward
+    if position_ids.dim() != 2 or args or kwargs:
+        return self._hgemm_base.forward(self, x, position_ids, *args, **kwargs)
+    return recognise.rotary_cos_sin(x, position_ids, self.inv_freq, self.attention_scaling)
+
+
+def _norm_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    if args or kwargs:  # more than the probe gave it (a Mamba-2 mixer's gated norm, with its gate): its own forward
+        return self._hgemm_base.forward(self, x, *args, **kwargs)
+    return ops_of(self).rms_norm(x, self.weight, self._hgemm_eps, self._hgemm_kind)
+
+
 def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tensor:
     """`out`, the block's output, after checking that it is the sum its projection computed (a block that changes
     its projection's output, or does not call it, would have the residual added in the wrong place or not at all).
