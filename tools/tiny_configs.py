@@ -66,16 +66,15 @@ def shrink(config, depth: int = 0, every_kind: bool = True) -> None:
     kinds = getattr(config, "layer_types", None) if every_kind else None  # hybrid models: every kind of layer
     if isinstance(kinds, (list, tuple)) and kinds and all(isinstance(k, str) for k in kinds):
         kinds = list(dict.fromkeys(kinds))
-        depth_name = next((n for n in ("num_hidden_layers", "n_layer", "num_layers")
-                           if isinstance(getattr(config, n, None), int)), None)
         layers = max(len(kinds), TINY["num_hidden_layers"])
         shared = getattr(config, "num_kv_shared_layers", None)  # the last layers reuse earlier layers' keys and values
         sharing = isinstance(shared, int) and not isinstance(shared, bool) and shared > 0
+        total = layers * (2 if sharing else 1)  # sharing: one sharing layer of each type after one computing its own
         try:
-            if depth_name is not None:
-                setattr(config, depth_name, layers * (2 if sharing else 1))
-            config.layer_types = (kinds * 2 * layers)[:layers * (2 if sharing else 1)]
-            if sharing:  # one sharing layer of each type after one that computes its own
+            if _depth_name(config) is not None:
+                setattr(config, _depth_name(config), total)
+            config.layer_types = (kinds * total)[:total]
+            if sharing:
                 config.num_kv_shared_layers = layers
         except (AttributeError, ValueError, TypeError):  # a validated or derived field
             pass
@@ -93,6 +92,12 @@ def shrink(config, depth: int = 0, every_kind: bool = True) -> None:
     for sub in list(vars(config).values()) if depth < 2 else []:
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):  # a nested config
             shrink(sub, depth + 1, every_kind)
+
+
+def _depth_name(config) -> str | None:
+    """The name under which the config holds its number of layers."""
+    names = ("num_hidden_layers", "n_layer", "num_layers")
+    return next((n for n in names if isinstance(getattr(config, n, None), int)), None)
 
 
 def _set(config, name: str, value) -> None:
@@ -121,8 +126,7 @@ def _without_per_layer(config) -> tuple[dict, dict] | None:
 def _with_per_layer(config, by_kind: dict, seen: dict) -> None:
     """The overrides again on the tiny layers of their types; a dimension the tiny config changed scaled alike."""
     kinds = getattr(config, "layer_types", None) or []
-    depth = next((getattr(config, n) for n in ("num_hidden_layers", "n_layer", "num_layers")
-                  if isinstance(getattr(config, n, None), int)), len(kinds))
+    depth = getattr(config, _depth_name(config)) if _depth_name(config) else len(kinds)
     per_layer = {}
     for index in range(depth):
         overrides = by_kind.get(kinds[index] if index < len(kinds) else index)
