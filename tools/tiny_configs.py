@@ -71,8 +71,8 @@ def shrink(config, depth: int = 0, every_kind: bool = True) -> None:
         sharing = isinstance(shared, int) and not isinstance(shared, bool) and shared > 0
         total = layers * (2 if sharing else 1)  # sharing: one sharing layer of each type after one computing its own
         try:
-            if _depth_name(config) is not None:
-                setattr(config, _depth_name(config), total)
+            if (depth_name := _depth_name(config)) is not None:
+                setattr(config, depth_name, total)
             config.layer_types = (kinds * total)[:total]
             if sharing:
                 config.num_kv_shared_layers = layers
@@ -126,7 +126,8 @@ def _without_per_layer(config) -> tuple[dict, dict] | None:
 def _with_per_layer(config, by_kind: dict, seen: dict) -> None:
     """The overrides again on the tiny layers of their types; a dimension the tiny config changed scaled alike."""
     kinds = getattr(config, "layer_types", None) or []
-    depth = getattr(config, _depth_name(config)) if _depth_name(config) else len(kinds)
+    depth_name = _depth_name(config)
+    depth = getattr(config, depth_name) if depth_name else len(kinds)
     per_layer = {}
     for index in range(depth):
         overrides = by_kind.get(kinds[index] if index < len(kinds) else index)
