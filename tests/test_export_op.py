@@ -90,6 +90,19 @@ def test_explain_names_the_kernel_or_the_reason(ops):
     assert ops.explain(offset, b) == "an operand is not 16-byte aligned (tuned: 16_24_8:kn:f16)"
 
 
+def test_an_export_tuned_on_another_gpu_warns_where_calls_resolve(ops, monkeypatch):
+    monkeypatch.setitem(ops.MANIFEST, "device", "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    with pytest.warns(RuntimeWarning, match="tuned on NVIDIA H200, this GPU is NVIDIA H100 80GB HBM3"):
+        ops._resolve()
+    assert ops.tuned_elsewhere() == "NVIDIA H200"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert ops.tuned_elsewhere() is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ops.tuned_elsewhere() is None
+
+
 def test_meta_fake_and_torch_compile_see_the_op(ops):
     a, w = torch.empty(3, 5, 8, dtype=torch.half, device="meta"), torch.empty(24, 8, dtype=torch.half, device="meta")
     assert torch.ops.hgemm.linear(a, w).shape == (3, 5, 24) and ops.linear(a, w).device.type == "meta"

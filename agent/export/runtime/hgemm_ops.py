@@ -22,7 +22,8 @@ per dtype and epilogue) and the RMSNorm's (`hgemm_norm.cu`, its cubins per dtype
 - Each call runs the exported kernel where its N, K, layout, dtype and bias were tuned for an M interval holding its
   M (and beat cuBLAS there), the operands are contiguous, 16-byte aligned tensors of one CUDA device and no gradient
   is wanted; anything else is `torch.matmul` / `F.linear`, with the same result it would have had.
-  `explain(a, b, bias, layout)` names the kernel and the interval, or why not.
+  `explain(a, b, bias, layout)` names the kernel and the interval, or why not. An export tuned on another GPU model
+  than this process's (the manifest's `device`) warns once, at the first call: `tuned_elsewhere()`.
 - Launches go through the compiled op (`hgemm::mm` / `hgemm::linear` / `hgemm::fused_linear`, C++, built on first use
   and cached under `build/`; `compiled()` builds it) where it builds, else through the Python launch path (about 20 µs
   more host time a call), with a one-line warning. `HGEMM_OPS_COMPILED=0` chooses the Python path;
@@ -266,8 +267,22 @@ class _Unresolved:
 _eager = _Unresolved  # the compiled op's module, or PythonPath, once resolved
 
 
+def tuned_elsewhere(device=None) -> str | None:
+    """The GPU this export's kernels were timed on against cuBLAS, where this process's GPU is another model (each
+    kernel serves only where it beat cuBLAS there; on another GPU it may not); None where they are the same, or no
+    GPU is here."""
+    if not torch.cuda.is_available():
+        return None
+    tuned = MANIFEST.get("device")
+    return tuned if tuned and tuned != torch.cuda.get_device_name(device) else None
+
+
 def _resolve():
     global _eager
+    if (tuned := tuned_elsewhere()) is not None:
+        warnings.warn(f"hgemm_ops: this export was tuned on {tuned}, this GPU is {torch.cuda.get_device_name()}: "
+                      "its kernels beat cuBLAS there and may not here; search on this GPU and export again",
+                      RuntimeWarning, stacklevel=3)
     ext = compiled()
     _eager = ext if ext is not None else PythonPath
     return _eager
