@@ -268,12 +268,8 @@ _eager = _Unresolved  # the compiled op's module, or PythonPath, once resolved
 
 
 def tuned_elsewhere(device=None) -> str | None:
-    """The GPU this export's kernels were timed on against cuBLAS, where this process's GPU is another model (each
-    kernel serves only where it beat cuBLAS there; on another GPU it may not); None where they are the same, or no
-    GPU is here."""
-    if not torch.cuda.is_available():
-        return None
-    tuned = MANIFEST.get("device")
+    """The GPU model the kernels were timed on against cuBLAS, where this one is another (None: the same, or no GPU)."""
+    tuned = MANIFEST.get("device") if torch.cuda.is_available() else None
     return tuned if tuned and tuned != torch.cuda.get_device_name(device) else None
 
 
