@@ -272,8 +272,9 @@ def test_compile_diag_timeline_takes_the_middle_step_and_sums_the_gpus_idle_time
               kernel(f"n{i}", base + 26, base + 30)] for i, base in enumerate((0, 100, 200))]
     events = [e for step in reversed(steps) for e in reversed(step)]
     rows, span, idle, after = diag.step_timeline(events, 3)
-    assert [r[3] for r in rows] == ["k1", "m1", "n1"]
+    assert [r[4] for r in rows] == ["k1", "m1", "n1"]
     assert [r[0] for r in rows] == [0, 14, 26] and [r[1] for r in rows] == [0.0, 4, 6]
+    assert [r[2] for r in rows] == [r[3] for r in rows] == [10, 6, 4]  # none overlapped: own time is the duration
     assert (span, idle, after) == (30, 10, 70)  # the middle step ends at 130, the next starts at 200
     line = diag.write_timeline(tmp_path / "t" / "decode_1_stock.txt", "decode 1 stock", (rows, span, idle, after))
     assert line.startswith("span 30.0 us, GPU idle 10.0 us (33%); largest: 6.0 us before n1")
@@ -281,4 +282,10 @@ def test_compile_diag_timeline_takes_the_middle_step_and_sums_the_gpus_idle_time
     table = (tmp_path / "t" / "decode_1_stock.txt").read_text().splitlines()
     assert table[0].startswith("# decode 1 stock: 3 kernels") and len(table) == 5
     assert diag.step_timeline([], 5) == ([], 0.0, 0.0, None)
+    # a kernel launched overlapped starts 5 us before the one ahead ends and waits for it inside: its own time is
+    # from that end, so the step's kernel time is its span
+    overlapped = [kernel("a", 0, 10), kernel("b", 5, 30), kernel("c", 30, 32)]
+    assert [own for _, own in diag.own_times(overlapped)] == [10, 20, 2]
+    rows, span, idle, _ = diag.step_timeline(overlapped, 1)
+    assert [r[2] for r in rows] == [10, 25, 2] and sum(r[3] for r in rows) == span == 32 and idle == 0
     assert diag.step_timeline(events[:3], 1)[3] is None  # one step: none follows

@@ -6,19 +6,19 @@
 
 For each decode batch (a step over a 512-token static KV cache, as tools/e2e_llama.py times it), the prefill of
 --prefill-tokens tokens where given, and each model (stock, compiled in --stock-mode, and a copy patched with the
-export, compiled in --mode): the wall time of a step run back to back
-and run synchronised one at a time, the GPU's kernel time a step and the kernels a step (torch.profiler over a few
-steps), the kernels with the most GPU time (cuBLAS's names mark a fallback), the CPU ops with the most self time,
-dynamo's guard evaluation a step (the guard tree's check alone, on the step's own arguments) and its counters
-(graphs, graph breaks, recompilations). A step whose wall time is well above its kernel time
-is host-bound; the CPU ops say on what. --timeline DIR writes one step's kernels in the order they ran (start, the
-GPU's idle time before each, duration, name) to DIR/<phase>_<model>.txt and prints the step's idle time, and the
-GPU's idle time from the step's last kernel to the next step's first: where a step's wall time exceeds its kernels'
-sum, it says whether the GPU waited between kernels (after which ones) or between steps.
---only times one of the models, so that each compilation can run in a process of its own (run it once for each
-model; between processes the host's speed varies, so host-bound steps compare in one process, where every model's
-wall time is taken before any model is profiled). Needs a GPU and
-`transformers`; --device cpu --model tiny: a quick look.
+export, compiled in --mode): the wall time of a step run back to back and run synchronised one at a time, the GPU's
+kernel time a step (each kernel's own time: a kernel launched overlapped with the one ahead counts from that one's
+end) and the kernels a step (torch.profiler over a few steps), the kernels with the most GPU time (cuBLAS's names
+mark a fallback), the CPU ops with the most self time, dynamo's guard evaluation a step (the guard tree's check
+alone, on the step's own arguments) and its counters (graphs, graph breaks, recompilations). A step whose wall time
+is well above its kernel time is host-bound; the CPU ops say on what. --timeline DIR writes one step's kernels in
+the order they ran (start, the GPU's idle time before each, duration, own time, name) to DIR/<phase>_<model>.txt and
+prints the step's idle time, and the GPU's idle time from the step's last kernel to the next step's first: where a
+step's wall time exceeds its kernels' sum, it says whether the GPU waited between kernels (after which ones) or
+between steps. --only times one of the models, so that each compilation can run in a process of its own (run it once
+for each model; between processes the host's speed varies, so host-bound steps compare in one process, where every
+model's wall time is taken before any model is profiled). Needs a GPU and `transformers`; --device cpu --model tiny:
+a quick look.
 """
 
 from __future__ import annotations
@@ -58,22 +58,35 @@ def wall_ms(step, n: int, device: str, each: bool) -> float:
     return (time.perf_counter() - t0) * 1e3 / n
 
 
-def step_timeline(kernels: list, n: int) -> tuple[list[tuple[float, float, float, str]], float, float, float | None]:
-    """One step's kernels of n profiled back-to-back steps (the middle one, by count; `kernels` are profiler events
-    with time_range in µs): (start from the step's first kernel, GPU idle before it, duration, name) each, the
-    step's span from its first kernel's start to its last's end, its idle time inside that span, and the GPU's idle
-    time from its end to the next step's first kernel (None where no step follows)."""
+def own_times(kernels: list) -> list[tuple[object, float]]:
+    """The kernels by start, each with its own time: from the later of its start and the end of every kernel before
+    it, to its end. A kernel launched overlapped (programmatic dependent launch) starts before the one ahead ends and
+    waits inside for it: that wait is the kernel ahead's time, counted once."""
     ordered = sorted(kernels, key=lambda e: e.time_range.start)
+    end, out = float("-inf"), []
+    for e in ordered:
+        out.append((e, max(0.0, e.time_range.end - max(e.time_range.start, end))))
+        end = max(end, e.time_range.end)
+    return out
+
+
+def step_timeline(kernels: list, n: int) -> tuple[list[tuple[float, float, float, float, str]], float, float,
+                                                  float | None]:
+    """One step's kernels of n profiled back-to-back steps (the middle one, by count; `kernels` are profiler events
+    with time_range in µs): (start from the step's first kernel, GPU idle before it, duration, own time (own_times),
+    name) each, the step's span from its first kernel's start to its last's end, its idle time inside that span, and
+    the GPU's idle time from its end to the next step's first kernel (None where no step follows)."""
+    ordered = own_times(kernels)
     per = len(ordered) // n if n else 0
     one = ordered[per * (n // 2): per * (n // 2 + 1)]
-    following = ordered[per * (n // 2 + 1)] if per and per * (n // 2 + 1) < len(ordered) else None
-    t0 = end = one[0].time_range.start if one else 0.0
+    following = ordered[per * (n // 2 + 1)][0] if per and per * (n // 2 + 1) < len(ordered) else None
+    t0 = end = one[0][0].time_range.start if one else 0.0
     rows, idle = [], 0.0
-    for e in one:
+    for e, own in one:
         start, stop = e.time_range.start, e.time_range.end
         gap = max(0.0, start - end)
         idle += gap
-        rows.append((start - t0, gap, stop - start, e.name))
+        rows.append((start - t0, gap, stop - start, own, e.name))
         end = max(end, stop)
     after = max(0.0, following.time_range.start - end) if following is not None else None
     return rows, end - t0, idle, after
@@ -93,8 +106,8 @@ def profiled(step, n: int, device: str) -> dict:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_us: Counter = Counter()
     calls: Counter = Counter()
-    for e in kernels:
-        gpu_us[e.name[:90]] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    for e, own in own_times(kernels):
+        gpu_us[e.name[:90]] += own
         calls[e.name[:90]] += 1
     cpu = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)
     return {"kernels_a_step": len(kernels) / n, "gpu_ms_a_step": sum(gpu_us.values()) / n / 1e3,
@@ -144,11 +157,11 @@ def write_timeline(path: Path, title: str, timeline) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     then = "" if after is None else f"; then {after:.1f} us idle before the next step's first kernel"
     lines = [f"# {title}: {len(rows)} kernels, span {span:.1f} us, GPU idle {idle:.1f} us between them{then}",
-             "#  start_us   idle_before_us   duration_us  kernel"]
-    lines += [f"{start:10.1f} {gap:16.1f} {dur:13.1f}  {name[:120]}" for start, gap, dur, name in rows]
+             "#  start_us   idle_before_us   duration_us   own_us  kernel"]
+    lines += [f"{start:10.1f} {gap:16.1f} {dur:13.1f} {own:8.1f}  {name[:120]}" for start, gap, dur, own, name in rows]
     path.write_text("\n".join(lines) + "\n")
     worst = sorted(range(len(rows)), key=lambda i: rows[i][1], reverse=True)[:3]
-    gaps = ", ".join(f"{rows[i][1]:.1f} us before {rows[i][3][:40]}" for i in worst if rows[i][1] > 0)
+    gaps = ", ".join(f"{rows[i][1]:.1f} us before {rows[i][4][:40]}" for i in worst if rows[i][1] > 0)
     share = 100 * idle / span if span else 0
     return f"span {span:.1f} us, GPU idle {idle:.1f} us ({share:.0f}%); largest: {gaps or '-'}{then}"
 
