@@ -117,6 +117,10 @@ def test_phases_every_batch_of_a_range_and_seeded_random_prefills():
     assert phases == e2e.phases_of(args)  # the same seed draws the same lengths
     only_decode = e2e.phases_of(e2e.parse_args(["--prefill-tokens", "", "--decode-batches", "32,64"]))
     assert [(p.batch, p.context) for p in only_decode] == [(32, 512), (64, 512)]
+    only_prefill = e2e.phases_of(e2e.parse_args(["--prefill-tokens", "2048", "--decode-batches", ""]))
+    assert [(p.name, p.tokens, p.context) for p in only_prefill] == [("prefill", 2048, 0)]
+    with pytest.raises(ValueError, match="no phase"):
+        e2e.phases_of(e2e.parse_args(["--prefill-tokens", "", "--decode-batches", ""]))
     rows = [e2e.Row("decode1", "graphs", 1.0, 0.8, 1.25, 0.0, 2e-3, 3e-3),
             e2e.Row("decode2", "graphs", 1.0, 1.0, 1.0, 0.0),
             e2e.Row("prefill100", "graphs", note="failed")]

@@ -102,14 +102,17 @@ def record(model, config, phases: list[Phase], folder: Path, device: str, name: 
 
 def phases_of(args) -> list[Phase]:
     """The prefills (--prefill-tokens, none where it is "", plus --prefill-random lengths drawn from --prefill-span)
-    and decode steps."""
+    and decode steps (--decode-batches, none where it is ""); at least one phase."""
     tokens = counts(args.prefill_tokens) if args.prefill_tokens else []
     if args.prefill_random:
         span = counts(args.prefill_span)
         pool = sorted(set(span) - set(tokens))
         tokens = sorted(tokens + random.Random(args.seed).sample(pool, min(args.prefill_random, len(pool))))
     prefills = [Phase("prefill" if len(tokens) == 1 else f"prefill{t}", 1, t, 0) for t in tokens]
-    return prefills + [Phase(f"decode{b}", b, 1, args.context) for b in counts(args.decode_batches)]
+    batches = counts(args.decode_batches) if args.decode_batches else []
+    if not prefills and not batches:
+        raise ValueError('no phase: --prefill-tokens and --decode-batches are both ""')
+    return prefills + [Phase(f"decode{b}", b, 1, args.context) for b in batches]
 
 
 def summary(rows: list[Row]) -> dict[str, dict[str, float]]:
@@ -303,7 +306,8 @@ def parse_args(argv=None):
     p.add_argument("--prefill-random", type=int, default=0, help="this many more prefill lengths, drawn at random")
     p.add_argument("--prefill-span", default="100-4000", help="where --prefill-random draws from")
     p.add_argument("--seed", type=int, default=0, help="for --prefill-random")
-    p.add_argument("--decode-batches", default="1,8,32,64", help="decode batch sizes: 1,8,32,64, or 1-64 (each)")
+    p.add_argument("--decode-batches", default="1,8,32,64",
+                   help='decode batch sizes: 1,8,32,64, or 1-64 (each), or "" for none')
     p.add_argument("--ranges", action="store_true",
                    help="record each problem once with the range of M its phases run (searched in buckets of M)")
     p.add_argument("--context", type=int, default=512, help="tokens in the KV cache at a decode step")
