@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from e2e_models import CONFIGS, Phase, build_model, counts, make_step, settle  # noqa: E402
+from e2e_models import CONFIGS, Phase, build_model, counts_or_none, make_step, settle  # noqa: E402
 
 from sandbox.serve_bench import load_ops  # noqa: E402
 
@@ -183,13 +183,15 @@ def main(argv=None) -> int:
     p.add_argument("--timeline", type=Path, help="write each step's kernel timeline into this folder")
     args = p.parse_args(argv)
     try:
-        batches = counts(args.decode_batches) if args.decode_batches else []
-        phases = [Phase(f"decode {b}", b, 1, args.context) for b in batches]
+        phases = [Phase(f"decode {b}", b, 1, args.context) for b in counts_or_none(args.decode_batches)]
     except ValueError as e:
         print(f"error: --decode-batches: {e}", file=sys.stderr)
         return 2
     if args.prefill_tokens > 0:
         phases.insert(0, Phase(f"prefill {args.prefill_tokens}", 1, args.prefill_tokens, 0))
+    if not phases:
+        print('error: no phase: --decode-batches is "" and --prefill-tokens 0', file=sys.stderr)
+        return 2
     model, config = build_model(args.model, args.layers, args.dtype, args.device)
     models = {"stock": model}
     if args.only != "stock":

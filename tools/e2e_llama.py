@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from e2e_models import CONFIGS, Phase, build_model, counts, make_step, settle  # noqa: E402
+from e2e_models import CONFIGS, Phase, build_model, counts, counts_or_none, make_step, settle  # noqa: E402
 
 from agent.recorder import GemmRecorder, record_gemm_shapes  # noqa: E402
 from sandbox.serve_bench import load_ops  # noqa: E402
@@ -103,13 +103,13 @@ def record(model, config, phases: list[Phase], folder: Path, device: str, name: 
 def phases_of(args) -> list[Phase]:
     """The prefills (--prefill-tokens, none where it is "", plus --prefill-random lengths drawn from --prefill-span)
     and decode steps (--decode-batches, none where it is ""); at least one phase."""
-    tokens = counts(args.prefill_tokens) if args.prefill_tokens else []
+    tokens = counts_or_none(args.prefill_tokens)
     if args.prefill_random:
         span = counts(args.prefill_span)
         pool = sorted(set(span) - set(tokens))
         tokens = sorted(tokens + random.Random(args.seed).sample(pool, min(args.prefill_random, len(pool))))
     prefills = [Phase("prefill" if len(tokens) == 1 else f"prefill{t}", 1, t, 0) for t in tokens]
-    batches = counts(args.decode_batches) if args.decode_batches else []
+    batches = counts_or_none(args.decode_batches)
     if not prefills and not batches:
         raise ValueError('no phase: --prefill-tokens and --decode-batches are both ""')
     return prefills + [Phase(f"decode{b}", b, 1, args.context) for b in batches]

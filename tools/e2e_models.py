@@ -80,6 +80,11 @@ def counts(text: str) -> list[int]:
     return sorted(out)
 
 
+def counts_or_none(text: str) -> list[int]:
+    """counts(text), or none where text is "" (a phase kind left out)."""
+    return counts(text) if text else []
+
+
 def build_model(name: str, layers: int, dtype: str, device: str):
     """The model `name` (CONFIGS) with `layers` decoder layers, random weights, in `dtype`, on `device`."""
     import transformers
