@@ -20,8 +20,8 @@ SEARCH_M = 4  # the most rows of A the search proposes it for (docs/decisions.md
 # the most bytes of A's rows and the norm's weight a norm variant's block holds (docs/decisions.md `norm-variant`)
 NORM_SMEM = 32 * 1024
 NORM_M_TILE = 1  # the most rows of A a block with a norm variant has (docs/decisions.md `norm-variant`)
-# (warps, rows, unroll, prefetch) in the search's order: each prefetched setting after the plain one it doubles
-# (docs/decisions.md `gemv-prefetch`)
+# (warps, rows, unroll, prefetch) in the search's order: each prefetched setting next to a plain one with as many
+# chunks in flight a step or half as many (docs/decisions.md `gemv-prefetch`)
 SETTINGS = ((4, 2, 2, False), (4, 2, 2, True), (4, 1, 4, False), (4, 1, 2, True), (8, 2, 2, False),
             (8, 1, 2, True), (4, 4, 1, False), (8, 1, 2, False), (2, 2, 4, False), (4, 2, 1, False),
             (4, 2, 4, False))
