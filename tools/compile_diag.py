@@ -166,6 +166,11 @@ def write_timeline(path: Path, title: str, timeline) -> str:
     return f"span {span:.1f} us, GPU idle {idle:.1f} us ({share:.0f}%); largest: {gaps or '-'}{then}"
 
 
+def tokens(text: str) -> int:
+    """--prefill-tokens: a count, "" as 0 (none)."""
+    return int(text) if text else 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("export", type=Path)
@@ -174,7 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--decode-batches", default="1,8", help='1,8 or 1-64 (each), or "" for none')
     p.add_argument("--context", type=int, default=512)
-    p.add_argument("--prefill-tokens", type=int, default=0, help="a prefill phase of this many tokens too (0: none)")
+    p.add_argument("--prefill-tokens", type=tokens, default=0,
+                   help='a prefill phase of this many tokens too (0 or "": none, as e2e_llama.py reads "")')
     p.add_argument("--mode", default="default", help="torch.compile mode")
     p.add_argument("--stock-mode", help="torch.compile mode of the stock model (default: --mode)")
     p.add_argument("--steps", type=int, default=30)
@@ -190,7 +196,7 @@ def main(argv=None) -> int:
     if args.prefill_tokens > 0:
         phases.insert(0, Phase(f"prefill {args.prefill_tokens}", 1, args.prefill_tokens, 0))
     if not phases:
-        print('error: no phase: --decode-batches is "" and --prefill-tokens 0', file=sys.stderr)
+        print('error: no phase: --decode-batches is "" and --prefill-tokens 0 or ""', file=sys.stderr)
         return 2
     model, config = build_model(args.model, args.layers, args.dtype, args.device)
     models = {"stock": model}
