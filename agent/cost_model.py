@@ -55,7 +55,7 @@ CHOICE_CODES = {"direct": 0, "smem": 1, "tma": 2, "cp_async": 0, "n": 1}  # rast
 PARAMS = ("block_m", "block_n", "block_k", "stages", "consumers", "warps_m", "warps_n", "warps_k", "split_k",
           "k_groups", "min_blocks", "raster_group", "raster_along", "raster_snake", "cluster_m", "cluster_n",
           "persistent", "ping_pong", "c_panels", "tail_split", "mixed_tail", "swap_ab", "smem_epilogue", "epilogue",
-          "loader", "warps", "rows", "unroll", "m_tile", "prefetch")  # the last five: gemv's
+          "loader", "warps", "rows", "unroll", "m_tile")  # the last four: gemv's
 FEATURES = ("log2 m", "log2 n", "log2 k", "log2 mnk", "nk", "bf16", "bias", "a rows aligned", "b rows aligned",
             "m tail", "n tail", "family") + PARAMS + (
             "log2 tiles", "log2 ctas", "waves", "last wave fill", "padding", "log2 k-tiles per cta")

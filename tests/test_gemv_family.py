@@ -54,17 +54,6 @@ def test_a_gated_problem_launches_over_its_output_columns_and_caps_the_registers
         FAM.parse({"rows": 4, "unroll": 4, "m_tile": 8}, p)
 
 
-def test_prefetch_holds_the_next_steps_chunks_too_and_the_register_rule_counts_them_twice():
-    p = Problem(1, 28672, 4096, "nk", "f16", False, "silu_mul")
-    plain = {"warps": 4, "rows": 4, "unroll": 2, "m_tile": 1}
-    FAM.parse(plain, p)  # 2 x 32 registers of chunks and 8 sums
-    with pytest.raises(ValueError, match="registers"):
-        FAM.parse({**plain, "prefetch": True}, p)  # 2 x 64 and 8
-    space = FAM.space(p)
-    assert space[1] == {**space[0], "prefetch": True}  # a default run's first candidates include one
-    assert "wn[" in FAM.render(space[1], p) and "wn[" not in FAM.render(space[0], p)
-
-
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize("dtype,bias", PAIRS, ids=lambda x: str(x))

@@ -20,11 +20,6 @@ SEARCH_M = 4  # the most rows of A the search proposes it for (docs/decisions.md
 # the most bytes of A's rows and the norm's weight a norm variant's block holds (docs/decisions.md `norm-variant`)
 NORM_SMEM = 32 * 1024
 NORM_M_TILE = 1  # the most rows of A a block with a norm variant has (docs/decisions.md `norm-variant`)
-# (warps, rows, unroll, prefetch) in the search's order: each prefetched setting next to a plain one with as many
-# chunks in flight a step or half as many (docs/decisions.md `gemv-prefetch`)
-SETTINGS = ((4, 2, 2, False), (4, 2, 2, True), (4, 1, 4, False), (4, 1, 2, True), (8, 2, 2, False),
-            (8, 1, 2, True), (4, 4, 1, False), (8, 1, 2, False), (2, 2, 4, False), (4, 2, 1, False),
-            (4, 2, 4, False))
 
 
 class GemvParams(Params):
@@ -32,13 +27,11 @@ class GemvParams(Params):
     rows: Literal[1, 2, 4] = Field(2, description="columns of C per warp (gated: each its gate and up weight rows)")
     unroll: Literal[1, 2, 4] = Field(2, description="16-byte chunks of each weight row a lane has in flight")
     m_tile: Literal[1, 2, 4, 8] = Field(1, description="rows of A per block (blocks along y cover the rest)")
-    prefetch: bool = Field(False, description="load the next step's weight chunks before this step's sums (twice "
-                                              "the registers for them)")
 
     @property
     def weight_registers(self) -> int:
         """32-bit registers a thread holds weight chunks in (gated: twice), the family's register driver."""
-        return 4 * self.unroll * self.rows * (2 if self.prefetch else 1)
+        return 4 * self.unroll * self.rows
 
 
 class Gemv(Family):
@@ -85,10 +78,9 @@ class Gemv(Family):
             return []
         m_tile = 1 << (problem.m - 1).bit_length()
         out = []
-        for warps, rows, unroll, prefetch in SETTINGS:
+        for warps, rows, unroll in ((4, 2, 2), (4, 1, 4), (8, 2, 2), (4, 4, 1), (8, 1, 2), (2, 2, 4), (4, 2, 1),
+                                    (4, 2, 4)):
             setting = {"warps": warps, "rows": rows, "unroll": unroll, "m_tile": m_tile}
-            if prefetch:
-                setting["prefetch"] = True
             try:
                 self.parse(setting, problem)
             except ValueError:
