@@ -215,7 +215,7 @@ def test_patch_fuses_decoder_layers_and_says_what_it_did(tmp_path, op_build_dir)
         done = ops.patch(model)
         assert done == {"qkv": 2, "gate_up": 2, "mlp_act": 0, "o_residual": 2, "down_residual": 2,
                         "parallel_residual": 0, "norm_residual": 0, "residual_norm": 0, "rms_norm": 5,
-                        "norm_gate_up": 2, "rotary": 0, "linear": 0}
+                        "norm_gate_up": 2, "norm_qkv": 2, "rotary": 0, "linear": 0}
         assert ops.explain_model(model)[0].startswith("layers.0: q/k/v as one GEMM")
         assert torch.allclose(model(ids).float(), want.float(), atol=2e-2, rtol=2e-2)  # PyTorch serves the CPU
     assert ops.unpatch(model) == 3 and ops.explain_model(model) == []  # two layers and the final norm

@@ -158,7 +158,7 @@ def test_each_fusion_is_recognised_and_the_logits_match(bias, act, epilogue):
     classes, text = {n: type(m) for n, m in model.named_modules()}, repr(model)
     assert hgemm_fuse.fuse(model, TorchOps) == dict.fromkeys(hgemm_fuse.KINDS, 0) | {
         "qkv": 2, "gate_up": 2, "o_residual": 2, "down_residual": 2, "rms_norm": 5,  # 2 a layer, 1 final
-        "norm_gate_up": 2}  # post_attention_layernorm and gate/up in one norm_linear call
+        "norm_gate_up": 2, "norm_qkv": 2}  # each layer's norms in the GEMM after them (norm_qkv: compiled only)
     assert storage_bytes(model) == size  # merged buffers replace the parameters' storage: nothing held twice
     assert repr(model) == text and all(isinstance(m, classes[n]) for n, m in model.named_modules())
     assert type(model.layers[0]).forward is hgemm_fuse.steps._layer_forward  # the class's: one path to each module
@@ -483,7 +483,8 @@ def test_an_moe_layer_fuses_its_qkv_o_projs_add_and_each_gated_expert():
     hgemm_fuse.fuse(model, TorchOps)
     assert model.layers[0].mlp.experts[0].gate_proj.weight.numel() == 0  # the interleaved merge is the only copy
     assert hgemm_fuse.describe(model)[0] == ("layers.0: q/k/v as one GEMM, o_proj + residual, 2 RMSNorms in one "
-                                             "kernel each")
+                                             "kernel each, input_layernorm and q/k/v in one call under torch.compile"
+                                             " (one kernel where gemv serves)")
     assert hgemm_fuse.describe(model)[1] == "layers.0.mlp.experts.0: gate/up as one gated GEMM (silu_mul)"
     TorchOps.calls = []
     with torch.no_grad():
@@ -716,6 +717,38 @@ def compiles_whole(model: nn.Module, x: torch.Tensor, tolerance: float = 1e-5) -
         hgemm_fuse.fuse(model, OpaqueOps)
         out = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
     assert torch.allclose(out, ref, atol=tolerance, rtol=tolerance)
+    hgemm_fuse.unfuse(model)
+
+
+class NormCountingOps(OpaqueOps):
+    """OpaqueOps that lists each norm_linear call as traced (torch.compile runs the ops' Python once, tracing)."""
+
+    traced: list = []
+
+    @classmethod
+    def norm_linear(cls, x, norm_w, eps, kind, w, bias, epilogue, residual=None):
+        cls.traced.append((epilogue, tuple(w.shape)))
+        return super().norm_linear(x, norm_w, eps, kind, w, bias, epilogue, residual)
+
+
+def test_compiled_q_k_v_run_the_norm_before_them_and_the_norms_own_kernel_is_dropped():
+    model, ids = model_and_ids()
+    with torch.no_grad():
+        ref = model(ids)
+        assert hgemm_fuse.fuse(model, NormCountingOps)["norm_qkv"] == 2
+        NormCountingOps.traced = []
+        model(ids)
+        assert NormCountingOps.traced == [("silu_mul", (192, 64))] * 2  # eager: the MLP's fold only
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        compiled(ids)
+        assert set(NormCountingOps.traced[2:]) == {("none", (128, 64)), ("silu_mul", (192, 64))}
+        TorchOps.calls = []
+        out = compiled(ids)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    # as run: each norm once (no norm computed for q/k/v and again inside their call), the final one after the layers
+    layer = [("rms_norm", (64,)), ("none", (128, 64)), ("residual", (64, 64)), ("rms_norm", (64,)),
+             ("silu_mul", (192, 64)), ("residual", (64, 96))]
+    assert TorchOps.calls == layer + layer + [("rms_norm", (64,))]
     hgemm_fuse.unfuse(model)
 
 

@@ -97,7 +97,7 @@ inline = _beside("hgemm_inline")
 adds = _beside("hgemm_adds")
 
 KINDS = ("qkv", "gate_up", "mlp_act", "o_residual", "down_residual", "parallel_residual", "norm_residual",
-         "residual_norm", "rms_norm", "norm_gate_up", "rotary")
+         "residual_norm", "rms_norm", "norm_gate_up", "norm_qkv", "rotary")
 _FUSED = "_hgemm_fused"  # a fused decoder layer's _Layer (what fuse changed), in the layer's own dict: a dict of
 #                          layers would keep them alive through the _Layer's references to them
 _forwards: weakref.WeakSet = weakref.WeakSet()  # every module whose forward a fused layer replaced
@@ -277,6 +277,7 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             names = recognise.qkv_names(getattr(module, attn_name))
             if names:
                 qkv.merge(layer, getattr(module, attn_name), ops, names)
+            merged = names[0] if names and "qkv" in layer.kinds else ""
             if gated:
                 _gate_up(layer, mlp, ops, gated)
             elif plain:
@@ -284,10 +285,11 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             elif mlp is None and (act := inline.inline_activation(module, _epilogue_module(ops))):
                 inline.fold(layer, module, ops, act)  # OPT's, BART's fc1 and activation, inline in the layer
             if llama:
-                norm2 = getattr(module, "post_attention_layernorm", None)
-                fold = bool(gated and norms and hasattr(ops, "norm_linear") and norm2 is not None
-                            and not owns(norm2) and recognise.rms_norm_of(norm2) is not None)
-                steps.residuals(layer, module, ops, mlp_name, down, mlp_output, fold)
+                folds = [norms and hasattr(ops, "norm_linear") and norm is not None and not owns(norm)
+                         and recognise.rms_norm_of(norm) is not None
+                         for norm in (getattr(module, n, None) for n in ("input_layernorm", "post_attention_layernorm"))]
+                steps.residuals(layer, module, ops, mlp_name, down, mlp_output, bool(gated and folds[1]),
+                                merged if folds[0] else "")
             elif post_norm:
                 steps.post_norms(layer, module, ops, mlp_name, post, roles)
             elif kind is None and (down is not None or mlp is None):  # mlp None: an MLP inline in the layer
@@ -377,6 +379,7 @@ def describe(model: nn.Module) -> list[str]:
              "residual_norm": "the residual add (before a norm) in the GEMM",
              "rms_norm": "RMSNorm in one kernel",
              "norm_gate_up": "post_attention_layernorm and gate/up in one call (one kernel where gemv serves)",
+             "norm_qkv": "input_layernorm and q/k/v in one call under torch.compile (one kernel where gemv serves)",
              "rotary": "rotary frequencies by broadcasting, no matmul"}
     lines = []
     for module in model.modules():

@@ -18,10 +18,12 @@ steps = sys.modules[__name__.replace("__hgemm_qkv", "__hgemm_steps")]  # hgemm_f
 class _Product:
     """What q, k and v's forwards share as they run (their slot, steps.slot): the last merged product and its input,
     which of k (1) and v (2) have yet to take their columns of it (`left`), and whether q runs alone (`alone`: a
-    product went unused, as a cross-attention's does, whose k and v read another input or are cached)."""
+    product went unused, as a cross-attention's does, whose k and v read another input or are cached); `norm`, set
+    by a fused layer for its attention's call under torch.compile: (normed, x, weight, eps, kind), the RMSNorm's
+    output the attention was given and what it was computed from (steps._layer_forward)."""
 
     def __init__(self):
-        self.x = self.y = None
+        self.x = self.y = self.norm = None
         self.left, self.alone = 0, False
 
 
@@ -30,13 +32,19 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     take their columns of it (`_hgemm_lo` to `_hgemm_hi`) when their input is the same tensor (the product is let go
     once both have), else run their own rows (their parameters, views of the merged ones). Where a product goes
     unused (k or v called on another input, or q again before both took theirs), it is let go and q runs its own
-    rows from then on."""
+    rows from then on. Where its layer has left the norm q's input came from (`norm`), q runs the norm and the
+    merged GEMM in one ops.norm_linear call."""
     shared, index, lo, hi = steps.slot(self), self._hgemm_index, self._hgemm_lo, self._hgemm_hi
     if shared.x is not None and (index == 0 or shared.x is not x or not shared.left & index):
         shared.x = shared.y = None
         shared.alone = True
     if index == 0 and not shared.alone:
-        shared.x, shared.y, shared.left = x, steps.ops_of(self).linear(x, self._hgemm_weight, self._hgemm_bias), 3
+        ops, norm = steps.ops_of(self), shared.norm
+        if norm is not None and norm[0] is x:  # x is its layer's norm of norm[1]: the norm inside the GEMM's call
+            y = ops.norm_linear(norm[1], norm[2], norm[3], norm[4], self._hgemm_weight, self._hgemm_bias, "none")
+        else:
+            y = ops.linear(x, self._hgemm_weight, self._hgemm_bias)
+        shared.x, shared.y, shared.left = x, y, 3
         return shared.y[..., lo:hi]
     if index and shared.x is x:  # k or v on q's input, its columns not taken yet
         y = shared.y

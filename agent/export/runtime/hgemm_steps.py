@@ -291,11 +291,21 @@ def _by_name(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> di
 
 
 def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """The decoder layer's steps with both residual adds left on o_proj and the MLP's last projection."""
+    """The decoder layer's steps with both residual adds left on o_proj and the MLP's last projection; under
+    torch.compile, where q/k/v are merged and input_layernorm is an RMSNorm ops.rms_norm runs (`_hgemm_qkv_norm`:
+    q's name), q runs the norm inside its GEMM's call (hgemm_qkv._forward) when the attention gives it the norm's
+    output, and the norm computed here goes unused unless the attention uses it otherwise."""
     kwargs = _by_name(self, hidden_states, args, kwargs)
     attn, mlp = self.self_attn, getattr(self, self._hgemm_mlp)
     slot(attn.o_proj).residual = hidden_states
-    out = attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    normed = self.input_layernorm(hidden_states)
+    product = slot(getattr(attn, self._hgemm_qkv_norm)) if self._hgemm_qkv_norm else None
+    if product is not None and torch.compiler.is_compiling():  # q's merged GEMM runs the norm itself
+        norm = self.input_layernorm
+        product.norm = (normed, hidden_states, norm.weight, norm._hgemm_eps, norm._hgemm_kind)
+    out = attn(hidden_states=normed, **kwargs)
+    if product is not None:
+        product.norm = None  # nothing of this call kept: inductor drops the norm's own kernel where q ran it
     hidden = _summed(attn, attn.o_proj, out[0] if isinstance(out, tuple) else out)  # o_proj added the residual
     if self._hgemm_down is None:  # an MLP whose output is not its last projection's (an MoE block): its add as it was
         out = mlp(self.post_attention_layernorm(hidden))
@@ -359,19 +369,22 @@ def _summed(block: nn.Module, proj: nn.Module, out: torch.Tensor) -> torch.Tenso
 
 
 def residuals(layer, module: nn.Module, ops, mlp: str, down: str | None, mlp_output=(False, False, False),
-              fold: bool = False) -> None:
+              fold: bool = False, qkv_norm: str = "") -> None:
     """The layer's residual adds in the epilogues of o_proj and of its MLP's (the child `mlp`'s) last projection
     `down`; with `down` None, the MLP's add stays as the layer runs it, its output taken as `mlp_output` says (a
     pair, its rows flat: layer_steps) (`layer`: hgemm_fuse's _Layer, which records what changed). `fold`: the MLP
     is gate/up as one gated GEMM and post_attention_layernorm an RMSNorm ops.rms_norm runs, so the layer runs the
-    two as one ops.norm_linear call (the norm inside the GEMM where the export has that kernel)."""
+    two as one ops.norm_linear call (the norm inside the GEMM where the export has that kernel). `qkv_norm`: q's name
+    where q/k/v are merged and input_layernorm is an RMSNorm ops.rms_norm runs, so that under torch.compile q runs
+    the norm inside its GEMM's call (_layer_forward)."""
     projections = [module.self_attn.o_proj] + ([] if down is None else [getattr(getattr(module, mlp), down)])
     fold = fold and down is not None  # the fold runs down's step itself
     for proj in projections:
         layer.set_forward(proj, _residual_forward, ops=ops, slot=Pending())
     layer.set_forward(module, _layer_forward, ops=ops, signature=inspect.signature(type(module).forward), mlp=mlp,
-                      down=down, mlp_output=tuple(mlp_output), fold=int(fold))
-    layer.kinds += ["o_residual", "down_residual"][:len(projections)] + (["norm_gate_up"] if fold else [])
+                      down=down, mlp_output=tuple(mlp_output), fold=int(fold), qkv_norm=qkv_norm)
+    layer.kinds += (["o_residual", "down_residual"][:len(projections)] + (["norm_gate_up"] if fold else [])
+                    + (["norm_qkv"] if qkv_norm else []))
 
 
 def post_norms(layer, module: nn.Module, ops, mlp: str, norms: list, roles: tuple) -> None:
