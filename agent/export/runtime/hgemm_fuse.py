@@ -285,9 +285,9 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             elif mlp is None and (act := inline.inline_activation(module, _epilogue_module(ops))):
                 inline.fold(layer, module, ops, act)  # OPT's, BART's fc1 and activation, inline in the layer
             if llama:
+                pair = (getattr(module, n, None) for n in ("input_layernorm", "post_attention_layernorm"))
                 folds = [norms and hasattr(ops, "norm_linear") and norm is not None and not owns(norm)
-                         and recognise.rms_norm_of(norm) is not None
-                         for norm in (getattr(module, n, None) for n in ("input_layernorm", "post_attention_layernorm"))]
+                         and recognise.rms_norm_of(norm) is not None for norm in pair]
                 steps.residuals(layer, module, ops, mlp_name, down, mlp_output, bool(gated and folds[1]),
                                 merged if folds[0] else "")
             elif post_norm:
