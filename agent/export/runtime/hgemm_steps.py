@@ -298,10 +298,9 @@ def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.
     kwargs = _by_name(self, hidden_states, args, kwargs)
     attn, mlp = self.self_attn, getattr(self, self._hgemm_mlp)
     slot(attn.o_proj).residual = hidden_states
-    normed = self.input_layernorm(hidden_states)
-    product = slot(getattr(attn, self._hgemm_qkv_norm)) if self._hgemm_qkv_norm else None
-    if product is not None and torch.compiler.is_compiling():  # q's merged GEMM runs the norm itself
-        norm = self.input_layernorm
+    normed, product = self.input_layernorm(hidden_states), None
+    if self._hgemm_qkv_norm and torch.compiler.is_compiling():  # q's merged GEMM runs the norm itself
+        norm, product = self.input_layernorm, slot(getattr(attn, self._hgemm_qkv_norm))
         product.norm = (normed, hidden_states, norm.weight, norm._hgemm_eps, norm._hgemm_kind)
     out = attn(hidden_states=normed, **kwargs)
     if product is not None:
