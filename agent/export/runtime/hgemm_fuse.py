@@ -275,9 +275,7 @@ def fuse(model: nn.Module, ops, norms: bool = True) -> dict[str, int]:
             post = [recognise.rms_norm_of(getattr(module, roles[i])) for i in (1, 3)] if roles else [None]
             post_norm = all(post)  # the norms after the attention and the MLP are ones the norm kernel computes
             names = recognise.qkv_names(getattr(module, attn_name))
-            if names:
-                qkv.merge(layer, getattr(module, attn_name), ops, names)
-            merged = names[0] if names and "qkv" in layer.kinds else ""
+            merged = names[0] if names and qkv.merge(layer, getattr(module, attn_name), ops, names) else ""
             if gated:
                 _gate_up(layer, mlp, ops, gated)
             elif plain:

@@ -55,15 +55,15 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     return steps.ops_of(self).linear(x, self.weight, self.bias)
 
 
-def merge(layer, attn: nn.Module, ops, names: tuple[str, str, str]) -> None:
+def merge(layer, attn: nn.Module, ops, names: tuple[str, str, str]) -> bool:
     """q, k and v (the attention's children `names`) as one GEMM on their merged weight and biases, which their
-    parameters become views of (`layer`: hgemm_fuse's _Layer, which records what changed)."""
+    parameters become views of (`layer`: hgemm_fuse's _Layer, which records what changed); whether it merged them."""
     q, k, v = (getattr(attn, n) for n in names)
     biases = [p.bias for p in (q, k, v)]
     if any(b is None for b in biases) and any(b is not None for b in biases):
-        return
+        return False
     if len({(p.in_features, p.weight.dtype, p.weight.device) for p in (q, k, v)}) > 1:  # not one input's projections
-        return
+        return False
     weight = torch.cat([p.weight.detach() for p in (q, k, v)])
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
     sizes = [p.weight.shape[0] for p in (q, k, v)]
@@ -88,3 +88,4 @@ def merge(layer, attn: nn.Module, ops, names: tuple[str, str, str]) -> None:
 
     layer.restore.append(restore)
     layer.kinds.append("qkv")
+    return True
