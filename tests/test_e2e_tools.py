@@ -132,11 +132,17 @@ def test_phases_every_batch_of_a_range_and_seeded_random_prefills():
 
 def test_tables_for_the_notebook():
     e2e, host = load_tool("e2e_llama"), load_tool("host_overhead")
-    table = e2e.markdown([e2e.Row("decode1", "eager", 3.8, 3.3, 3.8 / 3.3, 1e-3),
-                          e2e.Row("decode1", "compile", 3.0, 2.5, 1.2, 1e-3, 2e-3, 3e-3, compile_s=(40.0, 35.0)),
-                          e2e.Row("decode1", "graphs", note="RuntimeError: capture failed")])
-    assert "| decode1 | eager | 3.800 | 3.300 | 1.152x | 1.0e-03 |  |  |  |" in table and "capture failed" in table
-    assert "| decode1 | compile | 3.000 | 2.500 | 1.200x | 1.0e-03 | 2.0e-03 | 3.0e-03 | 40, 35 |" in table
+    rows = [e2e.Row("decode1", "eager", 3.8, 3.3, 3.8 / 3.3, 1e-3),
+            e2e.Row("decode1", "compile", 3.0, 2.5, 1.2, 1e-3, 2e-3, 3e-3, compile_s=(40.0, 35.0), host_ms=(2.9, 1.1)),
+            e2e.Row("decode1", "graphs", note="RuntimeError: capture failed")]
+    table = e2e.markdown(rows)
+    assert "| decode1 | eager | 3.800 | 3.300 | 1.152x | 1.0e-03 |  |  |  |  |" in table and "capture failed" in table
+    assert "| decode1 | compile | 3.000 | 2.500 | 1.200x | 1.0e-03 | 2.0e-03 | 3.0e-03 | 40, 35 | 2.900, 1.100 |" \
+        in table
+    assert all(line.count("|") == 11 for line in table.splitlines())  # every row as many cells as the header
+    assert e2e.said(rows[1]).endswith("compile 40 s / 35 s; host a step 2.900 / 1.100 ms")
+    assert e2e.said(rows[2]).endswith("graphs: RuntimeError: capture failed")
+    assert "host" not in e2e.said(rows[0])
     timing = {"issue": 6.0, "sync": 30.0}
     rows = {"64_4096_4096:nk:f16": {"compiled": {"issue": 5.5, "sync": 28.0}, "dispatcher": timing,
                                     "python": timing, "torch": timing},
@@ -183,6 +189,17 @@ def test_timing_alternates_the_order_and_drops_a_first_round(monkeypatch):
     e2e.timed({"ref": lambda: calls.append("ref"), "ours": lambda: calls.append("ours")}, rounds=3, inner=1)
     assert calls == ["ours", "ref", "ref", "ours", "ours", "ref", "ref", "ours"]  # round 0 is warm-up
     assert set(e2e.timed({"a": lambda: None}, rounds=4, inner=2)) == {"a"}
+
+
+def test_timing_says_how_much_of_a_step_the_host_took_to_issue(monkeypatch):
+    """The wall ends at the synchronize, the host's share when the last call returned: a GPU that is still busy
+    after the calls shows as a wall above the host time."""
+    e2e = load_tool("e2e_llama")
+    import time as clock
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: clock.sleep(0.02))  # the GPU's tail after the calls
+    (wall, host), = e2e.timed({"step": lambda: clock.sleep(0.01)}, rounds=2, inner=2).values()
+    assert 9.0 < host < 15.0 and wall > host + 8.0
 
 
 def test_the_overlap_modes_plain_step_launches_plainly_and_restores_the_switch():

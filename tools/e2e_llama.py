@@ -23,7 +23,9 @@ random weights, fp16 or bf16, on the GPU.
    After compiling, inductor's compile workers are shut down before the timing (`settle`), so that nothing of a
    compilation runs beside the timed steps. The compiled decode steps are host-bound and their wall times vary by
    30-40% between runs; tools/compile_diag.py --only times each model in a process of its own.
-4. Prints a table, and per mode the geomean and the lowest speed-up over the prefills and over the decode steps;
+4. Prints a table (beside each model's wall time a step, the host's time to issue it: where the two are near, that
+   model is host-bound in this process), and per mode the geomean and the lowest speed-up over the prefills and
+   over the decode steps;
    with $OUT set, writes $OUT/e2e_<model>_<dtype>.json (and the shapes files, the search's per-shape table as
    $OUT/search_<model>_<dtype>.txt, and with --tar-export the export as $OUT/export.tar.gz for --export in a later
    call).
@@ -53,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from e2e_models import CONFIGS, Phase, build_model, counts, counts_or_none, make_step, settle  # noqa: E402
+from e2e_models import CONFIGS, Phase, build_model, counts, counts_or_none, make_step, settle, timed  # noqa: E402
 
 from agent.recorder import GemmRecorder, record_gemm_shapes  # noqa: E402
 from sandbox.serve_bench import load_ops  # noqa: E402
@@ -73,6 +75,7 @@ class Row:
     ours_err32: float | None = None  # the patched model's against the same fp32 logits
     note: str = ""
     compile_s: tuple[float, float] | None = None  # stock's and ours', where compiled
+    host_ms: tuple[float, float] | None = None  # stock's and ours': the host's time to issue a step (timed's)
 
 
 def record(model, config, phases: list[Phase], folder: Path, device: str, name: str, ranges: bool = False) -> Path:
@@ -157,22 +160,6 @@ def search(shapes: Path, args, out_dir: Path | None = None) -> str:
     return run
 
 
-def timed(fns: dict[str, callable], rounds: int, inner: int) -> dict[str, float]:
-    """Milliseconds per call of each function (host clock around `inner` calls and a synchronize), interleaved
-    round by round, the order reversed every other round, after one round not counted; the median round."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for r in range(rounds + 1):
-        for name, fn in list(fns.items())[::1 if r % 2 else -1]:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            torch.cuda.synchronize()
-            if r:
-                times[name].append((time.perf_counter() - t0) * 1e3 / inner)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def graphed(step):
     """The step captured in a CUDA graph (after warm-up on a side stream): a replay call, and its static logits."""
     side = torch.cuda.Stream()
@@ -237,10 +224,11 @@ def compare(phase: Phase, mode: str, ref, ours, args, ref32: torch.Tensor | None
         err = rel(ours_out, ref_out)
         errs32 = (rel(ref_out, ref32), rel(ours_out, ref32)) if ref32 is not None else (None, None)
         inner = 2 if phase.context == 0 else 10
-        t = timed({"ref": ref, "ours": ours}, args.rounds, inner)
+        (ref_ms, ref_host), (ours_ms, ours_host) = timed({"ref": ref, "ours": ours}, args.rounds, inner).values()
     except Exception as e:  # a mode that cannot run this model here is a row saying why, not the end of the tool
         return Row(phase.name, mode, note=f"{type(e).__name__}: {str(e).splitlines()[0][:150]}")
-    return Row(phase.name, mode, t["ref"], t["ours"], t["ref"] / t["ours"], err, *errs32, compile_s=compile_s)
+    return Row(phase.name, mode, ref_ms, ours_ms, ref_ms / ours_ms, err, *errs32, compile_s=compile_s,
+               host_ms=(ref_host, ours_host))
 
 
 def kernel_calls(ops, step) -> tuple[int, int]:
@@ -274,15 +262,28 @@ def kernel_calls(ops, step) -> tuple[int, int]:
     return hits[0], hits[1]
 
 
+def said(r: Row) -> str:
+    """A row as the log line printed when it is timed."""
+    if r.note:
+        return f"{r.phase:>10} {r.mode:>12}: {r.note}"
+    e32 = f" (vs fp32: stock {r.stock_err32:.1e}, ours {r.ours_err32:.1e})" if r.ours_err32 is not None else ""
+    comp = f", compile {r.compile_s[0]:.0f} s / {r.compile_s[1]:.0f} s" if r.compile_s else ""
+    host = f"; host a step {r.host_ms[0]:.3f} / {r.host_ms[1]:.3f} ms" if r.host_ms else ""
+    return (f"{r.phase:>10} {r.mode:>12}: stock {r.ref_ms:.3f} ms, ours {r.ours_ms:.3f} ms, {r.speedup:.3f}x, "
+            f"rel err {r.rel_err:.1e}{e32}{comp}{host}")
+
+
 def markdown(rows: list[Row]) -> str:
     """The table docs/notebook.md keeps."""
     lines = ["| phase | mode | stock ms | patched ms | speed-up | logits rel. diff | stock vs fp32 | patched vs fp32 "
-             "| compile s (stock, ours) |", "|---" * 9 + "|"]
+             "| compile s (stock, ours) | host ms a step (stock, ours) |", "|---" * 10 + "|"]
     for r in rows:
         comp = f"{r.compile_s[0]:.0f}, {r.compile_s[1]:.0f}" if r.compile_s else ""
+        host = f"{r.host_ms[0]:.3f}, {r.host_ms[1]:.3f}" if r.host_ms else ""
         e32 = " | ".join(f"{e:.1e}" if e is not None else "" for e in (r.stock_err32, r.ours_err32))
-        lines.append(f"| {r.phase} | {r.mode} | " + (f"{r.note} | | | | | | |" if r.note else
-                     f"{r.ref_ms:.3f} | {r.ours_ms:.3f} | {r.speedup:.3f}x | {r.rel_err:.1e} | {e32} | {comp} |"))
+        lines.append(f"| {r.phase} | {r.mode} | " + (f"{r.note} | | | | | | | |" if r.note else
+                     f"{r.ref_ms:.3f} | {r.ours_ms:.3f} | {r.speedup:.3f}x | {r.rel_err:.1e} | {e32} | {comp} "
+                     f"| {host} |"))
     return "\n".join(lines)
 
 
@@ -379,13 +380,7 @@ def main(argv=None) -> int:
                 if mode == "overlap":
                     ref = plain_launches(ops, ref)
                 rows.append(compare(phase, mode, ref, our, args, ref32.get(phase.name)))
-                r = rows[-1]
-                print(f"{r.phase:>10} {r.mode:>12}: " + (r.note or f"stock {r.ref_ms:.3f} ms, ours {r.ours_ms:.3f} "
-                                                         f"ms, {r.speedup:.3f}x, rel err {r.rel_err:.1e}"
-                                                         + (f" (vs fp32: stock {r.stock_err32:.1e}, ours "
-                                                            f"{r.ours_err32:.1e})" if r.ours_err32 is not None else "")
-                                                         + (f", compile {r.compile_s[0]:.0f} s / {r.compile_s[1]:.0f}"
-                                                            " s" if r.compile_s else "")), flush=True)
+                print(said(rows[-1]), flush=True)
     print(markdown(rows))
     totals = summary(rows)
     for key, d in totals.items():

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import inspect
 import os
+import statistics
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,3 +171,23 @@ def _ppid(stat: Path) -> str:
         return stat.read_text().rsplit(")", 1)[1].split()[1]
     except (OSError, IndexError):
         return ""
+
+
+def timed(fns: dict[str, callable], rounds: int, inner: int) -> dict[str, tuple[float, float]]:
+    """Per function, milliseconds per call: the wall (host clock around `inner` calls and a synchronize) and the
+    host's own share (until the last call returned, before the synchronize: where it is near the wall, the steps are
+    host-bound), interleaved round by round, the order reversed every other round, after one round not counted; the
+    median round of each."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
+    for r in range(rounds + 1):
+        for name, fn in list(fns.items())[::1 if r % 2 else -1]:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            issued = time.perf_counter()
+            torch.cuda.synchronize()
+            if r:
+                times[name].append(((time.perf_counter() - t0) * 1e3 / inner, (issued - t0) * 1e3 / inner))
+    return {name: (statistics.median(w for w, _ in ts), statistics.median(h for _, h in ts))
+            for name, ts in times.items()}
