@@ -1,5 +1,6 @@
-"""The models tools/e2e_llama.py runs: Hugging Face decoders with public models' dimensions and random weights, and
-the forward passes it times (a prefill, or a decode step over a static KV cache). Needs `transformers`."""
+"""The models tools/e2e_llama.py runs: Hugging Face decoders with public models' dimensions and random weights, the
+forward passes it times (a prefill, or a decode step over a static KV cache) and how it times them (`timed`). Needs
+`transformers`."""
 
 from __future__ import annotations
 
