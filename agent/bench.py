@@ -96,7 +96,7 @@ def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], pro
             rows += _bench_bucketed(evaluate, p, *hit, progress, device)
             continue
         pick = best_across(stores, p)
-        note = ""
+        note, why = "", "no kernel of the runs beat it"
         if pick is not None:
             store, cid, _ = pick
             cand, build = store.candidate(cid), store.build(cid)
@@ -105,13 +105,14 @@ def bench_offline(evaluate, stores: list[RunStore], problems: list[Problem], pro
                 rows.append(row_from(p, f"{store.run_id}/{cid}", r, device=device))
                 progress(f"{p.key}: {r.speedup:.3f}x")
                 continue
-            note = f"{cid} now {r.status.value} {r.speedup or ''}: cuBLAS kept".strip()
+            ratio = f" {r.speedup:.3f}x" if r.speedup else ""
+            note = why = f"{cid} now {r.status.value}{ratio}: cuBLAS kept"
         r = evaluate(BaselineJob(p, honest=True))
         if r.status is not Status.OK:
             progress(f"{p.key}: cuBLAS timing failed: {r.reason}")
             continue
         rows.append(row_from(p, "cuBLAS", r, note, device))
-        progress(f"{p.key}: cuBLAS")
+        progress(f"{p.key}: cuBLAS ({why})")
     return rows
 
 

@@ -127,3 +127,21 @@ def test_series_benched_at_several_m_get_a_line_each():
     assert (first["m_values"], first["on_kernels"], first["lowest"], first["lowest_m"]) == (3, 2, 0.99, 7)
     assert abs(first["honest"] - geomean([1.2, 0.99, 1.44])) < 1e-12 and first["warm"] == first["honest"]
     assert json.loads(json.dumps(series)) == series  # as bench.json keeps them
+
+
+def test_the_progress_line_says_why_a_problem_stays_on_cublas(tmp_path):
+    """No kernel of the runs beat cuBLAS, or the winner lost when re-timed now: the line says which (and the row's
+    note keeps the second)."""
+    said = []
+
+    def slower_now(job):
+        r = evaluate(job)
+        if isinstance(job, BaselineJob):
+            return r
+        return dataclasses.replace(r, warm=Timing(40, 39, 41, 10))  # re-timed now: behind cuBLAS's 30 µs
+
+    rows = bench_offline(slower_now, [populated_run(tmp_path / "a", n=4)], [WIN, LOSE], progress=said.append)
+    assert [r.kernel for r in rows] == ["cuBLAS", "cuBLAS"]
+    assert said[0].startswith(f"{WIN.key}: cuBLAS (") and "now ok 0.750x: cuBLAS kept" in said[0]
+    assert rows[0].note in said[0]
+    assert said[1] == f"{LOSE.key}: cuBLAS (no kernel of the runs beat it)" and rows[1].note == ""
