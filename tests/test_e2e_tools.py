@@ -316,3 +316,33 @@ def test_compile_diag_timeline_takes_the_middle_step_and_sums_the_gpus_idle_time
     rows, span, idle, _ = diag.step_timeline(overlapped, 1)
     assert [r[2] for r in rows] == [10, 25, 2] and sum(r[3] for r in rows) == span == 32 and idle == 0
     assert diag.step_timeline(events[:3], 1)[3] is None  # one step: none follows
+
+
+def test_compile_diag_synchronised_step_says_the_hosts_lead_and_a_wait_inside_the_step():
+    from types import SimpleNamespace
+
+    import torch
+
+    diag = load_tool("compile_diag")
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(name, start, end, device=cpu):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = []
+    for base in (0, 1000, 2000):  # three synchronised steps; each: 100 us to the first kernel, a wait inside
+        events += [event("compile_diag_step", base, base + 700), event("cudaLaunchKernel", base + 90, base + 95),
+                   event("compile_diag_step", base + 100, base + 600, cuda),  # the range on the GPU: not a kernel
+                   event("k", base + 100, base + 200, cuda), event("cudaStreamSynchronize", base + 210, base + 400),
+                   event("m", base + 450, base + 600, cuda), event("cudaDeviceSynchronize", base + 610, base + 690)]
+    each = diag.step_in_range(events[::-1], 3)
+    assert (each["lead_us"], each["tail_us"]) == (100, 100)
+    rows, span, idle, _ = each["timeline"]
+    assert [r[4] for r in rows] == ["k", "m"] and (span, idle) == (500, 250)
+    assert [c[0] for c in each["calls"]] == ["cudaStreamSynchronize", "cudaLaunchKernel"]  # its own sync left out
+    assert each["calls"][0][1:] == (210, 190)
+    line = diag.synchronised_line(each)
+    assert line.startswith("100.0 us from the call to the first kernel, 100.0 us from the last kernel's end")
+    assert "cudaStreamSynchronize 190 us at +210" in line
+    assert diag.step_in_range(events, 4)["lead_us"] is None  # fewer ranges than steps: nothing to read
+    assert diag.synchronised_line(diag.step_in_range([], 0)) == "no kernels"

@@ -15,10 +15,13 @@ is well above its kernel time is host-bound; the CPU ops say on what. --timeline
 the order they ran (start, the GPU's idle time before each, duration, own time, name) to DIR/<phase>_<model>.txt and
 prints the step's idle time, and the GPU's idle time from the step's last kernel to the next step's first: where a
 step's wall time exceeds its kernels' sum, it says whether the GPU waited between kernels (after which ones) or
-between steps. --only times one of the models, so that each compilation can run in a process of its own (run it once
-for each model; between processes the host's speed varies, so host-bound steps compare in one process, where every
-model's wall time is taken before any model is profiled). Needs a GPU and `transformers`; --device cpu --model tiny:
-a quick look.
+between steps; it also profiles steps synchronised one at a time and writes the middle one's kernels to
+DIR/<phase>_<model>_synchronised.txt (and the profile as a Chrome trace, .json), printing the host's time from the
+step's call to its first kernel, the time from its last kernel to the synchronize's return and the longest CUDA
+runtime calls inside the step (a call that waits on the GPU inside a step shows there). --only times one of the
+models, so that each compilation can run in a process of its own (run it once for each model; between processes the
+host's speed varies, so host-bound steps compare in one process, where every model's wall time is taken before any
+model is profiled). Needs a GPU and `transformers`; --device cpu --model tiny: a quick look.
 """
 
 from __future__ import annotations
@@ -116,6 +119,51 @@ def profiled(step, n: int, device: str) -> dict:
             "timeline": step_timeline(kernels, n)}
 
 
+def synchronised_step(step, n: int, device: str, trace: Path | None = None) -> dict:
+    """n steps under torch.profiler, each in a record_function range followed by a synchronize, as a synchronised
+    wall time runs them; for the middle one: the host's time from the step's call to its first kernel's start
+    (`lead_us`), the step's kernel timeline (step_timeline), the time from its last kernel's end to the range's end
+    after the synchronize (`tail_us`), and the longest CUDA runtime calls inside the range (name, start from the
+    range's start, duration; µs; the range's own synchronize left out), where a call that waits on the GPU shows as
+    a long one; with `trace`, the profile as a Chrome trace there (each CPU op against the kernels)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(n):
+            with record_function("compile_diag_step"):
+                step()
+                sync(device)
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    return step_in_range(list(prof.events()), n)
+
+
+def step_in_range(events: list, n: int) -> dict:
+    """synchronised_step's figures from profiler events (each with name, device_type and time_range in µs)."""
+    cuda = torch.autograd.DeviceType.CUDA
+    ranges = sorted((e for e in events if e.name == "compile_diag_step" and e.device_type != cuda),
+                    key=lambda e: e.time_range.start)
+    if len(ranges) < n or not n:
+        return {"lead_us": None, "tail_us": None, "timeline": step_timeline([], 1), "calls": []}
+    mid = ranges[n // 2].time_range
+    inside = [e for e in events if mid.start <= e.time_range.start < mid.end]
+    kernels = [e for e in inside if e.device_type == cuda and e.name != "compile_diag_step"]  # not the range's own
+    runtime = sorted((e for e in inside if e.device_type != cuda and e.name.startswith("cu")),
+                     key=lambda e: e.time_range.start)
+    if runtime and "Synchronize" in runtime[-1].name:
+        runtime.pop()  # the range's own synchronize
+    calls = sorted(((e.name, e.time_range.start - mid.start, e.time_range.end - e.time_range.start) for e in runtime),
+                   key=lambda c: c[2], reverse=True)
+    timeline = step_timeline(kernels, 1)
+    if not kernels:
+        return {"lead_us": None, "tail_us": None, "timeline": timeline, "calls": calls[:5]}
+    first = min(e.time_range.start for e in kernels)
+    last = max(e.time_range.end for e in kernels)
+    return {"lead_us": first - mid.start, "tail_us": mid.end - last, "timeline": timeline, "calls": calls[:5]}
+
+
 def guard_us(eager, step, calls: int = 2000) -> float | None:
     """Microseconds one evaluation of dynamo's guards on the compiled forward takes (its guard tree's check, called
     `calls` times on the locals of one step's call of the model's forward, captured by a profile hook), or None
@@ -164,6 +212,16 @@ def write_timeline(path: Path, title: str, timeline) -> str:
     gaps = ", ".join(f"{rows[i][1]:.1f} us before {rows[i][4][:40]}" for i in worst if rows[i][1] > 0)
     share = 100 * idle / span if span else 0
     return f"span {span:.1f} us, GPU idle {idle:.1f} us ({share:.0f}%); largest: {gaps or '-'}{then}"
+
+
+def synchronised_line(each: dict) -> str:
+    """synchronised_step's figures in a line: the host's lead to the first kernel, the wait after the last, and the
+    longest runtime calls."""
+    if each["lead_us"] is None:
+        return "no kernels"
+    calls = ", ".join(f"{name[:32]} {dur:.0f} us at +{at:.0f}" for name, at, dur in each["calls"][:3])
+    return (f"{each['lead_us']:.1f} us from the call to the first kernel, {each['tail_us']:.1f} us from the last "
+            f"kernel's end to the synchronize's return; longest runtime calls: {calls or '-'}")
 
 
 def tokens(text: str) -> int:
@@ -242,6 +300,10 @@ def main(argv=None) -> int:
                     where = args.timeline / f"{phase.name.replace(' ', '_')}_{name}.txt"
                     print(f"   timeline ({where.name}): "
                           f"{write_timeline(where, f'{phase.name} {name} ({mode})', prof['timeline'])}")
+                    where = where.with_name(where.stem + "_synchronised.txt")
+                    each = synchronised_step(step, 5, args.device, where.with_suffix(".json"))
+                    print(f"   synchronised step ({where.name}): {synchronised_line(each)}; "
+                          f"{write_timeline(where, f'{phase.name} {name} ({mode}), synchronised', each['timeline'])}")
     return 0
 
 
