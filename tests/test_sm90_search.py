@@ -132,3 +132,20 @@ def test_settings_run_in_the_raster_group_whose_waves_read_the_fewest_bytes():
     small = traced(Problem(256, 4096, 4096, "nk"))  # one wave: every group reads the same panels
     assert {p.raster_group for _, p in small} <= {DEFAULT_GROUP, 16, 4, 1}
     assert [p.raster_group for _, p in small[:3]] == [DEFAULT_GROUP] * 3
+
+
+def test_a_residual_epilogue_leads_with_r_by_tma_where_the_first_settings_would_load_it_after_the_mainloop():
+    one_round = Problem(2048, 2048, 2048, "nk", "bf16", False, "residual")  # 128 tiles of 128 x 256: one-tile blocks
+    order = traced(one_round)
+    plain = traced(Problem(2048, 2048, 2048, "nk", "bf16"))
+    assert plain[0][1].epilogue != "tma" and not plain[0][1].residual_panels
+    assert [name for name, _ in order[:2]] == ["residual-panels"] * 2
+    assert all(p.residual_panels and p.epilogue == "tma" for _, p in order[:2])
+    assert [p.model_copy(update={"epilogue": "tma"}) for _, p in plain[:2]] == [p for _, p in order[:2]]
+    assert [p for _, p in order[2:4]] == [p for _, p in plain[:2]]  # the list's own first two still follow
+    # beyond a round the persistent leads already bring R by TMA; at decode swapped tiles lead: nothing added
+    for problem in (Problem(2048, 4096, 14336, "nk", "f16", False, "residual"),
+                    Problem(8, 4096, 4096, "nk", "f16", False, "residual")):
+        order = traced(problem)
+        assert "residual-panels" not in [name for name, _ in order]
+    assert traced(Problem(2048, 4096, 14336, "nk", "f16", False, "residual"))[0][1].residual_panels

@@ -214,6 +214,16 @@ def _mixed_tail(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaPara
     return [v] if work <= TAIL_SLACK * least else []
 
 
+def _residual_panels(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
+    """For a residual epilogue whose first two settings both load R after the mainloop (C stored through shared
+    memory or directly): those of them that are not swapped and do not split K, with TMA stores instead, so that R
+    comes by TMA into the staging panels (`residual_panels`)."""
+    if not s.problem.fused.residual or any(p.residual_panels for p in ordered[:2]):
+        return []
+    found = (with_update(p, {"epilogue": "tma"}) for p in ordered[:2] if not p.swap_ab and not p.reduces)
+    return [v for v in found if v is not None and v.residual_panels]
+
+
 FEW_TILES_LONG_K = "32+ k-tiles and K >= 8 max(M, N), or M > 64 and 64 x 64 tiles fill at most half the SMs"
 RULES: tuple[Rule, ...] = (
     # the base list, appended in this order
@@ -258,6 +268,9 @@ RULES: tuple[Rule, ...] = (
     Rule("mixed-tail", "mixed-tail", "beyond a round of 128 x 256 tiles, the kernel's narrow last tile-rows end the "
          "busiest block's work in at most 98.5% of the whole rounds, within 5% of the first four's least",
          _mixed_tail, after=6),
+    Rule("residual-panels", "residual-panels", "a residual epilogue whose first two settings load R after the "
+         "mainloop: those not swapped or split, with TMA stores (R by TMA into the panels), first",
+         _residual_panels, after=0),
     Rule("multicast-late", "multicast-late", "two one-tile-a-block guesses of 128-column multiples",
          lambda s, _: [v for p in s.wide if (v := with_update(p, {"cluster_m": 2})) is not None], after=12),
 )
