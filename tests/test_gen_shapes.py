@@ -48,3 +48,21 @@ def test_output_is_a_shapes_file(tmp_path, capsys):
 def test_bad_count_exit_2(capsys):
     assert gen.main(["--seed", "1", "--count", "0"]) == 2
     assert "error: --count" in capsys.readouterr().err
+
+
+def test_with_epilogues_every_epilogue_in_turn_and_the_file_reads_back(tmp_path, capsys):
+    from core.epilogue import EPILOGUES, Epilogue
+
+    suite = gen.with_epilogues(gen.generate(7, 48), 7)
+    assert suite == gen.with_epilogues(gen.generate(7, 48), 7)
+    problems = [p for p, _ in suite]
+    names = [e for e in EPILOGUES if e != "none"]
+    counts = [sum(p.epilogue == e for p in problems) for e in names]
+    assert len(problems) == 48 and max(counts) - min(counts) <= 1 and min(counts) >= 48 // len(names) - 1
+    assert all(p.n % 16 == 0 for p in problems if Epilogue(p.epilogue).gated)
+    assert {p.b_layout for p in problems} == {"nk", "kn"} and {p.dtype for p in problems} == {"f16", "bf16"}
+    assert {p.bias for p in problems} == {True, False}
+    assert gen.main(["--seed", "7", "--count", "48", "--epilogues"]) == 0
+    f = tmp_path / "fused.txt"
+    f.write_text(capsys.readouterr().out)
+    assert read_shapes_file(f) == problems  # each line names its own layout, dtype, bias and epilogue

@@ -2,9 +2,13 @@
 random odd sizes. The same seed always writes the same suite.
 
     python tools/gen_shapes.py --seed 2026 --count 48 > suite.txt
+    python tools/gen_shapes.py --seed 7 --count 32 --epilogues > fused.txt
 
 Each line is `M_N_K  # where it comes from` (the shapes-file format `run --shapes` reads): M tokens, N output
 features, K input features, as an nn.Linear computes them (`--b-layout nk`) or a matmul by K x N weights (`kn`).
+With --epilogues each problem also gets a fused epilogue, every one in turn (core/epilogue.py's, gated ones with N
+rounded up to whole 16-column blocks), and a random layout, dtype and bias: `M_N_K:layout:dtype[:bias]:epilogue`, a
+suite for a run that looks for false rejections (every candidate that fails there is a kernel or a check to look at).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.epilogue import EPILOGUES, GATE_BLOCK, Epilogue  # noqa: E402
 from core.records import Problem  # noqa: E402
 
 
@@ -110,17 +115,45 @@ def generate(seed: int, count: int) -> list[tuple[Problem, str]]:
     return [(Problem(m, n, k), note) for (m, n, k), note in suite.items()]
 
 
+def with_epilogues(suite: list[tuple[Problem, str]], seed: int) -> list[tuple[Problem, str]]:
+    """The suite's problems, each with a fused epilogue (every one of EPILOGUES but "none" in turn, the order shuffled
+    each round), a layout (nk two times in three), a dtype and a bias drawn from `seed`; a gated epilogue's N rounded
+    up to whole blocks of gate and up columns. Problems that come out equal are kept once."""
+    rng = random.Random(f"epilogues {seed}")
+    names = [e for e in EPILOGUES if e != "none"]
+    order: list[str] = []
+    out: dict[Problem, str] = {}
+    for problem, note in suite:
+        if not order:
+            order = rng.sample(names, len(names))
+        epilogue = order.pop()
+        block = 2 * GATE_BLOCK if Epilogue(epilogue).gated else 1
+        n = -(-problem.n // block) * block
+        fused = Problem(problem.m, n, problem.k, "nk" if rng.random() < 2 / 3 else "kn", rng.choice(("f16", "bf16")),
+                        rng.random() < 0.5, epilogue)
+        out.setdefault(fused, note)
+    return list(out.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--count", type=int, default=48)
+    ap.add_argument("--epilogues", action="store_true",
+                    help="give each problem a fused epilogue (every one in turn), a layout, a dtype and a bias")
     args = ap.parse_args(argv)
     if not 1 <= args.count <= 10000:
         print("error: --count must be between 1 and 10000", file=sys.stderr)
         return 2
-    print(f"# tools/gen_shapes.py --seed {args.seed} --count {args.count}: M_N_K a line (M tokens, N out, K in)")
-    for problem, note in generate(args.seed, args.count):
-        print(f"{problem.mnk:<22} # {note}")
+    suite = generate(args.seed, args.count)
+    if args.epilogues:
+        suite = with_epilogues(suite, args.seed)
+        print(f"# tools/gen_shapes.py --seed {args.seed} --count {args.count} --epilogues: "
+              "M_N_K:layout:dtype[:bias]:epilogue a line")
+    else:
+        print(f"# tools/gen_shapes.py --seed {args.seed} --count {args.count}: M_N_K a line (M tokens, N out, K in)")
+    for problem, note in suite:
+        print(f"{problem.key if args.epilogues else problem.mnk:<40} # {note}")
     return 0
 
 
