@@ -118,7 +118,8 @@ def generate(seed: int, count: int) -> list[tuple[Problem, str]]:
 def with_epilogues(suite: list[tuple[Problem, str]], seed: int) -> list[tuple[Problem, str]]:
     """The suite's problems, each with a fused epilogue (every one of EPILOGUES but "none" in turn, the order shuffled
     each round), a layout (nk two times in three), a dtype and a bias drawn from `seed`; a gated epilogue's N rounded
-    up to whole blocks of gate and up columns. Problems that come out equal are kept once."""
+    up to whole blocks of gate and up columns. Problems that come out equal are kept once; one too large once rounded
+    is dropped."""
     rng = random.Random(f"epilogues {seed}")
     names = [e for e in EPILOGUES if e != "none"]
     order: list[str] = []
@@ -129,9 +130,11 @@ def with_epilogues(suite: list[tuple[Problem, str]], seed: int) -> list[tuple[Pr
         epilogue = order.pop()
         block = 2 * GATE_BLOCK if Epilogue(epilogue).gated else 1
         n = -(-problem.n // block) * block
-        fused = Problem(problem.m, n, problem.k, "nk" if rng.random() < 2 / 3 else "kn", rng.choice(("f16", "bf16")),
-                        rng.random() < 0.5, epilogue)
-        out.setdefault(fused, note)
+        layout, dtype, bias = "nk" if rng.random() < 2 / 3 else "kn", rng.choice(("f16", "bf16")), rng.random() < 0.5
+        try:
+            out.setdefault(Problem(problem.m, n, problem.k, layout, dtype, bias, epilogue), note)
+        except ValueError:  # N rounded up past 32-bit element counts
+            continue
     return list(out.items())
 
 
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"# tools/gen_shapes.py --seed {args.seed} --count {args.count}: M_N_K a line (M tokens, N out, K in)")
     for problem, note in suite:
-        print(f"{problem.key if args.epilogues else problem.mnk:<40} # {note}")
+        print(f"{problem.key:<40} # {note}" if args.epilogues else f"{problem.mnk:<22} # {note}")
     return 0
 
 
