@@ -90,7 +90,7 @@ def show_run(store: RunStore) -> Group:
         t.add_row(p.mnk, p.b_layout, dtype, str(sum(counts.values())), fails, c.id, c.family, fmt_us(r.time_us),
                   fmt_us(r.ranked[1].median_us), fmt_ratio(ratio), fmt_ratio(cold), cold_warm, f"{floor:.0f}%")
     device = store.get_meta("device")
-    parts = [t, *bucket_lines(store), *profiles, candidates_table(store)]
+    parts = [t, *bucket_lines(store), *alike_lines(store), *profiles, candidates_table(store)]
     if store.compile_only:
         parts.append("compile-only run: candidates were rendered and compiled, not run; nothing was checked or timed")
     stats = store.get_meta("proposer_stats") or {}
@@ -119,6 +119,29 @@ def bucket_lines(store: RunStore) -> list[Text]:
         served = buckets.served(store, p)
         lines.append(Text(f"bucket {p.mnk} {p.b_layout}: " + (f"kernel {served.note(p)}" if served else "cuBLAS (no "
                           "leader at least as fast as cuBLAS at two neighbouring probe M)")))
+    return lines
+
+
+ALIKE_COUNT, ALIKE_SPREAD = 3, 1.03  # `alike_lines`: how many of the fastest candidates, how close together
+
+
+def alike_lines(store: RunStore) -> list[Text]:
+    """A line for each shape whose winner is slower than its baseline while its fastest ALIKE_COUNT candidates (of
+    other settings; warm times, which every checked candidate has) ran within ALIKE_SPREAD of each other: what
+    costs there is likely the same in every setting (the epilogue's code, how an operand is read), not the tile,
+    so more candidates of the same kinds will not help."""
+    lines = []
+    for p in store.problems():
+        win = store.winner(p)
+        if win is None or win.speedup >= 1.0 or store.compile_only:
+            continue
+        times = sorted(r.warm.median_us for _, r in store.results(p) if r.status is Status.OK and r.warm)[:ALIKE_COUNT]
+        if len(times) == ALIKE_COUNT and times[-1] <= ALIKE_SPREAD * times[0]:
+            baseline = "the model's composition" if p.epilogue != "none" else "cuBLAS"
+            lines.append(Text(f"alike {p.key}: its {ALIKE_COUNT} fastest candidates ran within "
+                              f"{100 * (times[-1] / times[0] - 1):.1f}% of each other, all slower than {baseline} "
+                              f"({win.speedup:.3f}x): the cost is likely in what every setting shares (the epilogue, "
+                              "an operand's reads), not the tile"))
     return lines
 
 

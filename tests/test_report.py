@@ -113,3 +113,32 @@ def test_a_store_from_before_ranges_of_m_opens_and_keeps_buckets_apart(tmp_path)
     bucket = Problem(128, 128, 128, m_range=(97, 128))
     again.add_problems([bucket])
     assert again.problems() == [P, bucket] and again.bucket_ends(bucket) == {}
+
+
+def test_show_says_where_the_fastest_candidates_are_alike_and_all_slower_than_the_baseline(tmp_path):
+    from agent.report import alike_lines, show_run
+
+    cublas = Timing(9.0, 8.9, 9.1, 100)
+
+    def store_with(folder, problem, times):
+        store = RunStore(folder, create=True)
+        store.add_problems([problem])
+        for i, us in enumerate(times):
+            c = Candidate(problem, "naive", {"block_x": 16, "block_y": 8 * (i + 1)})
+            store.add_candidate(c)
+            store.add_build(BuildResult(c.id, True, "sm_90a", "int a;\n"))
+            result = EvalResult(c.id, Status.OK, warm=Timing(us, us, us, 100), cublas_warm=cublas)
+            store.add_result(result)
+            store.add_measurement(result)
+        return store
+
+    fused = Problem(2048, 2048, 2048, "nk", "bf16", False, "residual")
+    store = store_with(tmp_path / "a", fused, (10.0, 10.1, 10.2, 14.0))
+    out = " ".join(text(show_run(store)).split())
+    assert f"alike {fused.key}: its 3 fastest candidates ran within 2.0% of each other" in out
+    assert "all slower than the model's composition (0.900x)" in out
+    assert "alike" in text(alike_lines(store_with(tmp_path / "b", P, (10.0, 10.0, 10.1)))[0])  # cuBLAS's baseline
+    assert "slower than cuBLAS" in text(alike_lines(store_with(tmp_path / "c", P, (10.0, 10.0, 10.1)))[0])
+    assert alike_lines(store_with(tmp_path / "d", P, (10.0, 10.5, 11.0))) == []  # the settings differ: the tile
+    assert alike_lines(store_with(tmp_path / "e", P, (8.0, 8.1, 8.1))) == []  # ahead of the baseline
+    assert alike_lines(store_with(tmp_path / "f", P, (10.0, 10.0))) == []  # too few to say
