@@ -131,17 +131,16 @@ def alike_lines(store: RunStore) -> list[Text]:
     costs there is likely the same in every setting (the epilogue's code, how an operand is read), not the tile,
     so more candidates of the same kinds will not help."""
     lines = []
-    for p in store.problems():
+    for p in [] if store.compile_only else store.problems():
         win = store.winner(p)
-        if win is None or win.speedup >= 1.0 or store.compile_only:
+        if win is None or win.speedup >= 1.0:
             continue
         times = sorted(r.warm.median_us for _, r in store.results(p) if r.status is Status.OK and r.warm)[:ALIKE_COUNT]
         if len(times) == ALIKE_COUNT and times[-1] <= ALIKE_SPREAD * times[0]:
-            baseline = "the model's composition" if p.epilogue != "none" else "cuBLAS"
             lines.append(Text(f"alike {p.key}: its {ALIKE_COUNT} fastest candidates ran within "
-                              f"{100 * (times[-1] / times[0] - 1):.1f}% of each other, all slower than {baseline} "
-                              f"({win.speedup:.3f}x): the cost is likely in what every setting shares (the epilogue, "
-                              "an operand's reads), not the tile"))
+                              f"{100 * (times[-1] / times[0] - 1):.1f}% of each other, all slower than "
+                              f"{p.fused.baseline} ({win.speedup:.3f}x): the cost is likely in what every setting "
+                              "shares (the epilogue, an operand's reads), not the tile"))
     return lines
 
 

@@ -145,10 +145,8 @@ def step_in_range(events: list, n: int) -> dict:
     cuda = torch.autograd.DeviceType.CUDA
     ranges = sorted((e for e in events if e.name == "compile_diag_step" and e.device_type != cuda),
                     key=lambda e: e.time_range.start)
-    if len(ranges) < n or not n:
-        return {"lead_us": None, "tail_us": None, "timeline": step_timeline([], 1), "calls": []}
-    mid = ranges[n // 2].time_range
-    inside = [e for e in events if mid.start <= e.time_range.start < mid.end]
+    mid = ranges[n // 2].time_range if n and len(ranges) >= n else None
+    inside = [e for e in events if mid and mid.start <= e.time_range.start < mid.end]
     kernels = [e for e in inside if e.device_type == cuda and e.name != "compile_diag_step"]  # not the range's own
     runtime = sorted((e for e in inside if e.device_type != cuda and e.name.startswith("cu")),
                      key=lambda e: e.time_range.start)
@@ -156,12 +154,11 @@ def step_in_range(events: list, n: int) -> dict:
         runtime.pop()  # the range's own synchronize
     calls = sorted(((e.name, e.time_range.start - mid.start, e.time_range.end - e.time_range.start) for e in runtime),
                    key=lambda c: c[2], reverse=True)
-    timeline = step_timeline(kernels, 1)
-    if not kernels:
-        return {"lead_us": None, "tail_us": None, "timeline": timeline, "calls": calls[:5]}
-    first = min(e.time_range.start for e in kernels)
-    last = max(e.time_range.end for e in kernels)
-    return {"lead_us": first - mid.start, "tail_us": mid.end - last, "timeline": timeline, "calls": calls[:5]}
+    first = min((e.time_range.start for e in kernels), default=None)
+    last = max((e.time_range.end for e in kernels), default=None)
+    return {"lead_us": None if first is None else first - mid.start,
+            "tail_us": None if last is None else mid.end - last,
+            "timeline": step_timeline(kernels, 1), "calls": calls[:5]}
 
 
 def guard_us(eager, step, calls: int = 2000) -> float | None:
