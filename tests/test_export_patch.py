@@ -221,3 +221,28 @@ def test_patch_fuses_decoder_layers_and_says_what_it_did(tmp_path, op_build_dir)
     assert ops.unpatch(model) == 3 and ops.explain_model(model) == []  # two layers and the final norm
     with torch.no_grad():
         assert torch.equal(model(ids), want)
+
+
+def test_patch_shortens_inductors_kernel_names_until_the_last_model_is_unpatched(ops, monkeypatch):
+    """Triton's cache cuts a kernel's file names at 150 characters and inductor's static launcher looks for the whole
+    name: patch makes inductor's names short where they are its default, unpatch of the last patched model puts them
+    back, and a naming the user chose is left alone (docs/decisions.md `short-kernel-names`)."""
+    from torch._inductor import config
+
+    gc.collect()  # other tests' patched models, let go of
+    monkeypatch.setattr(ops._patching, "_names", [])
+    first, second = Net(), Net()
+    with config.patch({"triton.descriptive_names": "original_aten"}):
+        ops.patch(first)
+        assert config.triton.descriptive_names is False
+        ops.patch(second)
+        ops.unpatch(first)
+        assert config.triton.descriptive_names is False  # `second` is still patched
+        ops.unpatch(second)
+        assert config.triton.descriptive_names == "original_aten"
+        ops.patch(nn.Sequential(nn.Linear(3, 5)))  # nothing tuned: nothing patched, names unchanged
+        assert config.triton.descriptive_names == "original_aten"
+    with config.patch({"triton.descriptive_names": "torch"}):
+        ops.patch(first)
+        assert config.triton.descriptive_names == "torch"
+        ops.unpatch(first)

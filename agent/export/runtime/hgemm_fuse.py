@@ -367,6 +367,11 @@ def owns(module: nn.Module) -> bool:
     return module in _forwards
 
 
+def patched_any() -> bool:
+    """Whether any module still runs a fused layer's forward."""
+    return len(_forwards) > 0
+
+
 def describe(model: nn.Module) -> list[str]:
     """One line per fused layer: its name and what runs fused there."""
     words = {"qkv": "q/k/v as one GEMM", "gate_up": "gate/up as one gated GEMM",

@@ -32,6 +32,7 @@ fuse = _load_fuse()
 # each kind of patch: the modules it patched, and the key in a module's dict that keeps its own forward from before
 _patched = (weakref.WeakSet(), "_hgemm_own_forward")  # the nn.Linear / Conv1D layers routed through the op
 _wrapped = (weakref.WeakSet(), "_hgemm_own_model_forward")  # the models whose forward runs under MatmulMode
+_names: list = []  # inductor's kernel naming before patch changed it (short_kernel_names), until the last unpatch
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm}
 ADDMMS = {torch.addmm, torch.Tensor.addmm}
 
@@ -73,6 +74,33 @@ class MatmulMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def short_kernel_names() -> bool:
+    """Inductor names each Triton kernel after the ops it fuses, Triton's cache cuts a kernel's file names at 150
+    characters, and inductor's static launcher looks for the cubin under the whole name: a kernel named longer than
+    that launches through Triton's own launcher, several µs more host time a launch (docs/decisions.md
+    `short-kernel-names`). A fused layer's attention inputs (rotary, mask, cache and the SDPA's inputs in one kernel)
+    get such names. Where inductor names kernels its default way ("original_aten"), names become short
+    (`triton.descriptive_names = False`: triton_poi_fused_0 ...) until the last patched model is unpatched; returns
+    whether it changed them."""
+    try:
+        from torch._inductor import config
+    except ImportError:  # a build of torch without inductor
+        return False
+    if getattr(config.triton, "descriptive_names", None) != "original_aten":
+        return False
+    if not _names:
+        _names.append(config.triton.descriptive_names)
+    config.triton.descriptive_names = False
+    return True
+
+
+def _names_back() -> None:
+    """Inductor's kernel naming as it was before patch changed it, once no patched module is left."""
+    if _names and not _patched[0] and not _wrapped[0] and not fuse.patched_any():
+        from torch._inductor import config
+        config.triton.descriptive_names = _names.pop()
+
+
 def _save_forward(kind: tuple[weakref.WeakSet, str], module: nn.Module) -> None:
     """Marks `module` as patched and keeps a forward of its own (hooks and wrappers set one) in its own dict: a
     forward bound to the module, kept in a module-level dict, would keep the module alive."""
@@ -90,8 +118,9 @@ def patch(ops, model: nn.Module, matmul: bool = False, fuse_layers: bool = True,
     same: recognise.plain_linear; weight N x K with a tuned (N, K, dtype, bias)) through `linear` and its tuned
     transformers Conv1D layers (weight K x N) through `mm`; each call still checks its M and operands and falls
     back to PyTorch (the same call) where they were not tuned. matmul=True also runs the model's forward under
-    MatmulMode (a TorchFunctionMode: it costs host time on every torch call inside). Returns how many of each kind:
-    the fusions (hgemm_fuse.KINDS) and the routed layers ("linear")."""
+    MatmulMode (a TorchFunctionMode: it costs host time on every torch call inside). Where it patched anything,
+    inductor's kernel names become short (short_kernel_names). Returns how many of each kind: the fusions
+    (hgemm_fuse.KINDS) and the routed layers ("linear")."""
     ops._resolve()
     counts = fuse.fuse(model, ops, norms) if fuse_layers else dict.fromkeys(fuse.KINDS, 0)
     tuned = {"nk": _tuned(ops, "nk"), "kn": _tuned(ops, "kn")}
@@ -123,6 +152,8 @@ def patch(ops, model: nn.Module, matmul: bool = False, fuse_layers: bool = True,
                 return inner(*args, **kwargs)
 
         model.forward = forward
+    if routed or any(counts.values()) or matmul:
+        short_kernel_names()
     return {**counts, "linear": routed}
 
 
@@ -138,4 +169,6 @@ def unpatch(model: nn.Module) -> int:
                 if key in module.__dict__:
                     module.forward = module.__dict__.pop(key)
                 restored += 1
-    return restored + fuse.unfuse(model)
+    restored += fuse.unfuse(model)
+    _names_back()
+    return restored
