@@ -253,6 +253,7 @@ def test_compile_diag_times_one_model_alone_with_only(tmp_path, capsys):
     out = capsys.readouterr().out  # the export is never read
     assert "== decode 1 stock (default)" in out and "patched" not in out
     assert re.search(r"guards \d+\.\d us a step", out)  # the guard tree's check alone
+    assert "Triton kernels launched statically -;" in out  # the CPU has no Triton kernels
     assert "timeline (decode_1_stock.txt): span" in out  # no kernels on the CPU: an empty table
     assert (tmp_path / "tl" / "decode_1_stock.txt").read_text().startswith("# decode 1 stock (default): 0 kernels")
     assert diag.main([str(small_export(tmp_path / "export", [])), "--only", "patched", *common]) == 0
@@ -284,6 +285,30 @@ def test_compile_diag_times_both_models_before_profiling_either(tmp_path, capsys
     out = capsys.readouterr().out
     assert out.index("== decode 1 stock (default)") < out.index("== decode 1 patched (default)")
     assert len(re.findall(r"guards \d+\.\d us a step", out)) == 2
+
+
+def test_compile_diag_counts_the_triton_kernels_that_launch_statically():
+    """A compiled graph's Triton kernels are CachingAutotuners in inductor's loaded modules; the static launcher
+    marks its launchers `_is_static` (docs/decisions.md `short-kernel-names`)."""
+    from types import ModuleType, SimpleNamespace
+
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    diag = load_tool("compile_diag")
+
+    def tuner(*launchers):
+        t = CachingAutotuner.__new__(CachingAutotuner)
+        t.launchers = list(launchers)
+        return t
+
+    wrapper = ModuleType("wrapper")
+    wrapper.a = tuner(SimpleNamespace(_is_static=True))
+    wrapper.b = tuner(SimpleNamespace())  # through Triton's launcher
+    wrapper.c = tuner()  # not launched yet: not counted
+    wrapper.other = 3
+    assert diag.static_launches([wrapper]) == "1 of 2"
+    assert diag.static_launches([ModuleType("empty")]) == diag.static_launches([]) == "-"
+    assert isinstance(diag.loaded_modules(), list)
 
 
 def test_compile_diag_timeline_takes_the_middle_step_and_sums_the_gpus_idle_time(tmp_path):

@@ -10,7 +10,8 @@ export, compiled in --mode): the wall time of a step run back to back and run sy
 kernel time a step (each kernel's own time: a kernel launched overlapped with the one ahead counts from that one's
 end) and the kernels a step (torch.profiler over a few steps), the kernels with the most GPU time (cuBLAS's names
 mark a fallback), the CPU ops with the most self time, dynamo's guard evaluation a step (the guard tree's check
-alone, on the step's own arguments) and its counters (graphs, graph breaks, recompilations). A step whose wall time
+alone, on the step's own arguments), how many of its Triton kernels launch through inductor's static launcher (the
+others through Triton's slower one) and dynamo's counters (graphs, graph breaks, recompilations). A step whose wall time
 is well above its kernel time is host-bound; the CPU ops say on what. --timeline DIR writes one step's kernels in
 the order they ran (start, the GPU's idle time before each, duration, own time, name) to DIR/<phase>_<model>.txt and
 prints the step's idle time, and the GPU's idle time from the step's last kernel to the next step's first: where a
@@ -195,6 +196,29 @@ def guard_us(eager, step, calls: int = 2000) -> float | None:
     return (time.perf_counter() - t0) * 1e6 / calls
 
 
+def loaded_modules() -> list:
+    """The Python modules inductor has loaded so far (its compiled graphs' wrappers), [] where it keeps none."""
+    try:
+        from torch._inductor.codecache import PyCodeCache
+    except ImportError:
+        return []
+    return list(getattr(PyCodeCache, "modules", []))
+
+
+def static_launches(modules: list) -> str:
+    """How many of the Triton kernels in these modules launch through inductor's static launcher (the cheaper one;
+    docs/decisions.md `short-kernel-names`): "S of N", or "-" where none or this torch keeps no such mark."""
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    except ImportError:
+        return "-"
+    tuners = [obj for mod in modules for obj in vars(mod).values() if isinstance(obj, CachingAutotuner)]
+    launchers = [t.launchers[0] for t in tuners if t.launchers]
+    if not launchers:
+        return "-"
+    return f"{sum(bool(getattr(launcher, '_is_static', False)) for launcher in launchers)} of {len(launchers)}"
+
+
 def write_timeline(path: Path, title: str, timeline) -> str:
     """The step's timeline as a table in `path`; a line for the log: its span, idle time, largest gaps and the idle
     time before the next step."""
@@ -272,23 +296,25 @@ def main(argv=None) -> int:
                 mode = (args.stock_mode or args.mode) if name == "stock" else args.mode
                 compiled = torch.compile(eager, mode=None if mode == "default" else mode)
                 step = make_step(compiled, eager, config, phase, args.device)
-                t0 = time.perf_counter()
+                known, t0 = loaded_modules(), time.perf_counter()
                 step()
                 sync(args.device)
                 first = time.perf_counter() - t0
+                static = static_launches(loaded_modules()[len(known):])  # the modules its compilation loaded
                 workers = settle()
                 stats = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
                 for _ in range(3):
                     step()
                 back, each = (wall_ms(step, args.steps, args.device, e) for e in (False, True))
-                timed[name] = (mode, step, first, workers, stats, back, each)
-            for name, (mode, step, first, workers, stats, back, each) in timed.items():
+                timed[name] = (mode, step, first, workers, stats, back, each, static)
+            for name, (mode, step, first, workers, stats, back, each, static) in timed.items():
                 prof = profiled(step, 5, args.device)
                 guards = guard_us(models[name], step)
                 print(f"\n== {phase.name} {name} ({mode}): compile {first:.0f} s; workers {workers}; wall a step "
                       f"{back:.3f} ms back to back, {each:.3f} ms synchronised; GPU kernels "
                       f"{prof['gpu_ms_a_step']:.3f} ms a step in {prof['kernels_a_step']:.0f} kernels; guards "
-                      f"{'-' if guards is None else f'{guards:.1f} us'} a step; dynamo {stats}", flush=True)
+                      f"{'-' if guards is None else f'{guards:.1f} us'} a step; Triton kernels launched statically "
+                      f"{static}; dynamo {stats}", flush=True)
                 for kname, n, us in prof["top_kernels"]:
                     print(f"   gpu {us:9.1f} us {n:5.1f}x  {kname}")
                 for op, n, us in prof["top_cpu"]:
