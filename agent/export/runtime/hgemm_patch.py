@@ -74,24 +74,22 @@ class MatmulMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def short_kernel_names() -> bool:
+def short_kernel_names() -> None:
     """Inductor names each Triton kernel after the ops it fuses, Triton's cache cuts a kernel's file names at 150
     characters, and inductor's static launcher looks for the cubin under the whole name: a kernel named longer than
     that launches through Triton's own launcher, several µs more host time a launch (docs/decisions.md
-    `short-kernel-names`). A fused layer's attention inputs (rotary, mask, cache and the SDPA's inputs in one kernel)
+    `short-kernel-names`). A fused layer's attention inputs (q's rotary, the mask and the SDPA's inputs in one kernel)
     get such names. Where inductor names kernels its default way ("original_aten"), names become short
-    (`triton.descriptive_names = False`: triton_poi_fused_0 ...) until the last patched model is unpatched; returns
-    whether it changed them."""
+    (`triton.descriptive_names = False`: triton_poi_fused_0 ...) until the last patched model is unpatched."""
     try:
         from torch._inductor import config
     except ImportError:  # a build of torch without inductor
-        return False
+        return
     if getattr(config.triton, "descriptive_names", None) != "original_aten":
-        return False
+        return
     if not _names:
         _names.append(config.triton.descriptive_names)
     config.triton.descriptive_names = False
-    return True
 
 
 def _names_back() -> None:
