@@ -81,3 +81,11 @@ def sometimes_wrong(every: int = 3):
         return fake_evaluate(job)
 
     return evaluate
+
+
+def builds_in_both_layouts(family: str, params: dict, mnk: tuple[int, int, int]) -> None:
+    """The setting launches and compiles without spills for the problem in kn and nk, bf16 with a bias."""
+    for layout in ("kn", "nk"):
+        problem = Problem(*mnk, layout, "bf16", True)
+        get_family(family).launch(params, problem)
+        clean_build(family, params, problem)

@@ -12,7 +12,7 @@ from templates import get_family
 from templates.sm90_wgmma.params import TAIL_FILL, TAIL_SUM, Sm90WgmmaParams, launched_tiles, tail_cut
 from templates.sm90_wgmma.search import traced
 from tests.gpu_reference import cases, check_kernel
-from tests.helpers import clean_build
+from tests.helpers import builds_in_both_layouts
 
 FAMILY = get_family("sm90_wgmma")
 P3 = {"block_m": 128, "block_n": 256, "stages": 3, "persistent": True, "epilogue": "tma"}
@@ -104,10 +104,7 @@ def test_every_kind_cuts_its_last_round():
 @pytest.mark.parametrize("kind", list(TAIL_KINDS))
 def test_every_kind_compiles_without_spills(kind):
     params, mnk = TAIL_KINDS[kind]
-    for layout in ("kn", "nk"):
-        problem = Problem(*mnk, layout, "bf16", True)
-        FAMILY.launch(params, problem)
-        clean_build("sm90_wgmma", params, problem)
+    builds_in_both_layouts("sm90_wgmma", params, mnk)
 
 
 @pytest.mark.gpu

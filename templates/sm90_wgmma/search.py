@@ -214,6 +214,36 @@ def _mixed_tail(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaPara
     return [v] if work <= TAIL_SLACK * least else []
 
 
+# Swapped tiles of 192 columns (three consumers, one m64 wgmma each) and M-fitted rows, whose rounds fill the SMs
+# better than the first four settings (decisions.md `swap-wave`): cuBLAS's tiling of 1246 x 3072 x 8192.
+SWAP_WAVE_GAIN = 0.965  # their rounds' work x traffic at most this share of the first four's least
+SWAP_WAVE_MIN = 1024  # M, N and K at least this: the large class, where it was measured
+
+
+def _swap_wave(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
+    """For M, N and K of SWAP_WAVE_MIN or more: of the swapped shapes of M's rows with 192 columns, the one whose
+    rounds take the least work x traffic (`_rounds_work`, 1 + 40/block_m + 40/block_n), where that is at most
+    SWAP_WAVE_GAIN of the least of the first four settings that do not split K: with TMA stores, within a wave one
+    tile a CTA with the deepest ring of up to 5 stages, beyond it persistent."""
+    def cost(p: Sm90WgmmaParams) -> float:
+        return _rounds_work(p, s) * (1 + 40 / p.block_m + 40 / p.block_n)
+
+    if min(s.problem.m, s.problem.n, s.problem.k) < SWAP_WAVE_MIN:
+        return []
+    found = []
+    for fields in swapped_shapes(s.problem):
+        if fields["block_n"] != 192:
+            continue
+        tiles = s.problem.tiles(fields["block_m"], fields["block_n"])
+        v = deepest({**fields, "epilogue": "tma", "persistent": tiles > s.sms}, top=5)
+        found += [(cost(v), v)] if v is not None else []
+    bar = min((cost(p) for p in ordered[:4] if not p.reduces), default=None)
+    if not found or bar is None:
+        return []
+    work, best = min(found, key=lambda f: f[0])
+    return [best] if work <= SWAP_WAVE_GAIN * bar else []
+
+
 def _residual_panels(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
     """For a residual epilogue whose first two settings both load R after the mainloop (C stored through shared
     memory or directly): those of them that are not swapped and do not split K, with TMA stores instead, so that R
@@ -265,6 +295,8 @@ RULES: tuple[Rule, ...] = (
          lambda s, _: cluster_n_settings(s.problem, s.device, s.tile_fields)[:1], after=3),
     Rule("tail-split", "tail-split", "a persistent tile whose part-filled last round, cut along K, takes 1% less work "
          "than the same tile uncut, within 5% of the first four's least", _tail_split, after=1),
+    Rule("swap-wave", "swap-wave", "M, N, K >= 1024: swapped 192-column tiles of M-fitted rows whose rounds take "
+         "at most 96.5% of the first four's least work x traffic", _swap_wave, after=2),
     Rule("mixed-tail", "mixed-tail", "beyond a round of 128 x 256 tiles, the kernel's narrow last tile-rows end the "
          "busiest block's work in at most 98.5% of the whole rounds, within 5% of the first four's least",
          _mixed_tail, after=6),
