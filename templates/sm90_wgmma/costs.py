@@ -51,13 +51,17 @@ def odd_rows_factor(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -
     return 1 + ODD_ROWS_SLOPE * max(0.0, u - ODD_ROWS_FREE)
 
 
+def traffic(block_m: int, block_n: int) -> float:
+    """A tile's operand traffic a unit of work: 1 + 40/block_m + 40/block_n (smaller tiles reload more per output)."""
+    return 1 + 40 / block_m + 40 / block_n
+
+
 def tile_cost(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -> float:
     """Relative time: waves of resident blocks times a tile's work, inflated by its traffic (rows off 128-byte lines
     included) and fixed costs. Multicast pairs launch whole pairs of row tiles."""
     plan = launch_plan(p, problem, device)
     waves, per_sm = plan.waves, plan.blocks_per_busy_sm
     k_tiles = ceil_div(problem.k, p.block_k)
-    traffic = 1 + 40 / p.block_m + 40 / p.block_n
     # Two consumer warpgroups an SM are the reference; three and one issue slower (decisions.md `tile-cost`)
     issue = {2: 1.0, 3: 1.06}.get(per_sm * p.consumers, 1.1)
     # kn with block_n = 192: B rows of 24 chunks leave producer threads idle (decisions.md `tile-cost`)
@@ -65,7 +69,7 @@ def tile_cost(p: Sm90WgmmaParams, problem: Problem, device: DeviceFacts) -> floa
     # the ring fills once per tile
     pair = MULTICAST_COST if p.cluster_m > 1 else 1.0
     # rows off 128-byte lines slow the k-tiles' loads, not the ring's fill or the stores
-    return (waves * per_sm * p.block_m * p.block_n * traffic * issue * uneven * pair
+    return (waves * per_sm * p.block_m * p.block_n * traffic(p.block_m, p.block_n) * issue * uneven * pair
             * (k_tiles * odd_rows_factor(p, problem, device) + 2 + 2 / p.stages))
 
 

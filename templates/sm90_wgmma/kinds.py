@@ -10,7 +10,7 @@ from typing import Any
 from core.device import DeviceFacts
 from core.plan import ceil_div
 from core.records import Problem
-from templates.sm90_wgmma.costs import MIN_K_TILES, TILES, odd_rows, tile_cost
+from templates.sm90_wgmma.costs import MIN_K_TILES, TILES, odd_rows, tile_cost, traffic
 from templates.sm90_wgmma.params import Sm90WgmmaParams, deepest, with_update
 from templates.sm90_wgmma.splits import cluster_size, k_parts
 
@@ -200,12 +200,11 @@ def swap_split_settings(problem: Problem, device: DeviceFacts) -> list[Sm90Wgmma
         parts = k_parts(tiles, device.sms, k_tiles, MIN_K_TILES)
         if tiles >= device.sms // 2 or parts < 2:
             continue
-        traffic = 1 + 40 / bm + 40 / bn
         if (v := deepest({**fields, "k_groups": parts})) is not None:
-            groups.append((bm * bn / parts * traffic, v))
+            groups.append((bm * bn / parts * traffic(bm, bn), v))
         split = cluster_size(parts)
         if tiles <= device.clusters_at_once(split) and (v := deepest({**fields, "split_k": split})) is not None:
-            clusters.append((bm * bn / split * traffic, v))
+            clusters.append((bm * bn / split * traffic(bm, bn), v))
     groups.sort(key=lambda item: item[0])
     clusters.sort(key=lambda item: item[0])
     return [v for _, v in groups[:1] + clusters[:1] + groups[1:2]]

@@ -22,7 +22,7 @@ from typing import Any
 from core.device import H200, DeviceFacts
 from core.plan import ceil_div
 from core.records import Problem
-from templates.sm90_wgmma.costs import TILES, byte_group
+from templates.sm90_wgmma.costs import TILES, byte_group, traffic
 from templates.sm90_wgmma.kinds import (
     fitted_settings,
     listed_settings,
@@ -169,6 +169,11 @@ def _rounds_work(p: Sm90WgmmaParams, s: Search) -> float:
     return (plan.tiles // plan.ctas + last) * p.block_m * p.block_n
 
 
+def _first_four_least(ordered: list[Sm90WgmmaParams], cost: Callable[[Sm90WgmmaParams], float]) -> float | None:
+    """The least cost of the first four settings of the list that do not split K; None if there are none."""
+    return min((cost(p) for p in ordered[:4] if not p.reduces), default=None)
+
+
 def _tail_split(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
     """The tail-split setting of TAIL_TILES whose rounds take the least work, among those a cut along K saves
     1 - TAIL_GAIN of the same tile's work (a part-filled last round that the cut ends sooner), where that work is at
@@ -185,8 +190,8 @@ def _tail_split(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaPara
     if not found:
         return []
     work, best = min(found, key=lambda f: f[0])
-    least = min((_rounds_work(p, s) for p in ordered[:4] if not p.reduces), default=work)
-    return [best] if work <= TAIL_SLACK * least else []
+    least = _first_four_least(ordered, lambda p: _rounds_work(p, s))
+    return [best] if least is None or work <= TAIL_SLACK * least else []
 
 
 MIXED_SAVE = 0.985  # the busiest CTA's work with the kernel's narrow rows, as a share of whole rounds of wide tiles
@@ -210,8 +215,8 @@ def _mixed_tail(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaPara
     if not rows or busiest > MIXED_SAVE * rounds:
         return []
     work = busiest * v.block_m * v.block_n
-    least = min((_rounds_work(p, s) for p in ordered[:4] if not p.reduces), default=work)
-    return [v] if work <= TAIL_SLACK * least else []
+    least = _first_four_least(ordered, lambda p: _rounds_work(p, s))
+    return [v] if least is None or work <= TAIL_SLACK * least else []
 
 
 # Swapped tiles of 192 columns (three consumers, one m64 wgmma each) and M-fitted rows, whose rounds fill the SMs
@@ -222,11 +227,11 @@ SWAP_WAVE_MIN = 1024  # M, N and K at least this: the large class, where it was 
 
 def _swap_wave(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
     """For M, N and K of SWAP_WAVE_MIN or more: of the swapped shapes of M's rows with 192 columns, the one whose
-    rounds take the least work x traffic (`_rounds_work`, 1 + 40/block_m + 40/block_n), where that is at most
+    rounds take the least work x traffic (`_rounds_work` x `costs.traffic`), where that is at most
     SWAP_WAVE_GAIN of the least of the first four settings that do not split K: with TMA stores, within a wave one
     tile a CTA with the deepest ring of up to 5 stages, beyond it persistent."""
     def cost(p: Sm90WgmmaParams) -> float:
-        return _rounds_work(p, s) * (1 + 40 / p.block_m + 40 / p.block_n)
+        return _rounds_work(p, s) * traffic(p.block_m, p.block_n)
 
     if min(s.problem.m, s.problem.n, s.problem.k) < SWAP_WAVE_MIN:
         return []
@@ -237,7 +242,7 @@ def _swap_wave(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParam
         tiles = s.problem.tiles(fields["block_m"], fields["block_n"])
         v = deepest({**fields, "epilogue": "tma", "persistent": tiles > s.sms}, top=5)
         found += [(cost(v), v)] if v is not None else []
-    bar = min((cost(p) for p in ordered[:4] if not p.reduces), default=None)
+    bar = _first_four_least(ordered, cost)
     if not found or bar is None:
         return []
     work, best = min(found, key=lambda f: f[0])
