@@ -76,6 +76,31 @@ def test_every_epilogue_compiles_without_spills_with_its_norm_variant(arch, epil
                 assert build.ok and build.spill_bytes == 0 and build.smem_static == smem, build.log
 
 
+K_SPLITS = ({"warps": 16, "rows": 1, "unroll": 1, "k_split": 16}, {"warps": 8, "rows": 2, "unroll": 2, "k_split": 4},
+            {"warps": 8, "rows": 1, "unroll": 2, "k_split": 2})
+
+
+def test_k_split_warps_share_their_columns_and_must_divide_the_block():
+    p = Problem(1, 28672, 4096, "nk", "f16", False, "silu_mul")
+    for s in K_SPLITS:
+        assert FAM.launch(s, p).grid == (-(-14336 // (s["warps"] // s["k_split"] * s["rows"])), 1, 1)
+    with pytest.raises(ValueError, match="divide"):
+        FAM.parse({"warps": 4, "k_split": 8}, p)
+    assert all("k_split" not in s for s in FAM.space(p))  # not searched until measured
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("epilogue", ["none", "silu_mul", "residual"])
+def test_k_split_settings_compile_without_spills_with_their_norm_variant(arch, epilogue, tmp_path):
+    p = Problem(1, 272, 1032, "nk", "bf16", True, epilogue)
+    for params in K_SPLITS:
+        source = FAM.render({**params, "m_tile": 1}, p)
+        assert "ksum[" in source and "ksum[" not in FAM.render({"m_tile": 1}, p)
+        for options in ((), FAM.norm_options({**params, "m_tile": 1}, p)):
+            build = compile_cuda(source, arch, options=(*BASE_OPTIONS, *options), cache_dir=tmp_path)
+            assert build.ok and build.spill_bytes == 0, build.log
+
+
 def test_a_norm_variant_is_built_for_one_row_of_a_a_block_where_it_fits_shared_memory():
     assert FAM.norm_options({"m_tile": 1}, Problem(1, 4096, 8192, "nk")) is not None  # 16 KB of A and of the weight
     assert FAM.norm_options({"m_tile": 1}, Problem(1, 4096, 14336, "nk")) is None  # 28 KB each
@@ -91,4 +116,15 @@ def test_the_sandbox_accepts_its_kernels(epilogue, dtype, bias, m, n, k):
     p = Problem(m, n, k, "nk", dtype, bias, epilogue)
     m_tile = min(8, 1 << (m - 1).bit_length())
     for params in FAM.space(Problem(1, n, k, "nk", dtype, bias, epilogue))[:3]:
+        check_in_sandbox("gemv", {**params, "m_tile": m_tile}, p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue", ["none", "silu_mul", "residual"])
+@pytest.mark.parametrize("m,n,k,m_tile", [(1, 264, 1032, 1), (3, 520, 4096, 4), (1, 136, 328, 1)])
+def test_the_sandbox_accepts_its_k_split_kernels(epilogue, m, n, k, m_tile):
+    """Column groups past N (whose warps still take part in the block's sums) and K not a multiple of a step."""
+    n += 8 if Epilogue(epilogue).check_n(n) else 0
+    p = Problem(m, n, k, "nk", "f16", True, epilogue)
+    for params in K_SPLITS[1:] if m_tile > 1 else K_SPLITS:
         check_in_sandbox("gemv", {**params, "m_tile": m_tile}, p)

@@ -23,10 +23,12 @@ NORM_M_TILE = 1  # the most rows of A a block with a norm variant has (docs/deci
 
 
 class GemvParams(Params):
-    warps: Literal[2, 4, 8] = Field(4, description="warps per block, each its own columns of C")
+    warps: Literal[2, 4, 8, 16] = Field(4, description="warps per block, each group of k_split its own columns of C")
     rows: Literal[1, 2, 4] = Field(2, description="columns of C per warp (gated: each its gate and up weight rows)")
     unroll: Literal[1, 2, 4] = Field(2, description="16-byte chunks of each weight row a lane has in flight")
     m_tile: Literal[1, 2, 4, 8] = Field(1, description="rows of A per block (blocks along y cover the rest)")
+    k_split: Literal[1, 2, 4, 8, 16] = Field(1, description="warps that share their columns, each summing a slice of "
+                                             "K's steps, their sums added through shared memory (not yet searched)")
 
     @property
     def weight_registers(self) -> int:
@@ -49,6 +51,8 @@ class Gemv(Family):
         if problem.b_layout != "nk":
             raise ValueError("gemv streams weight rows: B must be given N x K (nk)")
         assert isinstance(params, GemvParams)
+        if params.warps % params.k_split:
+            raise ValueError(f"k_split={params.k_split} must divide warps={params.warps}")
         kinds = 2 if problem.fused.gated else 1
         if params.weight_registers * kinds + params.rows * kinds * params.m_tile > 128:
             raise ValueError(f"rows={params.rows} x unroll={params.unroll} weight chunks and rows x m_tile="
@@ -66,8 +70,9 @@ class Gemv(Family):
     def launch(self, params: dict[str, Any], problem: Problem, device: DeviceFacts = H200) -> LaunchSpec:
         p = self.parse(params, problem)
         assert isinstance(p, GemvParams)
-        # one dimension, the blocks of a column group's rows of A adjacent (the kernel splits the index)
-        grid = (ceil_div(problem.out_n, p.warps * p.rows) * ceil_div(problem.m, p.m_tile), 1, 1)
+        # one dimension, the blocks of a column group's rows of A adjacent (the kernel splits the index); a block
+        # covers warps / k_split warps' columns
+        grid = (ceil_div(problem.out_n, p.warps // p.k_split * p.rows) * ceil_div(problem.m, p.m_tile), 1, 1)
         return LaunchSpec(grid, (32 * p.warps, 1, 1), 0, overlap=device.overlaps)
 
     def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
