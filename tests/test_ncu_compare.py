@@ -56,3 +56,23 @@ def test_ncu_profiles_the_sandbox_target_with_cublas_beside_ours(tmp_path, monke
     assert seen["job"]["cublas"] is True
     assert Problem(**seen["job"]["problem"]) == problem  # dtype and bias reach the target
     assert list(rows) == ["hgemm", "nvjet_sm90_hsh_64x144_64x8_4x1_v_bz_TNT"]
+
+
+def test_inductor_profiles_the_compiled_model_form_between_profiler_start_and_stop(monkeypatch):
+    import subprocess
+    from types import SimpleNamespace
+
+    tool = load_tool("ncu_compare")
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen["cmd"] = cmd
+        return SimpleNamespace(stdout=NCU_CSV.replace("hgemm", "triton_red_fused_mm_silu_0"), stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    rows = tool.profile_inductor("1_28672_4096:nk:f16:silu_mul")
+    cmd = seen["cmd"]
+    assert cmd[-3:] == ["--shapes", "1_28672_4096:nk:f16:silu_mul", "--ncu"] and cmd[-4].endswith("inductor_ref.py")
+    assert cmd[cmd.index("--kernel-name") + 1] == "regex:triton"
+    assert cmd[cmd.index("--profile-from-start") + 1] == "off"  # the compilation's autotuning launches are not profiled
+    assert "triton_red_fused_mm_silu_0" in rows

@@ -1,11 +1,14 @@
 """Our kernel and cuBLAS's on one problem under Nsight Compute, side by side: clock, SM throughput, memory traffic.
 
     python3 tools/ncu_compare.py --shape 4437_8192_8192:nk --params '{"block_m": 128, "block_n": 256, ...}'
+    python3 tools/ncu_compare.py --family gemv --shape 1_28672_4096:nk:f16:silu_mul --params '{...}' --inductor
 
 One ncu process a problem (clocks left alone, `--clock-control none`): the target (sandbox.profile_target) launches
 our kernel three times and then cuBLAS three times on the same random inputs; the third launch of each
-is what the table shows. sm__cycles_elapsed per second is the SM clock the launch ran at, so a gap that is the
-clock's (power) tells itself apart from one that is the pipes'. Run on the GPU machine (. tools/gpu_env.sh first).
+is what the table shows. With --inductor, also the Triton kernels of the problem's model form compiled by
+torch.compile (tools/inductor_ref.py --ncu; its last launch of each). sm__cycles_elapsed per second is the SM clock
+the launch ran at, so a gap that is the clock's (power) tells itself apart from one that is the pipes'. Run on the
+GPU machine (. tools/gpu_env.sh first).
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ METRICS = (
     ("L2 %", "lts__t_sectors.avg.pct_of_peak_sustained_elapsed", 1),
     ("DRAM rd MB", "dram__bytes_read.sum", 1e-6),
     ("DRAM wr MB", "dram__bytes_write.sum", 1e-6),
+    ("DRAM %", "dram__throughput.avg.pct_of_peak_sustained_elapsed", 1),
+    ("occupancy %", "sm__warps_active.avg.pct_of_peak_sustained_active", 1),
+    ("occ. limit %", "sm__maximum_warps_per_active_cycle_pct", 1),
     ("smem wavefronts M", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", 1e-6),
     ("grid", "launch__grid_size", 1),
     ("regs", "launch__registers_per_thread", 1),
@@ -72,9 +78,14 @@ def profile(problem: Problem, params: dict, family: str, tmp: Path) -> dict[str,
     cubin.write_bytes(build.cubin)
     job.write_text(json.dumps({"cubin": str(cubin), "family": family, "params": params,
                                "problem": asdict(problem), "cublas": True}))
-    cmd = [find_ncu() or "ncu", "--clock-control", "none", "--target-processes", "all", "--kernel-name", KERNELS,
-           "--csv", "--page", "raw", "--print-units", "base", "--metrics", ",".join(m for _, m, _ in METRICS),
-           sys.executable, "-m", "sandbox.profile_target", str(job)]
+    return run_ncu([sys.executable, "-m", "sandbox.profile_target", str(job)], KERNELS)
+
+
+def run_ncu(target: list[str], kernels: str, *ncu_options: str) -> dict[str, dict[str, str]]:
+    """METRICS of the kernels matching `kernels` that the target command launches, by name (the last launch)."""
+    cmd = [find_ncu() or "ncu", "--clock-control", "none", "--target-processes", "all", "--kernel-name", kernels,
+           *ncu_options, "--csv", "--page", "raw", "--print-units", "base", "--metrics",
+           ",".join(m for _, m, _ in METRICS), *target]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                   os.environ.get("PYTHONPATH")])))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -82,11 +93,18 @@ def profile(problem: Problem, params: dict, family: str, tmp: Path) -> dict[str,
     return last_launches(out.stdout)
 
 
+def profile_inductor(shape: str) -> dict[str, dict[str, str]]:
+    """The Triton kernels torch.compile makes of the problem's model form (tools/inductor_ref.py), as ncu sees them."""
+    target = [sys.executable, str(Path(__file__).with_name("inductor_ref.py")), "--shapes", shape, "--ncu"]
+    return run_ncu(target, "regex:triton", "--profile-from-start", "off")
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=[], help="M_N_K:layout (repeatable, one --params each)")
     ap.add_argument("--params", type=json.loads, action="append", default=[])
     ap.add_argument("--family", default="sm90_wgmma")
+    ap.add_argument("--inductor", action="store_true", help="also torch.compile's kernels of each problem's model form")
     args = ap.parse_args(argv)
     if len(args.shape) != len(args.params) or not args.shape:
         print("error: give one --params per --shape", file=sys.stderr)
@@ -100,8 +118,11 @@ def main(argv: list[str]) -> int:
         return 2
     print(f"{'problem':<20} {'kernel':<44} " + " ".join(f"{n:>12}" for n, _, _ in METRICS))
     with tempfile.TemporaryDirectory() as tmp:
-        for problem, params in jobs:
-            for kernel, row in profile(problem, params, args.family, Path(tmp)).items():
+        for shape, (problem, params) in zip(args.shape, jobs, strict=True):
+            rows = profile(problem, params, args.family, Path(tmp))
+            if args.inductor:
+                rows |= {f"inductor {k}": row for k, row in profile_inductor(shape).items()}
+            for kernel, row in rows.items():
                 print(table_row(f"{problem.m}_{problem.n}_{problem.k}:{problem.b_layout}", kernel, row))
     return 0
 
