@@ -28,7 +28,8 @@ class GemvParams(Params):
     unroll: Literal[1, 2, 4] = Field(2, description="16-byte chunks of each weight row a lane has in flight")
     m_tile: Literal[1, 2, 4, 8] = Field(1, description="rows of A per block (blocks along y cover the rest)")
     k_split: Literal[1, 2, 4, 8, 16] = Field(1, description="warps that share their columns, each summing a slice of "
-                                             "K's steps, their sums added through shared memory (not yet searched)")
+                                             "K's steps, their sums added through shared memory (measured, not "
+                                             "searched: docs/decisions.md `gemv-k-split`)")
 
     @property
     def weight_registers(self) -> int:
