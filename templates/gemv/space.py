@@ -77,14 +77,14 @@ class Gemv(Family):
         return LaunchSpec(grid, (32 * p.warps, 1, 1), 0, overlap=device.overlaps)
 
     def space(self, problem: Problem, device: DeviceFacts = H200) -> list[dict[str, Any]]:
-        """Settings for M's rows in one block (M rounded up to a power of two), most weight bytes in flight first;
-        none for kn or M over SEARCH_M (a setting may still name an m_tile up to 8; more rows take more blocks along
-        y, each streaming B again)."""
+        """Settings for M's rows in one block (M rounded up to a power of two), the one measured best on most decode
+        problems first (docs/decisions.md `gemv-order`); none for kn or M over SEARCH_M (a setting may still name an
+        m_tile up to 8; more rows take more blocks along y, each streaming B again)."""
         if problem.b_layout != "nk" or problem.m > SEARCH_M:
             return []
         m_tile = 1 << (problem.m - 1).bit_length()
         out = []
-        for warps, rows, unroll in ((4, 2, 2), (4, 1, 4), (8, 2, 2), (4, 4, 1), (8, 1, 2), (2, 2, 4), (4, 2, 1),
+        for warps, rows, unroll in ((4, 1, 4), (4, 2, 2), (8, 2, 2), (4, 4, 1), (8, 1, 2), (2, 2, 4), (4, 2, 1),
                                     (4, 2, 4)):
             setting = {"warps": warps, "rows": rows, "unroll": unroll, "m_tile": m_tile}
             try:
