@@ -4,8 +4,8 @@ the ratio of CUPTI's kernel durations, TFLOP/s, % of the roofline floor. Table, 
 epilogue, "cuBLAS" is what the model runs instead (the baseline column names it).
 
 The headline is the interleaved honest graph figure: graph timings alternate the two subjects replay by replay and
-take the median of nine, while CUPTI's durations come from one replay of each, one after the other, so that the
-clocks' drift between them enters the ratio (docs/decisions.md, "bench's headline").
+take the median of nine; CUPTI's durations are the median of six replays of each in A B B A order (docs/decisions.md
+`bench-headline`, `cupti-abba`).
 
 `--mode server` instead calls the exported op the way a serving process does (through its compiled op where that
 builds): one call at a time at random (exponential) intervals, latency per call from issue to completion,

@@ -21,6 +21,7 @@ from core.records import Timing
 TARGET_MS = 1.0
 MAX_LAUNCHES = 4096
 REPLAYS = 9
+CUPTI_ROUNDS = 6  # CUPTI replays of each subject, the order reversed every other round (docs/decisions.md `cupti-abba`)
 
 Fn = Callable[[], None]
 
@@ -116,7 +117,7 @@ class L2Flush:
 
 def measure(subjects: dict[str, Subject], replays: int = REPLAYS, cupti: bool = False) -> dict[str, Timing]:
     """Time each subject, interleaving their graph replays, overheads subtracted; with `cupti`, each timing also
-    carries CUPTI's kernel durations of one (prepared and checked) replay."""
+    carries CUPTI's kernel durations, the median of `cupti_rounds`' (prepared and checked) replays."""
     graphs = {name: capture(s.launch, s.launches, s.overhead) for name, s in subjects.items()}
     overheads = {name: capture(s.overhead, s.launches) for name, s in subjects.items() if s.overhead}
     samples: dict[str, list[float]] = {name: [] for name in subjects}
@@ -130,8 +131,25 @@ def measure(subjects: dict[str, Subject], replays: int = REPLAYS, cupti: bool = 
             samples[name].append(max(t, 0.0))
     kernel_us = dict.fromkeys(subjects)
     if cupti:
-        for name, s in subjects.items():
-            s.before_replay()
-            kernel_us[name] = cupti_us(graphs[name], s.launches)
-            s.after_replay()
+        for name, xs in cupti_rounds(subjects, graphs).items():
+            kernel_us[name] = cupti_median(xs)
     return {name: summarise(samples[name], s.launches, kernel_us[name]) for name, s in subjects.items()}
+
+
+def cupti_median(xs: list[float | None]) -> float | None:
+    """The subject's CUPTI figure from its rounds: their median, or None where any replay went unrecorded."""
+    return statistics.median(xs) if xs and None not in xs else None
+
+
+def cupti_rounds(subjects: dict[str, Subject], graphs: dict[str, torch.cuda.CUDAGraph],
+                 rounds: int = CUPTI_ROUNDS) -> dict[str, list[float | None]]:
+    """Each subject's CUPTI kernel time per launch, one replay a round, the subjects' order reversed every other
+    round (A B, B A, ...): a drift of the clocks between replays falls on both alike."""
+    out: dict[str, list[float | None]] = {name: [] for name in subjects}
+    for r in range(rounds):
+        for name in (list(subjects) if r % 2 == 0 else list(reversed(subjects))):
+            s = subjects[name]
+            s.before_replay()
+            out[name].append(cupti_us(graphs[name], s.launches))
+            s.after_replay()
+    return out
