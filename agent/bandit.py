@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +31,12 @@ class ArmStats:
     @property
     def best(self) -> float:
         return max(self.rewards, default=-math.inf)
+
+
+def stream_seed(seed: int, key: str) -> int:
+    """A problem's own bandit seed: the run's seed and the problem's key (crc32, the same in every process), so that
+    the problems of a run do not all replay one sequence of draws (docs/decisions.md `bandit-seeds`)."""
+    return zlib.crc32(f"{seed}:{key}".encode())
 
 
 class ThompsonBandit:

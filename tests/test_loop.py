@@ -360,3 +360,14 @@ def test_a_bucket_keeps_room_in_its_budget_for_its_probe_timings(tmp_path):
     [cut] = spent
     assert cut.startswith(f"{p.key}: time share spent after {bucket} candidates (0 in flight); ")
     assert cut.endswith(f"{16.0 if bucket == 2 else 10.0} s kept for re-measurement and probe timings")
+
+
+def test_each_shape_of_a_run_gets_a_bandit_seeded_for_it(tmp_path):
+    loop = SearchLoop(RunStore(tmp_path / "r", create=True), RunConfig(seed=3), BuiltinProposer(), "sm_90a",
+                      fake_evaluate)
+    a, b = (loop.restore(Problem(m, 4096, 4096, "nk")) for m in (1, 8))
+    draws = [[s.bandit.rng.random() for _ in range(4)] for s in (a, b)]
+    assert draws[0] != draws[1]
+    again = loop.restore(Problem(1, 4096, 4096, "nk"))
+    assert [again.bandit.rng.random() for _ in range(4)] == draws[0]
+
