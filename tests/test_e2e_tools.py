@@ -4,6 +4,7 @@ end-to-end tool records a (small) Llama's prefill and decode GEMMs where transfo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import re
 import subprocess
@@ -137,12 +138,19 @@ def test_tables_for_the_notebook():
             e2e.Row("decode1", "graphs", note="RuntimeError: capture failed")]
     table = e2e.markdown(rows)
     assert "| decode1 | eager | 3.800 | 3.300 | 1.152x | 1.0e-03 |  |  |  |  |" in table and "capture failed" in table
-    assert "| decode1 | compile | 3.000 | 2.500 | 1.200x | 1.0e-03 | 2.0e-03 | 3.0e-03 | 40, 35 | 2.900, 1.100 |" \
-        in table
+    assert ("| decode1 | compile | 3.000 | 2.500 | 1.200x | 1.0e-03 | 2.0e-03 | 3.0e-03 | 40, 35 | 2.900, 1.100, "
+            "host-bound: stock |") in table
     assert all(line.count("|") == 11 for line in table.splitlines())  # every row as many cells as the header
-    assert e2e.said(rows[1]).endswith("compile 40 s / 35 s; host a step 2.900 / 1.100 ms")
+    assert e2e.said(rows[1]).endswith("compile 40 s / 35 s; host a step 2.900 / 1.100 ms, host-bound: stock")
     assert e2e.said(rows[2]).endswith("graphs: RuntimeError: capture failed")
     assert "host" not in e2e.said(rows[0])
+    # a host that takes 90% of a model's step or more to issue it: that model's wall is the host's
+    bound = e2e.Row("decode1", "max-autotune", 1.712, 1.511, 1.133, 2e-3, host_ms=(1.684, 1.483))
+    assert e2e.said(bound).endswith("host a step 1.684 / 1.483 ms, host-bound: both")
+    assert "1.684, 1.483, host-bound: both |" in e2e.markdown([bound])
+    one = dataclasses.replace(bound, ours_ms=1.9)
+    assert e2e.said(one).endswith(", host-bound: stock") and "host-bound" not in e2e.said(
+        dataclasses.replace(bound, host_ms=(0.817, 0.750)))
     timing = {"issue": 6.0, "sync": 30.0}
     rows = {"64_4096_4096:nk:f16": {"compiled": {"issue": 5.5, "sync": 28.0}, "dispatcher": timing,
                                     "python": timing, "torch": timing},

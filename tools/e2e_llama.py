@@ -23,9 +23,9 @@ random weights, fp16 or bf16, on the GPU.
    After compiling, inductor's compile workers are shut down before the timing (`settle`), so that nothing of a
    compilation runs beside the timed steps. The compiled decode steps are host-bound and their wall times vary by
    30-40% between runs; tools/compile_diag.py --only times each model in a process of its own.
-4. Prints a table (beside each model's wall time a step, the host's time to issue it: where the two are near, that
-   model is host-bound in this process), and per mode the geomean and the lowest speed-up over the prefills and
-   over the decode steps;
+4. Prints a table (beside each model's wall time a step, the host's time to issue it: where it is 90% of the wall
+   or more, the row says that model is host-bound in this process), and per mode the geomean and the lowest
+   speed-up over the prefills and over the decode steps;
    with $OUT set, writes $OUT/e2e_<model>_<dtype>.json (and the shapes files, the search's per-shape table as
    $OUT/search_<model>_<dtype>.txt, and with --tar-export the export as $OUT/export.tar.gz for --export in a later
    call).
@@ -263,13 +263,25 @@ def kernel_calls(ops, step) -> tuple[int, int]:
     return hits[0], hits[1]
 
 
+HOST_BOUND = 0.9  # a model whose host takes this share of its step's wall time or more to issue it is host-bound
+
+
+def host_bound(r: Row) -> str:
+    """", host-bound: stock / ours / both" where that model's host time a step is HOST_BOUND of its wall or more."""
+    if not r.host_ms or r.ref_ms is None or r.ours_ms is None:
+        return ""
+    sides = [name for name, host, wall in (("stock", r.host_ms[0], r.ref_ms), ("ours", r.host_ms[1], r.ours_ms))
+             if host >= HOST_BOUND * wall]
+    return f", host-bound: {'both' if len(sides) == 2 else sides[0]}" if sides else ""
+
+
 def said(r: Row) -> str:
     """A row as the log line printed when it is timed."""
     if r.note:
         return f"{r.phase:>10} {r.mode:>12}: {r.note}"
     e32 = f" (vs fp32: stock {r.stock_err32:.1e}, ours {r.ours_err32:.1e})" if r.ours_err32 is not None else ""
     comp = f", compile {r.compile_s[0]:.0f} s / {r.compile_s[1]:.0f} s" if r.compile_s else ""
-    host = f"; host a step {r.host_ms[0]:.3f} / {r.host_ms[1]:.3f} ms" if r.host_ms else ""
+    host = f"; host a step {r.host_ms[0]:.3f} / {r.host_ms[1]:.3f} ms{host_bound(r)}" if r.host_ms else ""
     return (f"{r.phase:>10} {r.mode:>12}: stock {r.ref_ms:.3f} ms, ours {r.ours_ms:.3f} ms, {r.speedup:.3f}x, "
             f"rel err {r.rel_err:.1e}{e32}{comp}{host}")
 
@@ -280,7 +292,7 @@ def markdown(rows: list[Row]) -> str:
              "| compile s (stock, ours) | host ms a step (stock, ours) |", "|---" * 10 + "|"]
     for r in rows:
         comp = f"{r.compile_s[0]:.0f}, {r.compile_s[1]:.0f}" if r.compile_s else ""
-        host = f"{r.host_ms[0]:.3f}, {r.host_ms[1]:.3f}" if r.host_ms else ""
+        host = f"{r.host_ms[0]:.3f}, {r.host_ms[1]:.3f}{host_bound(r)}" if r.host_ms else ""
         e32 = " | ".join(f"{e:.1e}" if e is not None else "" for e in (r.stock_err32, r.ours_err32))
         lines.append(f"| {r.phase} | {r.mode} | " + (f"{r.note} | | | | | | | |" if r.note else
                      f"{r.ref_ms:.3f} | {r.ours_ms:.3f} | {r.speedup:.3f}x | {r.rel_err:.1e} | {e32} | {comp} "
