@@ -27,7 +27,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from agent import buckets
-from agent.bandit import SuccessiveHalving, ThompsonBandit, stream_seed
+from agent.bandit import SuccessiveHalving
 from agent.config import RunConfig
 from agent.events import (
     BucketEndTimed,
@@ -167,8 +167,7 @@ class SearchLoop:
 
     # the search of one shape
     def restore(self, problem: Problem) -> SearchState:
-        state = SearchState(problem, self.arch, ThompsonBandit(seed=stream_seed(self.config.seed, problem.key)),
-                            device=self.device)
+        state = SearchState.start(problem, self.arch, self.config.seed, self.device)
         for c, r in self.store.results(problem):
             state.tried.append((c, self.store.build(c.id), r))
             state.bandit.update(arm_of(c), _reward(r))

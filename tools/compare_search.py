@@ -25,7 +25,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.bandit import ThompsonBandit, stream_seed  # noqa: E402
 from agent.cost_model import RANK_WEIGHT, train  # noqa: E402
 from agent.proposers.base import SearchState, arm_of  # noqa: E402
 from agent.proposers.builtin import BuiltinProposer, RandomProposer  # noqa: E402
@@ -92,7 +91,7 @@ def search(problem: Problem, results: dict[str, float | None], proposer: Builtin
     space's size + 1 if none ever is; with a budget, budget + 1 if none within it), and the candidates tried (all of
     the budget where one is given)."""
     target = max(v for v in results.values() if v is not None) + math.log(WITHIN)
-    state = SearchState(problem, arch, ThompsonBandit(seed=stream_seed(seed, problem.key)), device=device)
+    state = SearchState.start(problem, arch, seed, device)
     hit = None
     while (budget is None or len(state.tried) < budget) and (batch := proposer.propose(state, n=1)):
         for c in batch:

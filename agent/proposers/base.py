@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from agent.bandit import ThompsonBandit
+from agent.bandit import ThompsonBandit, stream_seed
 from core.device import H200, DeviceFacts
 from core.records import BuildResult, Candidate, EvalResult, ModelCall, Problem
 
@@ -21,6 +21,12 @@ class SearchState:
     device: DeviceFacts = H200  # the GPU the candidates run on (the H200 stand-in when compiling only)
     profiles: dict[str, str] = field(default_factory=dict)  # candidate id -> Nsight Compute summary line
     pending: set[str] = field(default_factory=set)  # ids proposed and in flight (several GPUs), not yet recorded
+
+    @classmethod
+    def start(cls, problem: Problem, arch: str, seed: int, device: DeviceFacts = H200) -> SearchState:
+        """A problem's search before anything is tried, its bandit seeded for the problem from the run's `seed`
+        (docs/decisions.md `bandit-seeds`)."""
+        return cls(problem, arch, ThompsonBandit(seed=stream_seed(seed, problem.key)), device=device)
 
     @property
     def tried_ids(self) -> set[str]:
