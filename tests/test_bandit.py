@@ -78,16 +78,14 @@ def test_a_single_leader_is_remeasured_once_and_honest_times_replace_the_first_s
 
 
 def test_each_problem_of_a_run_draws_its_own_sequence_and_the_same_one_again():
-    """Level arms, no rewards: with one seed for every problem each would pick the same arms in the same order (an
-    unlucky sequence then hits them all alike); a problem's own seed gives each its own, the same again on resume."""
+    """Level arms, no rewards: with the run's seed for every problem each picked the same arms in the same order (an
+    unlucky sequence then hit them all alike); a problem's own seed gives each its own, the same again on resume."""
     keys = [f"{m}_4096_4096:nk:f16" for m in (1, 2, 8, 64, 512, 4096)]
 
     def picks(seed: int) -> tuple[str, ...]:
         bandit = ThompsonBandit(seed=seed)
         return tuple(bandit.choose(["gemv", "sm90_wgmma", "sm80_mma"]) for _ in range(8))
 
-    assert len({picks(0) for _ in keys}) == 1  # what one shared seed did
     assert len({picks(stream_seed(0, key)) for key in keys}) == len(keys)
     assert [picks(stream_seed(0, key)) for key in keys] == [picks(stream_seed(0, key)) for key in keys]
     assert stream_seed(0, keys[0]) != stream_seed(1, keys[0])
-

@@ -370,4 +370,3 @@ def test_each_shape_of_a_run_gets_a_bandit_seeded_for_it(tmp_path):
     assert draws[0] != draws[1]
     again = loop.restore(Problem(1, 4096, 4096, "nk"))
     assert [again.bandit.rng.random() for _ in range(4)] == draws[0]
-
