@@ -86,7 +86,7 @@ def test_k_split_warps_share_their_columns_and_must_divide_the_block():
         assert FAM.launch(s, p).grid == (-(-14336 // (s["warps"] // s["k_split"] * s["rows"])), 1, 1)
     with pytest.raises(ValueError, match="divide"):
         FAM.parse({"warps": 4, "k_split": 8}, p)
-    assert all("k_split" not in s for s in FAM.space(p))  # not searched until measured
+    assert all("k_split" not in s for s in FAM.space(p))  # measured, not searched (decisions `gemv-k-split`)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
