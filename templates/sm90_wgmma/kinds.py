@@ -176,6 +176,25 @@ def ping_pong_settings(problem: Problem, device: DeviceFacts) -> list[Sm90WgmmaP
     return [v for v in found if v is not None]
 
 
+# Ping-pong 128 x 192 tiles with C staged a 64-column panel at a time (so the ring keeps 4 stages beside both
+# consumers' staging) where K is 16-25 k-tiles, M and N are PING_PONG_SHORT_MIN or more and every block gets two
+# tiles or more; not with a residual (c_panels loads R into registers) or a gated epilogue (decisions.md
+# `ping-pong-short-k`).
+PING_PONG_SHORT_K = (16, 25)  # k-tiles
+PING_PONG_SHORT_MIN = 1024
+
+
+def ping_pong_short_k_settings(problem: Problem, device: DeviceFacts) -> list[Sm90WgmmaParams]:
+    lo, hi = PING_PONG_SHORT_K
+    if not lo <= ceil_div(problem.k, 64) <= hi or min(problem.m, problem.n) < PING_PONG_SHORT_MIN:
+        return []
+    if problem.fused.residual or problem.fused.gated or problem.tiles(128, 192) < 2 * device.sms:
+        return []
+    v = deepest({"block_m": 128, "block_n": 192, "consumers": 2, "persistent": True, "ping_pong": True,
+                 "epilogue": "tma", "c_panels": True}, top=4)
+    return [v] if v is not None else []
+
+
 # Smaller M (one tile of rows) keeps the listed split-K and unsplit settings (decisions.md `swap-split`).
 SWAP_SPLIT_MIN_M = 256
 

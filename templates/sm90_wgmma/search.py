@@ -31,6 +31,7 @@ from templates.sm90_wgmma.kinds import (
     pair_first,
     persistent_leads,
     ping_pong_settings,
+    ping_pong_short_k_settings,
     raster_settings,
     swap_fit_settings,
     swap_split_settings,
@@ -308,6 +309,9 @@ RULES: tuple[Rule, ...] = (
     Rule("residual-panels", "residual-panels", "a residual epilogue whose first two settings load R after the "
          "mainloop: those not swapped or split, with TMA stores (R by TMA into the panels), first",
          _residual_panels, after=0),
+    Rule("ping-pong-short-k", "ping-pong-short-k", "M, N >= 1024, 16-25 k-tiles, two 128 x 192 tiles a block or "
+         "more, no residual or gated epilogue: ping-pong 128 x 192 with C a panel at a time, second",
+         lambda s, _: ping_pong_short_k_settings(s.problem, s.device), after=1),
     Rule("multicast-late", "multicast-late", "two one-tile-a-block guesses of 128-column multiples",
          lambda s, _: [v for p in s.wide if (v := with_update(p, {"cluster_m": 2})) is not None], after=12),
 )
