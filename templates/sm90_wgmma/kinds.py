@@ -167,13 +167,18 @@ PING_PONG_K_TILES = 2
 PING_PONG_TILES = ((64, 256, "tma"), (128, 128, "tma"), (128, 128, "smem"))  # the order they won in
 
 
-def ping_pong_settings(problem: Problem, device: DeviceFacts) -> list[Sm90WgmmaParams]:
-    if ceil_div(problem.k, 64) > PING_PONG_K_TILES:
-        return []
+def _ping_pong(problem: Problem, device: DeviceFacts, tiles: tuple[tuple[int, int, str], ...],
+               **fields: Any) -> list[Sm90WgmmaParams]:
+    """Persistent ping-pong settings of these (block_m, block_n, epilogue) tiles, the deepest ring of up to 4 stages,
+    where every block gets two tiles or more."""
     found = (deepest({"block_m": bm, "block_n": bn, "consumers": 2, "persistent": True, "ping_pong": True,
-                      "epilogue": epilogue}, top=4)
-             for bm, bn, epilogue in PING_PONG_TILES if problem.tiles(bm, bn) >= 2 * device.sms)
+                      "epilogue": epilogue, **fields}, top=4)
+             for bm, bn, epilogue in tiles if problem.tiles(bm, bn) >= 2 * device.sms)
     return [v for v in found if v is not None]
+
+
+def ping_pong_settings(problem: Problem, device: DeviceFacts) -> list[Sm90WgmmaParams]:
+    return _ping_pong(problem, device, PING_PONG_TILES) if ceil_div(problem.k, 64) <= PING_PONG_K_TILES else []
 
 
 # Ping-pong 128 x 192 tiles with C staged a 64-column panel at a time (so the ring keeps 4 stages beside both
@@ -186,13 +191,10 @@ PING_PONG_SHORT_MIN = 1024
 
 def ping_pong_short_k_settings(problem: Problem, device: DeviceFacts) -> list[Sm90WgmmaParams]:
     lo, hi = PING_PONG_SHORT_K
-    if not lo <= ceil_div(problem.k, 64) <= hi or min(problem.m, problem.n) < PING_PONG_SHORT_MIN:
+    if (not lo <= ceil_div(problem.k, 64) <= hi or min(problem.m, problem.n) < PING_PONG_SHORT_MIN
+            or problem.fused.residual or problem.fused.gated):
         return []
-    if problem.fused.residual or problem.fused.gated or problem.tiles(128, 192) < 2 * device.sms:
-        return []
-    v = deepest({"block_m": 128, "block_n": 192, "consumers": 2, "persistent": True, "ping_pong": True,
-                 "epilogue": "tma", "c_panels": True}, top=4)
-    return [v] if v is not None else []
+    return _ping_pong(problem, device, ((128, 192, "tma"),), c_panels=True)
 
 
 # Smaller M (one tile of rows) keeps the listed split-K and unsplit settings (decisions.md `swap-split`).
