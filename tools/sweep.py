@@ -42,7 +42,7 @@ from templates.family import Family  # noqa: E402
 
 FAILED = (Status.COMPILE_ERROR, Status.WRONG, Status.FAULT, Status.TIMEOUT)
 HEADER = (f"{'shape':>15} {'B':>2} {'setting':<40} {'status':<13} {'µs':>8} {'cuBLAS µs':>9} {'warm':>6} {'cold':>6} "
-          f"{'regs/spill':>10}")
+          f"{'CUPTI':>6} {'regs/spill':>10}")
 
 COMPILE_TIMEOUT_S = 120.0
 
@@ -199,16 +199,19 @@ def summary(family: Family, row: Row) -> str:
 
 
 def line(family: Family, row: Row) -> str:
-    """One table row: warm µs, cuBLAS's warm µs, the warm and cold ratios t_cuBLAS / t, registers/spill bytes."""
+    """One table row: warm µs, cuBLAS's warm µs, the warm and cold ratios t_cuBLAS / t, the ratio of CUPTI's kernel
+    durations (warm), registers/spill bytes."""
     r = row.result
     us = f"{r.warm.median_us:8.1f}" if r.warm else f"{'':8}"
     cublas = f"{r.cublas_warm.median_us:9.1f}" if r.cublas_warm else f"{'':9}"
     warm = f"{r.speedup:6.3f}" if r.speedup else f"{'':6}"
     ok_cold = r.status is Status.OK and r.cold and r.cublas_cold
     cold = f"{r.cublas_cold.median_us / r.cold.median_us:6.3f}" if ok_cold else f"{'':6}"
+    ok_cupti = r.status is Status.OK and r.warm and r.cublas_warm and r.warm.cupti_us and r.cublas_warm.cupti_us
+    cupti = f"{r.cublas_warm.cupti_us / r.warm.cupti_us:6.3f}" if ok_cupti else f"{'':6}"
     regs = f"{row.build.registers}/{row.build.spill_bytes or 0}" if row.build and row.build.ok else ""
     return (f"{row.problem.mnk:>15} {row.problem.b_layout:>2} {summary(family, row):<40} {r.status.value:<13} {us} "
-            f"{cublas} {warm} {cold} {regs:>10}")
+            f"{cublas} {warm} {cold} {cupti} {regs:>10}")
 
 
 def report(rows: list[Row], family: Family, updates: list[dict]) -> list[str]:
