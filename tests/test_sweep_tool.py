@@ -102,8 +102,8 @@ def test_update_refits_the_ring_like_the_family():
     assert params is None and "split_k" in why
 
 
-def _timing(us: float) -> Timing:
-    return Timing(us, us * 0.99, us * 1.01, 100)
+def _timing(us: float, cupti: float | None = None) -> Timing:
+    return Timing(us, us * 0.99, us * 1.01, 100, cupti)
 
 
 def _row(problem: Problem, label: str, params: dict, result: EvalResult, regs: int = 168, log: str = "") -> sweep.Row:
@@ -114,7 +114,7 @@ def _row(problem: Problem, label: str, params: dict, result: EvalResult, regs: i
 def test_table_and_report_from_results():
     problem = Problem(1024, 1024, 1024, "nk")
     space = SM90.space(problem)
-    fast = EvalResult("a", Status.OK, warm=_timing(8.0), cold=_timing(12.0), cublas_warm=_timing(10.0),
+    fast = EvalResult("a", Status.OK, warm=_timing(8.0, 7.5), cold=_timing(12.0), cublas_warm=_timing(10.0, 9.0),
                       cublas_cold=_timing(15.0))
     slow = EvalResult("b", Status.OK, warm=_timing(20.0), cold=_timing(30.0), cublas_warm=_timing(10.0),
                       cublas_cold=_timing(15.0))
@@ -125,8 +125,8 @@ def test_table_and_report_from_results():
             sweep.Row(problem, "#1+u1", None, result=EvalResult("", Status.INVALID, "no such setting"))]
     lines = [sweep.line(SM90, r) for r in rows]
     assert lines[1].split() == ["1024_1024_1024", "nk", "#0+u1", "128x64", "s8", "e=tma", "ok", "8.0", "10.0",
-                                "1.250", "1.250", "168/0"]
-    assert lines[0].split()[-4:] == ["10.0", "0.500", "0.500", "168/0"]
+                                "1.250", "1.250", "1.200", "168/0"]  # CUPTI's ratio: 9.0 / 7.5
+    assert lines[0].split()[-4:] == ["10.0", "0.500", "0.500", "168/0"]  # no CUPTI figure: the column left blank
     assert lines[2].split()[-2:] == ["wrong", "90/0"] and lines[3].split()[-1] == "invalid"
     assert all(len(row) == len(sweep.HEADER) for row in lines)
     report = sweep.report(rows, SM90, [{"epilogue": "tma"}])
