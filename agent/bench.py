@@ -67,7 +67,7 @@ def row_from(problem: Problem, kernel: str, r: EvalResult, note: str = "", devic
     ours_w, ours_c, ours_h = (r.warm, r.cold, r.honest) if r.warm else (r.cublas_warm, r.cublas_cold,
                                                                           r.cublas_honest)
     w, c = ours_w.median_us, ours_c.median_us
-    cupti = (r.cublas_warm.cupti_us / ours_w.cupti_us) if r.cublas_warm.cupti_us and ours_w.cupti_us else None
+    cupti = r.cublas_warm.cupti_ratio(ours_w)
     honest = r.cublas_honest.median_us / ours_h.median_us if r.cublas_honest and ours_h else None
     return BenchRow(problem.mnk, problem.b_layout, kernel, w, r.cublas_warm.median_us, c, r.cublas_cold.median_us,
                     r.cublas_warm.median_us / w, r.cublas_cold.median_us / c if c > 0 else float("nan"),

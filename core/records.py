@@ -235,6 +235,11 @@ class Timing:
     launches: int
     cupti_us: float | None = None
 
+    def cupti_ratio(self, ours: Timing | None) -> float | None:
+        """This timing's CUPTI kernel duration over `ours`' (cuBLAS's over a candidate's: the CUPTI speed-up); None
+        where either has none."""
+        return self.cupti_us / ours.cupti_us if ours and self.cupti_us and ours.cupti_us else None
+
     @property
     def spread(self) -> float:
         return (self.max_us - self.min_us) / self.median_us if self.median_us > 0 else math.inf

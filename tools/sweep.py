@@ -207,8 +207,8 @@ def line(family: Family, row: Row) -> str:
     warm = f"{r.speedup:6.3f}" if r.speedup else f"{'':6}"
     ok_cold = r.status is Status.OK and r.cold and r.cublas_cold
     cold = f"{r.cublas_cold.median_us / r.cold.median_us:6.3f}" if ok_cold else f"{'':6}"
-    ok_cupti = r.status is Status.OK and r.warm and r.cublas_warm and r.warm.cupti_us and r.cublas_warm.cupti_us
-    cupti = f"{r.cublas_warm.cupti_us / r.warm.cupti_us:6.3f}" if ok_cupti else f"{'':6}"
+    ratio = r.cublas_warm.cupti_ratio(r.warm) if r.status is Status.OK and r.cublas_warm else None
+    cupti = f"{ratio:6.3f}" if ratio else f"{'':6}"
     regs = f"{row.build.registers}/{row.build.spill_bytes or 0}" if row.build and row.build.ok else ""
     return (f"{row.problem.mnk:>15} {row.problem.b_layout:>2} {summary(family, row):<40} {r.status.value:<13} {us} "
             f"{cublas} {warm} {cold} {cupti} {regs:>10}")
