@@ -75,6 +75,26 @@ def test_a_part_filled_last_round_gets_one_tail_split_setting_second(problem):
     assert tail_cut(tiles, H200.sms, ceil_div(problem.k, 64))[0] > 1  # a part-filled last round a cut shortens
 
 
+@pytest.mark.parametrize("problem", [Problem(4981, 4096, 11008, "nk"), Problem(8192, 8192, 8192, "kn")],
+                         ids=lambda p: p.key)
+def test_the_tall_swapped_tile_gets_its_own_tail_split_third_where_the_cut_shortens_its_rounds(problem):
+    # 4981 rows: 26 x 16 tiles of 192 x 256, 3.15 rounds of 132: the last 20 tiles cut along K
+    order = traced(problem)
+    names = [name for name, _ in order]
+    assert names.count("tail-split-tall") == 1 and names.index("tail-split-tall") == 2
+    p = order[2][1]
+    assert p.tail_split and p.swap_ab and (p.block_m, p.block_n) == (192, 256) and p.persistent
+    tiles = ceil_div(problem.m, p.block_m) * ceil_div(problem.n, p.block_n)
+    assert tail_cut(tiles, H200.sms, ceil_div(problem.k, 64))[0] > 1
+
+
+@pytest.mark.parametrize("problem", [Problem(4437, 8192, 8192, "nk"), Problem(7471, 4096, 4096, "nk"),
+                                     Problem(4224, 4096, 4096, "nk")], ids=lambda p: p.key)
+def test_no_tall_tail_split_where_its_last_round_is_whole_or_more_than_half_full(problem):
+    # 4437 and 7471 rows: 24 x 32 and 39 x 16 tiles of 192 x 256, 5.8 and 4.7 rounds: a cut does not shorten them
+    assert "tail-split-tall" not in [name for name, _ in traced(problem)]
+
+
 @pytest.mark.parametrize("problem", [Problem(4224, 4096, 4096, "nk"), Problem(7471, 4096, 256, "nk"),
                                      Problem(64, 4096, 4096, "nk"), Problem(4096, 4096, 4096, "nk")],
                          ids=lambda p: p.key)

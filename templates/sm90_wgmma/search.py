@@ -153,8 +153,9 @@ def _cp_async(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams
     return [v for v in found if v is not None]
 
 
-# Tile shapes a tail split is tried with (persistent, TMA stores, the deepest ring that fits).
-TAIL_TILES = ((128, 256), (256, 128), (128, 192))
+# Tile shapes a tail split is tried with (persistent, TMA stores, the deepest ring that fits): (rows, columns, swapped).
+TAIL_TILES = ((128, 256, False), (256, 128, False), (128, 192, False))
+TALL_TAIL_TILES = ((192, 256, True),)  # the tall swapped tile's own rule (decisions.md `tail-split-tall`)
 TAIL_GAIN = 0.99  # its rounds' work under that of the same tile without the cut
 TAIL_SLACK = 1.05  # and at most this over the least of the first four that do not split K (the estimate leaves out
 #                    what a tile shape costs beside its area: 128 x 256 tail splits measured ahead of 128 x 192 whole)
@@ -175,24 +176,26 @@ def _first_four_least(ordered: list[Sm90WgmmaParams], cost: Callable[[Sm90WgmmaP
     return min((cost(p) for p in ordered[:4] if not p.reduces), default=None)
 
 
-def _tail_split(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
-    """The tail-split setting of TAIL_TILES whose rounds take the least work, among those a cut along K saves
-    1 - TAIL_GAIN of the same tile's work (a part-filled last round that the cut ends sooner), where that work is at
-    most TAIL_SLACK times the least of the first four settings that do not split K."""
-    found = []
-    for bm, bn in TAIL_TILES:
-        v = deepest({"block_m": bm, "block_n": bn, "consumers": 2, "persistent": True, "epilogue": "tma",
-                     "tail_split": True}, top=4)
-        if v is None or bm > ceil_div(s.problem.m, 64) * 64 or bn > ceil_div(s.problem.n, 64) * 64:
-            continue
-        work = _rounds_work(v, s)
-        if work < TAIL_GAIN * _rounds_work(v.model_copy(update={"tail_split": False}), s):
-            found.append((work, v))
-    if not found:
-        return []
-    work, best = min(found, key=lambda f: f[0])
-    least = _first_four_least(ordered, lambda p: _rounds_work(p, s))
-    return [best] if least is None or work <= TAIL_SLACK * least else []
+def _tail_split_of(tiles: tuple[tuple[int, int, bool], ...]) -> Settings:
+    """The rule's settings: the tail-split setting of `tiles` whose rounds take the least work, among those a cut
+    along K saves 1 - TAIL_GAIN of the same tile's work (a part-filled last round that the cut ends sooner), where
+    that work is at most TAIL_SLACK times the least of the first four settings that do not split K."""
+    def settings(s: Search, ordered: list[Sm90WgmmaParams]) -> list[Sm90WgmmaParams]:
+        found = []
+        for bm, bn, swapped in tiles:
+            v = deepest({"block_m": bm, "block_n": bn, "consumers": 2, "persistent": True, "epilogue": "tma",
+                         "tail_split": True, "swap_ab": swapped}, top=4)
+            if v is None or bm > ceil_div(s.problem.m, 64) * 64 or bn > ceil_div(s.problem.n, 64) * 64:
+                continue
+            work = _rounds_work(v, s)
+            if work < TAIL_GAIN * _rounds_work(v.model_copy(update={"tail_split": False}), s):
+                found.append((work, v))
+        if not found:
+            return []
+        work, best = min(found, key=lambda f: f[0])
+        least = _first_four_least(ordered, lambda p: _rounds_work(p, s))
+        return [best] if least is None or work <= TAIL_SLACK * least else []
+    return settings
 
 
 MIXED_SAVE = 0.985  # the busiest CTA's work with the kernel's narrow rows, as a share of whole rounds of wide tiles
@@ -300,7 +303,9 @@ RULES: tuple[Rule, ...] = (
     Rule("cluster-n", "cluster-n", "160+ k-tiles, 64-column tiles whose clusters of 4 fill about one wave",
          lambda s, _: cluster_n_settings(s.problem, s.device, s.tile_fields)[:1], after=3),
     Rule("tail-split", "tail-split", "a persistent tile whose part-filled last round, cut along K, takes 1% less work "
-         "than the same tile uncut, within 5% of the first four's least", _tail_split, after=1),
+         "than the same tile uncut, within 5% of the first four's least", _tail_split_of(TAIL_TILES), after=1),
+    Rule("tail-split-tall", "tail-split-tall", "the tall swapped 192 x 256 tile, where the same holds for it: third",
+         _tail_split_of(TALL_TAIL_TILES), after=2),
     Rule("swap-wave", "swap-wave", "M, N, K >= 1024: swapped 192-column tiles of M-fitted rows whose rounds take "
          "at most 96.5% of the first four's least work x traffic", _swap_wave, after=2),
     Rule("mixed-tail", "mixed-tail", "beyond a round of 128 x 256 tiles, the kernel's narrow last tile-rows end the "
